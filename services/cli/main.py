@@ -1,0 +1,327 @@
+"""The `muster` command: up, submit, status, validate.
+
+Exit codes: 0 success; 1 the job did not succeed (`submit --wait`) or an operational failure
+(bus unreachable); 2 the config was rejected or the command line is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import getpass
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
+
+from shared import bus, client, logs, subjects
+from shared.jobconfig import FieldError, check_job
+from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
+from shared.messages import JobRecord, JobState
+
+EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int = EXIT_FAIL):
+        super().__init__(message)
+        self.code = code
+
+
+def out(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def err(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- validate
+
+
+def read_config(path: str) -> tuple[bytes, Any]:
+    """Read and decode a config file; raises CliError(2) on unreadable or undecodable input."""
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except OSError as exc:
+        raise CliError(f"{path}: {exc.strerror or exc}", EXIT_INVALID) from None
+    try:
+        return data, loads(data, path)
+    except ConfigSyntaxError as exc:
+        raise CliError(f"{path}: {exc}", EXIT_INVALID) from None
+
+
+def print_errors(errors: list[FieldError], source: str) -> None:
+    err(f"{source}: rejected, {len(errors)} error{'s' if len(errors) != 1 else ''}:")
+    for e in errors:
+        err(f"  {e}")
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    _, raw = read_config(args.file)
+    config, errors = check_job(raw)
+    if errors:
+        print_errors(errors, args.file)
+        return EXIT_INVALID
+    assert config is not None
+    out(
+        f"{args.file}: valid — job {config.jobName!r}, "
+        f"{config.total_tasks} tasks in {len(config.taskRoles)} roles"
+    )
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- bus helpers
+
+
+async def connect(timeout: float) -> NATS:
+    try:
+        return await bus.connect("muster-cli", connect_timeout=timeout, quiet=True)
+    except ConnectionError as exc:
+        raise CliError(f"{exc} (is `muster up` running? set MUSTER_NATS_URL to join another)") from None
+
+
+async def resolve(nc: NATS, ref: str) -> JobRecord:
+    """A job by id, else by name (the most recent job holding that name)."""
+    js = nc.jetstream(timeout=5)
+    try:
+        jobs = await js.key_value(subjects.JOBS_BUCKET)
+        names = await js.key_value(subjects.JOB_NAMES_BUCKET)
+    except NotFoundError:
+        raise CliError("no jobs yet") from None
+    job_id = ref
+    if not _safe_key(ref):
+        raise CliError(f"no job {ref!r}")
+    try:
+        return JobRecord.from_bytes((await jobs.get(job_id)).value)
+    except KeyNotFoundError:
+        pass
+    try:
+        job_id = (await names.get(ref)).value.decode()
+        return JobRecord.from_bytes((await jobs.get(job_id)).value)
+    except KeyNotFoundError:
+        raise CliError(f"no job with id or name {ref!r}") from None
+
+
+def _safe_key(key: str) -> bool:
+    return bool(re.fullmatch(r"[-/_=.a-zA-Z0-9]+", key))
+
+
+# ---------------------------------------------------------------- submit
+
+
+async def submit(args: argparse.Namespace) -> int:
+    data, _ = read_config(args.file)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise CliError(f"{args.file}: {len(data)} bytes; the limit is 1 MiB", EXIT_INVALID)
+    nc = await connect(args.connect_timeout)
+    try:
+        sid, verdict = await client.submit(nc, data, user=_user(), timeout=args.timeout)
+        if verdict is None:
+            err(
+                f"submitted (submission {sid}) but no validator answered within {args.timeout:g}s; "
+                "it stays queued until one runs"
+            )
+            return EXIT_FAIL
+        if args.json:
+            out(verdict.model_dump_json(indent=2))
+        if not verdict.accepted:
+            if not args.json:
+                print_errors(verdict.errors, args.file)
+            return EXIT_INVALID
+        if not args.json:
+            out(f"{verdict.job_id}  {verdict.job_name}  accepted")
+        if not args.wait:
+            return EXIT_OK
+        assert verdict.job_id
+        return await follow(nc, verdict.job_id, quiet=args.json)
+    finally:
+        await nc.close()
+
+
+async def follow(nc: NATS, job_id: str, quiet: bool = False) -> int:
+    """Print each change of the job's state until it is final; exit 0 only if it SUCCEEDED."""
+    js = nc.jetstream(timeout=5)
+    jobs = await js.key_value(subjects.JOBS_BUCKET)
+    watcher = await jobs.watch(job_id)
+    last = None
+    try:
+        while True:
+            try:
+                entry = await watcher.updates(timeout=30)
+            except NatsTimeout:
+                continue
+            if entry is None or entry.value is None:
+                continue
+            record = JobRecord.from_bytes(entry.value)
+            shown = (record.state, record.reason)
+            if shown != last and not quiet:
+                out(f"{record.job_id}  {record.state:<9}  {record.reason}")
+            last = shown
+            if record.state.final:
+                if quiet:
+                    out(record.model_dump_json(indent=2))
+                return EXIT_OK if record.state == JobState.SUCCEEDED else EXIT_FAIL
+    finally:
+        await watcher.stop()
+
+
+def _user() -> str:
+    try:
+        name = getpass.getuser()
+    except Exception:
+        return "anonymous"
+    return name if re.fullmatch(r"[A-Za-z0-9_.@-]{1,64}", name) else "anonymous"
+
+
+# ---------------------------------------------------------------- status
+
+
+async def status(args: argparse.Namespace) -> int:
+    nc = await connect(args.connect_timeout)
+    try:
+        if args.job:
+            record = await resolve(nc, args.job)
+            out(record.model_dump_json(indent=2) if args.json else describe(record))
+            return EXIT_OK
+        records = await all_jobs(nc)
+        if args.json:
+            out(json.dumps([r.model_dump(mode="json") for r in records], indent=2))
+        else:
+            out(table(records))
+        return EXIT_OK
+    finally:
+        await nc.close()
+
+
+async def all_jobs(nc: NATS) -> list[JobRecord]:
+    js = nc.jetstream(timeout=5)
+    try:
+        jobs = await js.key_value(subjects.JOBS_BUCKET)
+        keys = await jobs.keys()
+    except (NotFoundError, NoKeysError):
+        return []
+    records = []
+    for key in keys:
+        try:
+            records.append(JobRecord.from_bytes((await jobs.get(key)).value))
+        except KeyNotFoundError:
+            continue
+    return sorted(records, key=lambda r: r.submitted_at)
+
+
+def table(records: list[JobRecord]) -> str:
+    if not records:
+        return "no jobs"
+    rows = [("JOB ID", "NAME", "STATE", "USER", "TASKS", "SUBMITTED", "REASON")]
+    for r in records:
+        rows.append(
+            (
+                r.job_id,
+                r.job_name,
+                str(r.state),
+                r.user,
+                str(r.config.total_tasks),
+                r.submitted_at.strftime("%Y-%m-%d %H:%M:%S"),
+                "" if r.state.final else r.reason,
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]
+        for row in rows
+    ).rstrip()
+
+
+def describe(r: JobRecord) -> str:
+    c = r.config
+    lines = [
+        f"job:        {r.job_id}",
+        f"name:       {r.job_name}",
+        f"state:      {r.state}" + ("" if r.state.final else f" — {r.reason}"),
+        f"user:       {r.user}",
+        f"image:      {c.image}",
+        f"submitted:  {r.submitted_at.isoformat(timespec='seconds')}",
+        f"updated:    {r.updated_at.isoformat(timespec='seconds')}",
+        f"retries:    {_retry_text(c.retryCount)}",
+        f"attempts:   {len(r.attempts)}",
+        f"tasks:      {c.total_tasks}",
+    ]
+    for i, role in enumerate(c.taskRoles):
+        lines.append(
+            f"  [{i}] {role.name} ×{role.taskNumber}: {role.cpuNumber} CPU, {role.memoryMB} MB, "
+            f"{role.gpuNumber} GPU{(' ' + c.gpuType) if c.gpuType and role.gpuNumber else ''}"
+        )
+    return "\n".join(lines)
+
+
+def _retry_text(n: int) -> str:
+    return {-1: "retry failures without limit", -2: "always restart until killed"}.get(n, str(n))
+
+
+# ---------------------------------------------------------------- up
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from services.cli.mesh import up
+
+    logs.configure("muster")
+    return asyncio.run(
+        up(Path(args.data_dir) if args.data_dir else None, args.port, lambda s: out(f"muster: {s}"))
+    )
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="muster", description="Distributed training jobs on your GPU machines.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("up", help="start an embedded NATS and every Muster service on this machine")
+    s.add_argument("--data-dir", help="where NATS keeps JetStream data (default ~/.local/share/muster)")
+    s.add_argument("--port", type=int, help="NATS port (default 4222, or a free one if taken)")
+    s.set_defaults(func=cmd_up)
+
+    s = sub.add_parser("submit", help="submit a job config (JSON, JSON with comments, or YAML)")
+    s.add_argument("file", help="config file, or - for standard input")
+    s.add_argument("--wait", action="store_true", help="follow the job to its final state")
+    s.add_argument("--json", action="store_true", help="print the verdict (and final record) as JSON")
+    s.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for a verdict")
+    s.set_defaults(func=lambda a: asyncio.run(submit(a)))
+
+    s = sub.add_parser("status", help="list jobs, or show one job by id or name")
+    s.add_argument("job", nargs="?")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=lambda a: asyncio.run(status(a)))
+
+    s = sub.add_parser("validate", help="check a config locally (every rule but name uniqueness)")
+    s.add_argument("file")
+    s.set_defaults(func=cmd_validate)
+
+    for name in ("submit", "status"):
+        sub.choices[name].add_argument(
+            "--connect-timeout", type=float, default=10.0, help="seconds to keep trying to reach NATS"
+        )
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    try:
+        code = args.func(args)
+    except CliError as exc:
+        err(f"muster: {exc}")
+        code = exc.code
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

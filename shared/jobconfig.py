@@ -1,0 +1,366 @@
+"""The job contract: OpenPAI's job config (seed 000 plus the v1 extensions) as pydantic models.
+
+`check_job(data)` is the single entry point: it never raises on user input and returns either
+a `JobConfig` or every error found, each as a field path plus a reason
+(`taskRoles[1].memoryMB: must be ≥ 100, got 64`). Name uniqueness needs the job store and is
+checked by the validator service, not here.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+
+# Names end up in container names, NATS subjects, KV keys and paths: letters, digits, '_' and '-'.
+NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
+# Role names and port labels end up inside environment variable names
+# (PAI_TASK_ROLE_<name>_HOST_LIST, PAI_CONTAINER_HOST_<label>_PORT_LIST), which a shell must expand.
+IDENT_RE = r"^[A-Za-z_][A-Za-z0-9_]*$"
+ENV_NAME_RE = IDENT_RE
+# A Docker image reference: [registry[:port]/]path[:tag][@digest].
+IMAGE_RE = (
+    r"^(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?(?::[0-9]+)?/)?"
+    r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[a-f0-9]{64})?$"
+)
+
+MAX_TASKS_PER_ROLE = 10_000
+MAX_ROLES = 64
+MAX_COMMAND_CHARS = 64 * 1024
+RESERVED_ENV_PREFIXES = ("PAI_", "MUSTER_")
+
+Name = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=NAME_RE)]
+Ident = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=IDENT_RE)]
+PathStr = Annotated[str, StringConstraints(max_length=4096)]
+# NaN and infinities would not survive a JSON round trip (they serialize as null).
+EnvValue = str | int | Annotated[float, Field(allow_inf_nan=False)] | bool
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+def _check_path(value: str | None) -> str | None:
+    """Empty means unset (OpenPAI's own examples write ""); `..` segments and NULs never pass."""
+    if value is None or value == "":
+        return None
+    if "\x00" in value:
+        raise ValueError("must not contain a NUL character")
+    if ".." in re.split(r"[/\\]", value):
+        raise ValueError("must not contain a '..' path segment")
+    return value
+
+
+class PortType(_Model):
+    """OpenPAI v1 portList entry: `portNumber` ports labelled `label`; beginAt 0 = any free port."""
+
+    label: Ident
+    beginAt: int = Field(ge=0, le=65535)
+    portNumber: int = Field(ge=1, le=100)
+
+
+class TaskRole(_Model):
+    name: Ident
+    taskNumber: int = Field(ge=1, le=MAX_TASKS_PER_ROLE)
+    cpuNumber: int = Field(ge=1, le=1024)
+    memoryMB: int = Field(ge=100, le=16 * 1024 * 1024)
+    gpuNumber: int = Field(ge=0, le=64)
+    command: str = Field(min_length=1, max_length=MAX_COMMAND_CHARS)
+    shmMB: int | None = Field(default=None, ge=1)
+    minFailedTaskCount: int | None = Field(default=None, ge=1)
+    minSucceededTaskCount: int | None = Field(default=None, ge=1)
+    portList: list[PortType] = Field(default_factory=list, max_length=32)
+
+    @field_validator("command")
+    @classmethod
+    def _command_not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        if "\x00" in v:
+            raise ValueError("must not contain a NUL character")
+        return v
+
+
+class JobConfig(_Model):
+    jobName: Name
+    image: str = Field(min_length=1, max_length=512, pattern=IMAGE_RE)
+    authFile: PathStr | None = None
+    dataDir: PathStr | None = None
+    outputDir: PathStr | None = None
+    codeDir: PathStr | None = None
+    taskRoles: list[TaskRole] = Field(min_length=1, max_length=MAX_ROLES)
+    gpuType: Annotated[str, StringConstraints(max_length=64, pattern=r"^[A-Za-z0-9_.-]*$")] | None = (
+        None
+    )
+    killAllOnCompletedTaskNumber: int | None = Field(default=None, ge=0)
+    retryCount: int = Field(default=0, ge=-2, le=1000)
+    virtualCluster: Name = "default"
+    jobEnvs: dict[Annotated[str, StringConstraints(pattern=ENV_NAME_RE, max_length=128)], EnvValue] = Field(
+        default_factory=dict
+    )
+    extras: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("authFile", "dataDir", "outputDir", "codeDir")
+    @classmethod
+    def _safe_paths(cls, v: str | None) -> str | None:
+        return _check_path(v)
+
+    @field_validator("gpuType", "virtualCluster", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v: Any, info: ValidationInfo) -> Any:
+        if isinstance(v, str) and v == "":
+            return "default" if info.field_name == "virtualCluster" else None
+        return v
+
+    @property
+    def total_tasks(self) -> int:
+        return sum(r.taskNumber for r in self.taskRoles)
+
+    def role(self, name: str) -> TaskRole:
+        return next(r for r in self.taskRoles if r.name == name)
+
+
+class FieldError(BaseModel):
+    """One reason a config was rejected: `path` as users write it (`taskRoles[1].memoryMB`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    path: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}" if self.path else self.reason
+
+
+def format_path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _show(value: Any) -> str:
+    text = repr(value) if isinstance(value, str) else _json_type_value(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _json_type_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    return str(value)
+
+
+_TYPE_NAMES = {
+    "int_type": "an integer",
+    "int_from_float": "an integer",
+    "string_type": "a string",
+    "list_type": "a list",
+    "dict_type": "an object",
+    "model_type": "an object",
+    "model_attributes_type": "an object",
+    "bool_type": "true or false",
+    "float_type": "a number",
+}
+
+
+def _reason(err: dict[str, Any]) -> str:
+    kind, ctx, value = err["type"], err.get("ctx") or {}, err.get("input")
+    if kind == "missing":
+        return "required"
+    if kind == "extra_forbidden":
+        return "unknown field"
+    if kind in _TYPE_NAMES:
+        return f"must be {_TYPE_NAMES[kind]}, got {_show(value)}"
+    if kind == "greater_than_equal":
+        return f"must be ≥ {ctx['ge']}, got {_show(value)}"
+    if kind == "less_than_equal":
+        return f"must be ≤ {ctx['le']}, got {_show(value)}"
+    if kind == "string_too_short":
+        return "must not be empty"
+    if kind == "string_too_long":
+        return f"must be at most {ctx['max_length']} characters, got {len(value)}"
+    if kind == "too_short":
+        return f"must have at least {ctx['min_length']} item(s), got {ctx.get('actual_length', 0)}"
+    if kind == "too_long":
+        return f"must have at most {ctx['max_length']} item(s)"
+    if kind == "string_pattern_mismatch":
+        return f"{_PATTERN_HINTS.get(ctx['pattern'], 'has an invalid format')}, got {_show(value)}"
+    if kind == "value_error":
+        return str(ctx.get("error", err["msg"]))
+    return err["msg"]
+
+
+_PATTERN_HINTS = {
+    NAME_RE: "must start with a letter or digit and use only letters, digits, '_' and '-'",
+    IDENT_RE: "must start with a letter or '_' and use only letters, digits and '_'",
+    IMAGE_RE: "must be a Docker image reference like registry:5000/team/image:tag",
+    r"^[A-Za-z0-9_.-]*$": "must use only letters, digits, '.', '_' and '-'",
+}
+
+
+def _cross_field_errors(data: dict[str, Any]) -> list[FieldError]:
+    """Rules that span fields, checked on the raw data so they are reported alongside field errors."""
+    errors: list[FieldError] = []
+    roles = data.get("taskRoles")
+    if not isinstance(roles, list):
+        return errors
+    seen: dict[str, int] = {}
+    total = 0
+    counting = bool(roles)  # no roles: the total is unknown, taskRoles already reports it
+    for i, role in enumerate(roles):
+        if not isinstance(role, dict):
+            counting = False
+            continue
+        name = role.get("name")
+        if isinstance(name, str):
+            if name in seen:
+                errors.append(
+                    FieldError(
+                        path=f"taskRoles[{i}].name",
+                        reason=f"duplicate role name {name!r} (also taskRoles[{seen[name]}])",
+                    )
+                )
+            else:
+                seen[name] = i
+        n = role.get("taskNumber")
+        if _is_int(n) and n >= 1:
+            total += n
+            for key in ("minFailedTaskCount", "minSucceededTaskCount"):
+                v = role.get(key)
+                if _is_int(v) and v > n:
+                    errors.append(
+                        FieldError(
+                            path=f"taskRoles[{i}].{key}",
+                            reason=f"must be ≤ taskNumber ({n}), got {v}",
+                        )
+                    )
+        else:
+            counting = False
+        shm, mem = role.get("shmMB"), role.get("memoryMB")
+        if _is_int(shm) and _is_int(mem) and shm > mem >= 100:
+            errors.append(
+                FieldError(
+                    path=f"taskRoles[{i}].shmMB", reason=f"must be ≤ memoryMB ({mem}), got {shm}"
+                )
+            )
+        ports = role.get("portList")
+        if isinstance(ports, list):
+            labels: set[str] = set()
+            for j, port in enumerate(ports):
+                if not isinstance(port, dict):
+                    continue
+                label, begin, count = port.get("label"), port.get("beginAt"), port.get("portNumber")
+                if isinstance(label, str):
+                    if label in labels:
+                        errors.append(
+                            FieldError(
+                                path=f"taskRoles[{i}].portList[{j}].label",
+                                reason=f"duplicate port label {label!r}",
+                            )
+                        )
+                    labels.add(label)
+                if (
+                    _is_int(begin)
+                    and _is_int(count)
+                    and 0 < begin <= 65535
+                    and count >= 1
+                    and begin + count - 1 > 65535
+                ):
+                    errors.append(
+                        FieldError(
+                            path=f"taskRoles[{i}].portList[{j}].portNumber",
+                            reason=f"ports {begin}..{begin + count - 1} run past 65535",
+                        )
+                    )
+    kill_all = data.get("killAllOnCompletedTaskNumber")
+    if counting and _is_int(kill_all) and kill_all > total:
+        errors.append(
+            FieldError(
+                path="killAllOnCompletedTaskNumber",
+                reason=f"must be ≤ the job's total tasks ({total}), got {kill_all}",
+            )
+        )
+    envs = data.get("jobEnvs")
+    if isinstance(envs, dict):
+        for key in envs:
+            if isinstance(key, str) and key.startswith(RESERVED_ENV_PREFIXES):
+                errors.append(
+                    FieldError(
+                        path=f"jobEnvs.{key}",
+                        reason="names starting with PAI_ or MUSTER_ are set by the platform",
+                    )
+                )
+    return errors
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_job(data: Any) -> tuple[JobConfig | None, list[FieldError]]:
+    """Validate a decoded job config. Never raises on user input."""
+    if not isinstance(data, dict):
+        return None, [FieldError(path="", reason=f"a job config must be a JSON object, got {_kind(data)}")]
+    errors: list[FieldError] = []
+    config: JobConfig | None = None
+    try:
+        config = JobConfig.model_validate(data)
+    except ValidationError as exc:
+        for err in exc.errors(include_url=False):
+            loc = tuple(err["loc"])
+            # A bad key inside jobEnvs is reported by pydantic with a "[key]" suffix in loc.
+            if len(loc) >= 2 and loc[-1] == "[key]":
+                loc = loc[:-1]
+            # A bad jobEnvs value fails every member of the scalar union, each tagged in loc.
+            elif len(loc) == 3 and loc[0] == "jobEnvs" and loc[2] in _ENV_VALUE_TAGS:
+                reason = f"must be a string, number or true/false, got {_show(err.get('input'))}"
+                errors.append(FieldError(path=format_path(loc[:2]), reason=reason))
+                continue
+            errors.append(FieldError(path=format_path(loc), reason=_reason(err)))
+    errors.extend(_cross_field_errors(data))
+    if errors:
+        return None, _dedupe(errors)
+    return config, []
+
+
+_ENV_VALUE_TAGS = {"str", "int", "float", "bool"}
+
+
+def _dedupe(errors: list[FieldError]) -> list[FieldError]:
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for e in errors:
+        if (e.path, e.reason) not in seen:
+            seen.add((e.path, e.reason))
+            out.append(e)
+    return out
+
+
+def _kind(value: Any) -> str:
+    return {
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)

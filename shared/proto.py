@@ -1,0 +1,251 @@
+"""proto/: the published contract, generated from the models. Owns every file under proto/.
+
+`python -m shared.proto` rewrites proto/ from `shared.jobconfig.JobConfig`, the message models and
+`shared.subjects.CHANNELS`; `python -m shared.proto --check` exits 1 when proto/ is out of date.
+
+- proto/jobconfig.schema.json       JSON Schema (2020-12) of the job config
+- proto/messages/<Name>.schema.json one per message model on a channel (other than JobConfig)
+- proto/asyncapi.yaml               AsyncAPI 3.0.0 document of every channel
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from shared.jobconfig import JobConfig
+from shared.messages import JobEventKind
+from shared.subjects import CHANNELS, SUBMISSION_ID_RE
+
+ROOT = Path(__file__).resolve().parents[1]
+PROTO_DIR = ROOT / "proto"
+JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+
+JOBCONFIG_DESCRIPTION = (
+    "A Muster job config: OpenPAI's job config format (jobName, image, taskRoles, ...) plus the "
+    "v1 extensions. Empty strings for the path fields (authFile, dataDir, outputDir, codeDir) and "
+    "for gpuType mean unset, as in OpenPAI's own examples. Rules spanning fields (unique role "
+    "names and port labels, "
+    "minFailedTaskCount/minSucceededTaskCount ≤ taskNumber, shmMB ≤ memoryMB, "
+    "killAllOnCompletedTaskNumber ≤ total tasks, no PAI_/MUSTER_ jobEnvs) and job name uniqueness "
+    "are checked by the validator, not by this schema."
+)
+
+# Every `{param}` used in a CHANNELS address needs an entry here (AsyncAPI 3 parameter objects).
+PARAMETERS: dict[str, dict[str, Any]] = {
+    "submissionId": {
+        "description": (
+            "The submission id: the Muster-Submission-Id header, else the stream sequence "
+            f"of the submission ({SUBMISSION_ID_RE})."
+        ),
+    },
+    "jobId": {"description": "The job id, derived from the submission id ('j' + 12 hex digits)."},
+    "kind": {
+        "description": "What happened to the job.",
+        "enum": [k.value for k in JobEventKind],
+    },
+}
+
+
+def _dump_json(obj: Any) -> str:
+    return json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=False) + "\n"
+
+
+def _model_schema(model: type[BaseModel]) -> dict[str, Any]:
+    schema = model.model_json_schema()
+    for sub in [schema, *schema.get("$defs", {}).values()]:
+        if sub.get("title") == JobConfig.__name__:
+            sub["description"] = JOBCONFIG_DESCRIPTION
+    return schema
+
+
+def _schema_file(model: type[BaseModel], file_id: str, title: str | None = None) -> dict[str, Any]:
+    schema = _model_schema(model)
+    head = {
+        "$schema": JSON_SCHEMA_DIALECT,
+        "$id": file_id,
+        "title": title or schema["title"],
+        "description": schema.get("description", ""),
+    }
+    return head | {k: v for k, v in schema.items() if k not in head}
+
+
+def message_models() -> list[type[BaseModel]]:
+    """Every distinct model carried by a channel, in CHANNELS order."""
+    return list(dict.fromkeys(channel.message for channel in CHANNELS.values()))
+
+
+def _to_components(node: Any) -> Any:
+    """Rewrite pydantic's `#/$defs/X` refs to `#/components/schemas/X`."""
+    if isinstance(node, dict):
+        return {
+            k: v.replace("#/$defs/", "#/components/schemas/", 1)
+            if k == "$ref" and isinstance(v, str)
+            else _to_components(v)
+            for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [_to_components(v) for v in node]
+    return node
+
+
+def _version() -> str:
+    try:
+        with (ROOT / "pyproject.toml").open("rb") as f:
+            return tomllib.load(f)["project"]["version"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return "0.1.0"
+
+
+def asyncapi() -> dict[str, Any]:
+    schemas: dict[str, Any] = {}
+    for model in message_models():
+        schema = _to_components(_model_schema(model))
+        defs = schema.pop("$defs", {})
+        schemas[model.__name__] = schema  # a model's own schema wins over another model's $def
+        for name, sub in defs.items():
+            schemas.setdefault(name, sub)
+
+    messages = {
+        model.__name__: {
+            "name": model.__name__,
+            "title": schemas[model.__name__].get("title", model.__name__),
+            "description": schemas[model.__name__].get("description", ""),
+            "contentType": "application/json",
+            "payload": {"$ref": f"#/components/schemas/{model.__name__}"},
+        }
+        for model in message_models()
+    }
+
+    channels: dict[str, Any] = {}
+    operations: dict[str, Any] = {}
+    for cid, channel in CHANNELS.items():
+        name = channel.message.__name__
+        params = channel.parameters
+        missing = [p for p in params if p not in PARAMETERS]
+        if missing:
+            raise KeyError(f"describe channel parameter(s) {missing} in shared/proto.py PARAMETERS")
+        if channel.action not in ("send", "receive"):
+            raise ValueError(f"channel {cid}: action must be 'send' or 'receive'")
+        channels[cid] = {
+            "address": channel.address,
+            "description": channel.description,
+            **({"parameters": {p: copy.deepcopy(PARAMETERS[p]) for p in params}} if params else {}),
+            "messages": {name: {"$ref": f"#/components/messages/{name}"}},
+        }
+        operations[channel.action + cid[0].upper() + cid[1:]] = {
+            "action": channel.action,
+            "channel": {"$ref": f"#/channels/{cid}"},
+            "summary": f"Muster services {channel.action} {name} on {channel.address}.",
+            "messages": [{"$ref": f"#/channels/{cid}/messages/{name}"}],
+        }
+
+    return {
+        "asyncapi": "3.0.0",
+        "info": {
+            "title": "Muster",
+            "version": _version(),
+            "description": (
+                "Muster's NATS API, generated by `python -m shared.proto` from shared/subjects.py "
+                "(CHANNELS) and the pydantic models: do not edit. Operations are described from "
+                "the point of view of Muster's services: 'receive' means a Muster service "
+                "receives the message, 'send' means one sends it."
+            ),
+        },
+        "defaultContentType": "application/json",
+        "servers": {
+            "local": {
+                "host": "127.0.0.1:4222",
+                "protocol": "nats",
+                "description": "A local NATS server with JetStream (nats://127.0.0.1:4222).",
+            }
+        },
+        "channels": channels,
+        "operations": operations,
+        "components": {"messages": messages, "schemas": schemas},
+    }
+
+
+def render() -> dict[str, str]:
+    """Relative file name under proto/ → file text."""
+    files = {
+        "jobconfig.schema.json": _dump_json(
+            _schema_file(JobConfig, "jobconfig.schema.json", "Muster job config (OpenPAI format)")
+        )
+    }
+    for model in message_models():
+        if model is not JobConfig:
+            file_id = f"messages/{model.__name__}.schema.json"
+            files[file_id] = _dump_json(_schema_file(model, file_id))
+    files["asyncapi.yaml"] = yaml.safe_dump(asyncapi(), sort_keys=False, allow_unicode=True, width=100)
+    return files
+
+
+def _on_disk(directory: Path) -> set[str]:
+    if not directory.is_dir():
+        return set()
+    return {p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file()}
+
+
+def check(directory: Path = PROTO_DIR) -> list[str]:
+    """Problems with `directory` against `render()`: 'stale: f', 'missing: f', 'extra: f'."""
+    wanted = render()
+    problems = []
+    for name, text in wanted.items():
+        path = directory / name
+        if not path.is_file():
+            problems.append(f"missing: {name}")
+        elif path.read_text(encoding="utf-8") != text:
+            problems.append(f"stale: {name}")
+    problems += [f"extra: {name}" for name in sorted(_on_disk(directory) - wanted.keys())]
+    return problems
+
+
+def write(directory: Path = PROTO_DIR) -> list[str]:
+    """Make `directory` match `render()` exactly; returns the files written or removed."""
+    wanted = render()
+    changed = []
+    for name, text in wanted.items():
+        path = directory / name
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+            changed.append(f"wrote {name}")
+    for name in sorted(_on_disk(directory) - wanted.keys()):
+        (directory / name).unlink()
+        changed.append(f"removed {name}")
+    for sub in sorted(directory.rglob("*"), reverse=True):
+        if sub.is_dir() and not any(sub.iterdir()):
+            sub.rmdir()
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shared.proto", description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if proto/ is out of date")
+    parser.add_argument("--dir", type=Path, default=PROTO_DIR, help="proto directory (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if args.check:
+        problems = check(args.dir)
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        if problems:
+            print("proto/ is stale: run python -m shared.proto", file=sys.stderr)
+            return 1
+        print(f"{args.dir} is up to date")
+        return 0
+    for line in write(args.dir) or [f"{args.dir} already up to date"]:
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

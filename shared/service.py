@@ -1,0 +1,126 @@
+"""Running a long-lived service: connection, health and metrics endpoint, signals, and exit codes.
+
+A service is an object with `async run(stop: asyncio.Event)`. `main()` connects it to NATS
+(reconnecting forever), serves `/healthz` (200 only while the NATS connection is up) and
+`/metrics` (Prometheus), stops cleanly on SIGTERM/SIGINT, and exits non-zero when the service
+fails, so a supervisor (compose, systemd, `muster up`) sees it and restarts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+import prometheus_client
+import structlog
+from nats.aio.client import Client as NATS
+
+from shared import bus, logs
+
+NATS_CONNECTED = prometheus_client.Gauge(
+    "muster_nats_connected", "1 while this service's NATS connection is up", ["service"]
+)
+
+
+class Service(Protocol):
+    async def run(self, stop: asyncio.Event) -> None: ...
+
+
+async def serve_health(
+    service: str, nc: NATS, port: int, host: str = "0.0.0.0"
+) -> asyncio.base_events.Server:
+    """A minimal HTTP endpoint: GET /healthz and GET /metrics."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(reader.readline(), 5)
+            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
+                pass
+            parts = request.decode("latin-1").split()
+            path = parts[1] if len(parts) > 1 else "/"
+            NATS_CONNECTED.labels(service).set(1 if nc.is_connected else 0)
+            if path.startswith("/metrics"):
+                status, ctype = "200 OK", prometheus_client.CONTENT_TYPE_LATEST
+                body = prometheus_client.generate_latest()
+            elif path.startswith("/healthz"):
+                ok = nc.is_connected
+                status = "200 OK" if ok else "503 Service Unavailable"
+                ctype, body = "text/plain", (b"ok\n" if ok else b"nats disconnected\n")
+            else:
+                status, ctype, body = "404 Not Found", "text/plain", b"not found\n"
+            writer.write(
+                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n".encode()
+                + body
+            )
+            await writer.drain()
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, host, port)
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--nats-url", default=None, help="NATS URL (default $MUSTER_NATS_URL or 4222)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ.get("MUSTER_METRICS_PORT", "0")),
+        help="serve /healthz and /metrics on this port (0: off)",
+    )
+    return p
+
+
+async def run_service(
+    name: str,
+    build: Callable[[NATS], Awaitable[Service]],
+    *,
+    url: str | None = None,
+    metrics_port: int = 0,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Connect, build and run one service until `stop` is set. Raises if the service fails."""
+    log = structlog.get_logger(service=name)
+    stop = stop or asyncio.Event()
+    nc = await bus.connect(name, url)
+    server = None
+    try:
+        if metrics_port:
+            server = await serve_health(name, nc, metrics_port)
+        service = await build(nc)
+        log.info("service.started", nats=nc.connected_url.geturl() if nc.connected_url else None)
+        await service.run(stop)
+        log.info("service.stopped")
+    finally:
+        if server:
+            server.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(nc.drain(), 5)
+
+
+def main(name: str, build: Callable[[NATS], Awaitable[Service]], description: str) -> None:
+    """Entry point of `python -m services.<name>`."""
+    args = base_parser(description).parse_args()
+    log = logs.configure(name)
+
+    async def amain() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await run_service(name, build, url=args.nats_url, metrics_port=args.metrics_port, stop=stop)
+
+    try:
+        asyncio.run(amain())
+    except Exception as exc:
+        log.error("service.failed", error=str(exc) or type(exc).__name__, exc_info=True)
+        sys.exit(1)

@@ -1,0 +1,198 @@
+"""The validator against a real nats-server: durability, replicas, idempotency, bad payloads."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import time
+import uuid
+
+import pytest
+from nats.js.errors import KeyNotFoundError
+
+from services.validator.service import Validator
+from shared import bus, client, subjects
+from shared.messages import JobEvent, JobRecord, JobState, job_id_for, now
+from shared.service import run_service
+from shared.subjects import Headers
+
+
+def config(name: str = "demo", **extra: object) -> bytes:
+    job = {
+        "jobName": name,
+        "image": "python:3.11",
+        "taskRoles": [
+            {"name": "worker", "taskNumber": 2, "cpuNumber": 1, "memoryMB": 256, "gpuNumber": 0, "command": "true"}
+        ],
+        **extra,
+    }
+    return json.dumps(job).encode()
+
+
+@contextlib.asynccontextmanager
+async def validator(url: str):
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_service("validator", Validator.build, url=url, stop=stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+@pytest.fixture
+async def nc(nats_url: str):
+    conn = await bus.connect("test", nats_url)
+    yield conn
+    await conn.close()
+
+
+async def job(nc, job_id: str) -> JobRecord:
+    kv = await nc.jetstream().key_value(subjects.JOBS_BUCKET)
+    return JobRecord.from_bytes((await kv.get(job_id)).value)
+
+
+async def test_submission_published_before_any_validator_is_accepted_when_one_starts(nats_url, nc):
+    sid, verdict = await client.submit(nc, config("early"), user="alice", timeout=0.5)
+    assert verdict is None  # nobody is validating yet; the submission waits in the stream
+    async with validator(nats_url):
+        sub = await nc.subscribe(subjects.verdict(sid))
+        verdict = await client.wait_verdict(nc, sub, sid, 10)
+    assert verdict is not None and verdict.accepted, verdict
+    record = await job(nc, verdict.job_id)
+    assert (record.state, record.job_name, record.user) == (JobState.WAITING, "early", "alice")
+    assert record.config.taskRoles[0].taskNumber == 2
+
+
+async def test_invalid_config_is_rejected_with_every_error(nats_url, nc):
+    bad = json.loads(config("bad"))
+    bad["taskRoles"][0]["memoryMB"] = 64
+    bad["taskRoles"].append(dict(bad["taskRoles"][0], memoryMB=512, name="worker"))
+    async with validator(nats_url):
+        _, verdict = await client.submit(nc, json.dumps(bad).encode(), timeout=10)
+    assert verdict is not None and not verdict.accepted
+    assert [str(e) for e in verdict.errors] == [
+        "taskRoles[0].memoryMB: must be ≥ 100, got 64",
+        "taskRoles[1].name: duplicate role name 'worker' (also taskRoles[0])",
+    ]
+    assert verdict.job_name == "bad" and verdict.job_id is None
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"{not json", "invalid JSON at line 1"),
+        (b"[1, 2, 3]", "must be a JSON object, got a list"),
+        (b'"a string"', "must be a JSON object, got a string"),
+        (b"\xff\xfe\x00garbage", "not UTF-8"),
+        (b"", "must be a JSON object, got null"),
+        (b'{"jobName": "x", "pad": "' + b"a" * (1024 * 1024) + b'"}', "the limit is 1 MiB"),
+    ],
+    ids=["not-json", "list", "string", "binary", "empty", "too-large"],
+)
+async def test_bad_payloads_get_a_clear_rejection_and_the_validator_keeps_going(nats_url, nc, payload, reason):
+    async with validator(nats_url):
+        _, verdict = await client.submit(nc, payload, timeout=10)
+        assert verdict is not None and not verdict.accepted
+        assert len(verdict.errors) == 1 and reason in verdict.errors[0].reason, verdict.errors
+        _, after = await client.submit(nc, config("still-alive"), timeout=10)
+    assert after is not None and after.accepted
+
+
+async def test_raw_publish_without_headers_is_judged_and_recorded_in_events(nats_url, nc):
+    """A plain `nats pub muster.job.submit` (no Muster headers) still gets a verdict."""
+    await bus.ensure_jetstream(nc)
+    ack = await nc.jetstream().publish(subjects.SUBMIT, config("raw"))
+    sid = f"s{ack.seq}"
+    async with validator(nats_url):
+        for _ in range(100):
+            verdict = await client.stored_verdict(nc, sid)
+            if verdict:
+                break
+            await asyncio.sleep(0.1)
+    assert verdict is not None and verdict.accepted and verdict.job_id == job_id_for(sid)
+    events = await history(nc, verdict.job_id)
+    assert [(e.kind, e.state) for e in events] == [("submitted", JobState.WAITING), ("accepted", JobState.WAITING)]
+    assert (await job(nc, verdict.job_id)).user == "anonymous"
+
+
+async def history(nc, job_id: str) -> list[JobEvent]:
+    sub = await nc.jetstream().subscribe(subjects.job_events(job_id), ordered_consumer=True)
+    out = []
+    with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+        while True:
+            out.append(JobEvent.from_bytes((await sub.next_msg(timeout=0.5)).data))
+    await sub.unsubscribe()
+    return out
+
+
+async def test_name_is_unique_among_unfinished_jobs_even_under_concurrent_replicas(nats_url, nc):
+    async with validator(nats_url), validator(nats_url):
+        verdicts = await asyncio.gather(*(client.submit(nc, config("same"), timeout=15) for _ in range(8)))
+        accepted = [v for _, v in verdicts if v and v.accepted]
+        rejected = [v for _, v in verdicts if v and not v.accepted]
+        assert len(accepted) == 1 and len(rejected) == 7
+        assert all(v.errors[0].path == "jobName" and "not finished" in v.errors[0].reason for v in rejected)
+
+        # Once the holder is finished, the name is free again.
+        kv = await nc.jetstream().key_value(subjects.JOBS_BUCKET)
+        entry = await kv.get(accepted[0].job_id)
+        done = JobRecord.from_bytes(entry.value).model_copy(update={"state": JobState.SUCCEEDED})
+        await kv.update(accepted[0].job_id, done.to_bytes(), last=entry.revision)
+        _, again = await client.submit(nc, config("same"), timeout=10)
+    assert again is not None and again.accepted and again.job_id != accepted[0].job_id
+
+
+async def test_redelivered_submission_converges_on_one_job(nats_url, nc):
+    """The same submission handled twice (a crash before the ack) yields one job, one verdict."""
+    js, buckets = await bus.ensure_jetstream(nc)
+    v = Validator(nc, js, buckets)
+    received = now()
+    first = await v.judge("dup1", "bob", config("twice"), received)
+    second = await v.judge("dup1", "bob", config("twice"), received)
+    assert first.accepted and second.accepted and first.job_id == second.job_id
+    assert len(await buckets[subjects.JOBS_BUCKET].keys()) == 1
+    assert [e.kind for e in await history(nc, first.job_id)] == ["submitted", "accepted"]
+
+
+async def test_killing_a_validator_replica_mid_stream_loses_no_submission(nats_url, nc, procs):
+    n = 150
+    await bus.ensure_jetstream(nc)
+    js = nc.jetstream()
+    sids = [uuid.uuid4().hex for _ in range(n)]
+    for i, sid in enumerate(sids):
+        await js.publish(
+            subjects.SUBMIT, config(f"job-{i}"), headers={Headers.SUBMISSION_ID: sid, Headers.MSG_ID: sid}
+        )
+    a = procs.start("services.validator")
+    b = procs.start("services.validator")
+    # Kill replica a with SIGKILL as soon as work is flowing, then bring a new one up.
+    deadline = time.monotonic() + 30
+    while await count_verdicts(nc) < 10 and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    a.send_signal(signal.SIGKILL)
+    a.wait(5)
+    judged_at_kill = await count_verdicts(nc)
+    assert judged_at_kill < n, "the replica was killed after the stream was drained: raise n"
+    procs.start("services.validator")
+    deadline = time.monotonic() + 60
+    while await count_verdicts(nc) < n and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert b.poll() is None
+    kv = await js.key_value(subjects.JOBS_BUCKET)
+    for i, sid in enumerate(sids):
+        verdict = await client.stored_verdict(nc, sid)
+        assert verdict is not None and verdict.accepted, (i, verdict)
+        try:
+            record = JobRecord.from_bytes((await kv.get(verdict.job_id)).value)
+        except KeyNotFoundError:
+            pytest.fail(f"submission {i} has a verdict but no job record")
+        assert record.job_name == f"job-{i}"
+    assert len(await kv.keys()) == n
+
+
+async def count_verdicts(nc) -> int:
+    info = await nc.jetstream().stream_info(subjects.EVENTS_STREAM, subjects_filter=subjects.verdict("*"))
+    return len(info.state.subjects or {})
