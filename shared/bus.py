@@ -43,12 +43,14 @@ async def connect(
     name: str,
     url: str | None = None,
     *,
-    connect_timeout: float = 30.0,
+    connect_timeout: float | None = None,
     quiet: bool = False,
 ) -> NATS:
     """Connect, retrying the first connection for up to `connect_timeout` seconds, then reconnect
     forever. Each disconnect and reconnect is logged; raises `ConnectionError` if never connected."""
     url = url or nats_url()
+    if connect_timeout is None:
+        connect_timeout = float(os.environ.get("MUSTER_CONNECT_TIMEOUT", "30"))
     logger = log.bind(component=name, url=url)
 
     client: list[NATS] = []

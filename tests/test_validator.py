@@ -196,3 +196,64 @@ async def test_killing_a_validator_replica_mid_stream_loses_no_submission(nats_u
 async def count_verdicts(nc) -> int:
     info = await nc.jetstream().stream_info(subjects.EVENTS_STREAM, subjects_filter=subjects.verdict("*"))
     return len(info.state.subjects or {})
+
+
+def random_json(rng, depth: int = 0):
+    kinds = ["null", "bool", "int", "float", "str"] + (["list", "dict"] if depth < 3 else [])
+    kind = rng.choice(kinds)
+    if kind == "null":
+        return None
+    if kind == "bool":
+        return rng.random() < 0.5
+    if kind == "int":
+        return rng.choice([0, -1, 1, 2**70, rng.randint(-1000, 100000)])
+    if kind == "float":
+        return rng.choice([0.5, -1e300, 1e-9])
+    if kind == "str":
+        return rng.choice(["", " ", "..", "a/../b", "x\x00y", "ümlaut", "$PAI_X", "a" * 100])
+    if kind == "list":
+        return [random_json(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    keys = ["jobName", "image", "taskRoles", "name", "taskNumber", "memoryMB", "command", "portList", "zzz"]
+    return {rng.choice(keys): random_json(rng, depth + 1) for _ in range(rng.randint(0, 4))}
+
+
+def mutate(rng, value):
+    """Replace, delete or add one thing somewhere inside a decoded config."""
+    if isinstance(value, dict) and value and rng.random() < 0.7:
+        key = rng.choice(list(value))
+        choice = rng.random()
+        if choice < 0.3:
+            del value[key]
+        elif choice < 0.6:
+            value[key] = random_json(rng)
+        else:
+            value[key] = mutate(rng, value[key])
+        return value
+    if isinstance(value, list) and value and rng.random() < 0.7:
+        i = rng.randrange(len(value))
+        value[i] = mutate(rng, value[i])
+        return value
+    return random_json(rng)
+
+
+async def test_random_and_mutated_payloads_all_get_a_verdict_from_the_live_validator(nats_url, nc):
+    import random
+
+    from shared.loader import loads
+    from tests.conftest import CORPUS
+
+    rng = random.Random(20261122)
+    corpus = [loads(p.read_bytes(), p.name) for p in sorted(CORPUS.glob("*.json"))]
+    payloads = [json.dumps(random_json(rng)).encode() for _ in range(40)]
+    for _ in range(60):
+        cfg = json.loads(json.dumps(rng.choice(corpus)))
+        cfg["jobName"] = f"m{rng.randrange(10**9)}"
+        payloads.append(json.dumps(mutate(rng, cfg) if rng.random() < 0.8 else cfg).encode())
+    payloads.append(b"\x00\x01\x02")
+    async with validator(nats_url):
+        results = await asyncio.gather(*(client.submit(nc, p, timeout=30) for p in payloads))
+    verdicts = [v for _, v in results]
+    assert all(v is not None for v in verdicts)
+    for v in verdicts:
+        assert v.accepted == (v.job_id is not None) == (not v.errors)
+    assert any(v.accepted for v in verdicts) and any(not v.accepted for v in verdicts)

@@ -1,0 +1,88 @@
+"""A long-running service never dies silently or hangs: it rides out a NATS outage, says so, its
+health reflects the real connection, and it exits non-zero when it cannot start."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+
+from shared import bus, client
+from shared.natsserver import NatsServer, free_port
+
+CONFIG = json.dumps(
+    {
+        "jobName": "after-outage",
+        "image": "img",
+        "taskRoles": [{"name": "m", "taskNumber": 1, "cpuNumber": 1, "memoryMB": 100, "gpuNumber": 0, "command": "x"}],
+    }
+).encode()
+
+
+def health(port: int) -> int:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code
+    except httpx.HTTPError:
+        return -1
+
+
+def wait_for(predicate, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+async def test_validator_reconnects_after_a_nats_outage_and_health_follows(tmp_path):
+    server = NatsServer(tmp_path / "nats").start()
+    metrics_port = free_port()
+    log = tmp_path / "validator.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.validator", "--metrics-port", str(metrics_port)],
+        env={**os.environ, "MUSTER_NATS_URL": server.url},
+        stdout=open(log, "wb"),  # noqa: SIM115
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        assert wait_for(lambda: health(metrics_port) == 200), log.read_text()
+        assert "muster_validator_verdicts_total" in httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+
+        server.stop()
+        assert wait_for(lambda: health(metrics_port) == 503), log.read_text()
+        assert wait_for(lambda: "nats.disconnected" in log.read_text())
+        time.sleep(2)
+        assert proc.poll() is None, "the validator died during the outage"
+
+        server = NatsServer(tmp_path / "nats", port=server.port).start()  # same port, same data
+        assert wait_for(lambda: health(metrics_port) == 200), log.read_text()
+        assert "nats.reconnected" in log.read_text()
+
+        nc = await bus.connect("test", server.url)
+        _, verdict = await client.submit(nc, CONFIG, timeout=20)
+        await nc.close()
+        assert verdict is not None and verdict.accepted
+    finally:
+        proc.kill()
+        proc.wait()
+        server.stop()
+
+
+def test_a_service_that_cannot_reach_nats_exits_non_zero():
+    started = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "services.validator"],
+        env={**os.environ, "MUSTER_NATS_URL": f"nats://127.0.0.1:{free_port()}", "MUSTER_CONNECT_TIMEOUT": "1"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 1
+    assert time.monotonic() - started < 15
+    failure = [json.loads(line) for line in r.stderr.splitlines() if '"service.failed"' in line]
+    assert failure and "cannot reach NATS" in failure[0]["error"]
