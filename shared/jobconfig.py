@@ -44,6 +44,7 @@ Ident = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=ID
 PathStr = Annotated[str, StringConstraints(max_length=4096)]
 # NaN and infinities would not survive a JSON round trip (they serialize as null).
 EnvValue = str | int | Annotated[float, Field(allow_inf_nan=False)] | bool
+EnvName = Annotated[str, StringConstraints(pattern=ENV_NAME_RE, max_length=128)]
 
 
 class _Model(BaseModel):
@@ -105,9 +106,7 @@ class JobConfig(_Model):
     killAllOnCompletedTaskNumber: int | None = Field(default=None, ge=0)
     retryCount: int = Field(default=0, ge=-2, le=1000)
     virtualCluster: Name = "default"
-    jobEnvs: dict[Annotated[str, StringConstraints(pattern=ENV_NAME_RE, max_length=128)], EnvValue] = Field(
-        default_factory=dict
-    )
+    jobEnvs: dict[EnvName, EnvValue] = Field(default_factory=dict)
     extras: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("authFile", "dataDir", "outputDir", "codeDir")

@@ -17,7 +17,8 @@ class ConfigSyntaxError(ValueError):
 
 
 # An unterminated string or block comment runs to the end of the text: without the `\Z` the
-# regex would rescan the rest of the text from every later quote or `/*` (quadratic; minutes at 1 MiB).
+# regex would rescan the rest of the text from every later quote or `/*` (quadratic: minutes
+# for 1 MiB).
 _STRING = r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)'
 _COMMENT = re.compile(_STRING + r"|//[^\n]*|/\*.*?(?:\*/|\Z)", re.S)
 # A second pass, so that a trailing comma followed by a comment (`1, // note` then `}`) goes too.
@@ -74,7 +75,9 @@ def _loads(text: str | bytes, filename: str) -> Any:
         return json.loads(strip_json_comments(text))
     except json.JSONDecodeError as exc:
         if text.lstrip().startswith(("{", "[")):
-            raise ConfigSyntaxError(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+            raise ConfigSyntaxError(
+                f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
+            ) from None
     return _yaml(text)
 
 

@@ -46,7 +46,9 @@ class Procs:
         self.procs.append(proc)
         return proc
 
-    def cli(self, *args: str, timeout: float = 60, input: bytes | None = None) -> subprocess.CompletedProcess[str]:
+    def cli(
+        self, *args: str, timeout: float = 60, input: bytes | None = None
+    ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "services.cli.main", *args],
             env=self.env(),

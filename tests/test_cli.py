@@ -20,11 +20,15 @@ from tests.conftest import CORPUS
 VALID = {
     "jobName": "cli-demo",
     "image": "python:3.11",
-    "taskRoles": [{"name": "main", "taskNumber": 1, "cpuNumber": 1, "memoryMB": 128, "gpuNumber": 0, "command": "true"}],
+    "taskRoles": [
+        {"name": "main", "taskNumber": 1, "cpuNumber": 1, "memoryMB": 128, "gpuNumber": 0, "command": "true"}
+    ],
 }
 
 
-def muster(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def muster(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "services.cli.main", *args],
         env=env or os.environ.copy(),
@@ -44,10 +48,14 @@ def write(tmp_path: Path, name: str, text: str) -> str:
 
 
 def test_validate_accepts_json_with_comments_and_yaml(tmp_path):
-    commented = '{\n  // a comment\n  "jobName": "c1", "image": "img",\n  "taskRoles": [%s,],\n}' % json.dumps(
-        VALID["taskRoles"][0]
+    commented = (
+        '{\n  // a comment\n  "jobName": "c1", "image": "img",\n  "taskRoles": [%s,],\n}'
+        % json.dumps(VALID["taskRoles"][0])
     )
-    yaml_text = "jobName: y1\nimage: img\ntaskRoles:\n  - {name: main, taskNumber: 1, cpuNumber: 1, memoryMB: 128, gpuNumber: 0, command: 'true'}\n"
+    yaml_text = (
+        "jobName: y1\nimage: img\ntaskRoles:\n"
+        "  - {name: main, taskNumber: 1, cpuNumber: 1, memoryMB: 128, gpuNumber: 0, command: 'true'}\n"
+    )
     for name, text in (("c.json", commented), ("y.yaml", yaml_text)):
         r = muster("validate", write(tmp_path, name, text))
         assert r.returncode == 0, r.stderr
@@ -81,7 +89,16 @@ def mesh(tmp_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "MUSTER_NATS_URL"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "up", "--data-dir", str(tmp_path / "data"), "--port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "services.cli.main",
+            "up",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--port",
+            str(port),
+        ],
         env=env,
         stdout=subprocess.PIPE,
         stderr=open(tmp_path / "up.log", "wb"),  # noqa: SIM115
@@ -128,7 +145,13 @@ def test_up_submit_status_whole_corpus(mesh, tmp_path):
     # A second job with a name that is still WAITING is rejected, and nothing accepted is lost.
     r = muster("submit", str(files[0]), env=env)
     assert r.returncode == 2 and "jobName: a job named" in r.stderr
-    assert len(muster("status", "--json", env=env).stdout and json.loads(muster("status", "--json", env=env).stdout)) == 29
+    assert (
+        len(
+            muster("status", "--json", env=env).stdout
+            and json.loads(muster("status", "--json", env=env).stdout)
+        )
+        == 29
+    )
 
     # Ctrl-C stops everything muster up started.
     proc.send_signal(signal.SIGINT)
@@ -150,7 +173,10 @@ def test_submit_rejection_prints_each_error_and_json_verdict(mesh, tmp_path):
     r = muster("submit", path, "--json", env=env)
     verdict = json.loads(r.stdout)
     assert r.returncode == 2 and verdict["accepted"] is False
-    assert {e["path"] for e in verdict["errors"]} == {"taskRoles[0].cpuNumber", "killAllOnCompletedTaskNumber"}
+    assert {e["path"] for e in verdict["errors"]} == {
+        "taskRoles[0].cpuNumber",
+        "killAllOnCompletedTaskNumber",
+    }
 
 
 async def test_submit_wait_follows_the_job_to_its_final_state(mesh, tmp_path):
@@ -170,7 +196,9 @@ async def test_submit_wait_follows_the_job_to_its_final_state(mesh, tmp_path):
     kv = await nc.jetstream().key_value(subjects.JOBS_BUCKET)
     entry = await kv.get(first[0])
     record = JobRecord.from_bytes(entry.value)
-    await kv.update(first[0], record.model_copy(update={"state": JobState.FAILED}).to_bytes(), last=entry.revision)
+    await kv.update(
+        first[0], record.model_copy(update={"state": JobState.FAILED}).to_bytes(), last=entry.revision
+    )
     await nc.close()
     rest, _ = waiter.communicate(timeout=20)
     assert waiter.returncode == 1  # exit 0 only if SUCCEEDED
@@ -180,7 +208,11 @@ async def test_submit_wait_follows_the_job_to_its_final_state(mesh, tmp_path):
 def test_up_joins_an_existing_nats_with_muster_nats_url(nats_url, tmp_path):
     env = {**os.environ, "MUSTER_NATS_URL": nats_url}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        [sys.executable, "-m", "services.cli.main", "up"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     try:
         assert f"joining NATS at {nats_url}" in proc.stdout.readline()

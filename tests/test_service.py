@@ -18,7 +18,9 @@ CONFIG = json.dumps(
     {
         "jobName": "after-outage",
         "image": "img",
-        "taskRoles": [{"name": "m", "taskNumber": 1, "cpuNumber": 1, "memoryMB": 100, "gpuNumber": 0, "command": "x"}],
+        "taskRoles": [
+            {"name": "m", "taskNumber": 1, "cpuNumber": 1, "memoryMB": 100, "gpuNumber": 0, "command": "x"}
+        ],
     }
 ).encode()
 
@@ -77,7 +79,11 @@ def test_a_service_that_cannot_reach_nats_exits_non_zero():
     started = time.monotonic()
     r = subprocess.run(
         [sys.executable, "-m", "services.validator"],
-        env={**os.environ, "MUSTER_NATS_URL": f"nats://127.0.0.1:{free_port()}", "MUSTER_CONNECT_TIMEOUT": "1"},
+        env={
+            **os.environ,
+            "MUSTER_NATS_URL": f"nats://127.0.0.1:{free_port()}",
+            "MUSTER_CONNECT_TIMEOUT": "1",
+        },
         capture_output=True,
         text=True,
         timeout=30,

@@ -24,7 +24,14 @@ def config(name: str = "demo", **extra: object) -> bytes:
         "jobName": name,
         "image": "python:3.11",
         "taskRoles": [
-            {"name": "worker", "taskNumber": 2, "cpuNumber": 1, "memoryMB": 256, "gpuNumber": 0, "command": "true"}
+            {
+                "name": "worker",
+                "taskNumber": 2,
+                "cpuNumber": 1,
+                "memoryMB": 256,
+                "gpuNumber": 0,
+                "command": "true",
+            }
         ],
         **extra,
     }
@@ -92,7 +99,9 @@ async def test_invalid_config_is_rejected_with_every_error(nats_url, nc):
     ],
     ids=["not-json", "list", "string", "binary", "empty", "too-large"],
 )
-async def test_bad_payloads_get_a_clear_rejection_and_the_validator_keeps_going(nats_url, nc, payload, reason):
+async def test_bad_payloads_get_a_clear_rejection_and_the_validator_keeps_going(
+    nats_url, nc, payload, reason
+):
     async with validator(nats_url):
         _, verdict = await client.submit(nc, payload, timeout=10)
         assert verdict is not None and not verdict.accepted
@@ -114,7 +123,10 @@ async def test_raw_publish_without_headers_is_judged_and_recorded_in_events(nats
             await asyncio.sleep(0.1)
     assert verdict is not None and verdict.accepted and verdict.job_id == job_id_for(sid)
     events = await history(nc, verdict.job_id)
-    assert [(e.kind, e.state) for e in events] == [("submitted", JobState.WAITING), ("accepted", JobState.WAITING)]
+    assert [(e.kind, e.state) for e in events] == [
+        ("submitted", JobState.WAITING),
+        ("accepted", JobState.WAITING),
+    ]
     assert (await job(nc, verdict.job_id)).user == "anonymous"
 
 
