@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import nats
 import structlog
@@ -21,12 +22,15 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from shared import subjects
 
+M = TypeVar("M")
 DEFAULT_URL = "nats://127.0.0.1:4222"
+LEASE_TTL = 4.0  # seconds a leader's lease lives without renewal
+LOGS_MAX_BYTES = int(os.environ.get("MUSTER_LOGS_MAX_BYTES", str(1 << 30)))
 log = structlog.get_logger()
 
 
@@ -123,9 +127,42 @@ async def ensure_jetstream(nc: NATS) -> tuple[JetStreamContext, dict[str, KeyVal
             description="Audit trail: submission verdicts and every job's history",
         ),
     )
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=subjects.COMMANDS_STREAM,
+            subjects=[subjects.NODE_COMMANDS_PREFIX + ".>"],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            duplicate_window=120,
+            num_replicas=r,
+            description="Orders for node agents (assign, kill), one durable consumer per node",
+        ),
+    )
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=subjects.LOGS_STREAM,
+            subjects=[subjects.LOGS_PREFIX + ".>"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD,
+            max_age=7 * 24 * 3600,
+            max_bytes=LOGS_MAX_BYTES,
+            num_replicas=r,
+            description="Task output, one subject per task: outlives containers and retries",
+        ),
+    )
     buckets = {}
-    for bucket, history in ((subjects.JOBS_BUCKET, 5), (subjects.JOB_NAMES_BUCKET, 1)):
-        buckets[bucket] = await _ensure_bucket(js, bucket, history, r)
+    for bucket, history, ttl in (
+        (subjects.JOBS_BUCKET, 5, 0),
+        (subjects.JOB_NAMES_BUCKET, 1, 0),
+        (subjects.NODES_BUCKET, 1, 0),
+        (subjects.ATTEMPTS_BUCKET, 5, 0),
+        (subjects.RENDEZVOUS_BUCKET, 1, 0),
+        (subjects.LEASES_BUCKET, 1, LEASE_TTL),
+    ):
+        buckets[bucket] = await _ensure_bucket(js, bucket, history, r, ttl)
     return js, buckets
 
 
@@ -140,14 +177,16 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
             raise
 
 
-async def _ensure_bucket(js: JetStreamContext, bucket: str, history: int, r: int) -> KeyValue:
+async def _ensure_bucket(js: JetStreamContext, bucket: str, history: int, r: int, ttl: float) -> KeyValue:
     try:
         return await js.key_value(bucket)
     except Exception:
         pass
     try:
         return await js.create_key_value(
-            KeyValueConfig(bucket=bucket, history=history, replicas=r, storage=StorageType.FILE)
+            KeyValueConfig(
+                bucket=bucket, history=history, replicas=r, storage=StorageType.FILE, ttl=ttl or None
+            )
         )
     except BadRequestError:
         return await js.key_value(bucket)  # another replica created it first
@@ -155,3 +194,20 @@ async def _ensure_bucket(js: JetStreamContext, bucket: str, history: int, r: int
 
 def header(msg: Any, name: str) -> str | None:
     return (msg.headers or {}).get(name)
+
+
+async def cas_update(
+    kv: KeyValue, key: str, decode: Callable[[bytes], M], change: Callable[[M], M | None]
+) -> M | None:
+    """Read-modify-write of one KV record with the revision read, retried until no other writer
+    got in between. `change` returns the new record, or None to leave it as it is."""
+    while True:
+        entry = await kv.get(key)
+        updated = change(decode(entry.value))
+        if updated is None:
+            return None
+        try:
+            await kv.update(key, updated.to_bytes(), last=entry.revision)
+            return updated
+        except KeyWrongLastSequenceError:
+            continue

@@ -100,9 +100,7 @@ class JobConfig(_Model):
     outputDir: PathStr | None = None
     codeDir: PathStr | None = None
     taskRoles: list[TaskRole] = Field(min_length=1, max_length=MAX_ROLES)
-    gpuType: Annotated[str, StringConstraints(max_length=64, pattern=r"^[A-Za-z0-9_.-]*$")] | None = (
-        None
-    )
+    gpuType: Annotated[str, StringConstraints(max_length=64, pattern=r"^[A-Za-z0-9_.-]*$")] | None = None
     killAllOnCompletedTaskNumber: int | None = Field(default=None, ge=0)
     retryCount: int = Field(default=0, ge=-2, le=1000)
     virtualCluster: Name = "default"
@@ -257,9 +255,7 @@ def _cross_field_errors(data: dict[str, Any]) -> list[FieldError]:
         shm, mem = role.get("shmMB"), role.get("memoryMB")
         if _is_int(shm) and _is_int(mem) and shm > mem >= 100:
             errors.append(
-                FieldError(
-                    path=f"taskRoles[{i}].shmMB", reason=f"must be ≤ memoryMB ({mem}), got {shm}"
-                )
+                FieldError(path=f"taskRoles[{i}].shmMB", reason=f"must be ≤ memoryMB ({mem}), got {shm}")
             )
         ports = role.get("portList")
         if isinstance(ports, list):

@@ -73,12 +73,15 @@ class JobRecord(Message):
     submitted_at: datetime
     updated_at: datetime = Field(default_factory=now)
     reason: str = "waiting for a scheduler"
-    attempts: list[dict[str, Any]] = Field(default_factory=list)
+    attempt: int = 0  # the current attempt's number; 0 until first placed
 
 
 class JobEventKind(StrEnum):
     SUBMITTED = "submitted"
     ACCEPTED = "accepted"
+    PLACED = "placed"
+    RUNNING = "running"
+    ENDED = "ended"
 
 
 class JobEvent(Message):
@@ -93,3 +96,177 @@ class JobEvent(Message):
     user: str | None = None
     detail: str = ""
     at: datetime = Field(default_factory=now)
+
+
+# ------------------------------------------------------------------ nodes, placement, rendezvous
+
+
+class GpuDevice(BaseModel):
+    index: int
+    model: str
+    memory_mb: int = 0
+
+
+class NodeInfo(Message):
+    """A node as its agent registered it: KV bucket `muster_nodes`, key = node name. The agent
+    rewrites it every heartbeat; `agent_id` changes when the agent restarts."""
+
+    node: str
+    address: str
+    cpus: int
+    memory_mb: int
+    gpus: list[GpuDevice] = Field(default_factory=list)
+    runtime: str
+    agent_id: str
+    started_at: datetime = Field(default_factory=now)
+    heartbeat_at: datetime = Field(default_factory=now)
+
+
+class TaskSpec(BaseModel):
+    """One task of an attempt placed on a node, with the exact GPU device indexes it owns."""
+
+    role: str
+    role_no: int
+    index: int
+    node: str
+    gpus: list[int] = Field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return f"{self.role}.{self.index}"
+
+
+class Assignment(Message):
+    """Scheduler -> agent, on `muster.node.<node>.assign`: run these tasks of this attempt."""
+
+    job_id: str
+    attempt: int
+    user: str
+    config: JobConfig
+    gang: list[TaskSpec]  # every task of the attempt, on every node
+    node: str
+
+    @property
+    def mine(self) -> list[TaskSpec]:
+        return [t for t in self.gang if t.node == self.node]
+
+
+class Endpoint(BaseModel):
+    """Where one task can be reached: its node's address, its default port, its portList ports."""
+
+    role: str
+    role_no: int
+    index: int
+    node: str
+    host: str
+    port: int
+    ports: dict[str, list[int]] = Field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class EndpointReported(Message):
+    """Agent -> registry, on `muster.events.task.<job>.<attempt>.<role>.<index>.endpoint`."""
+
+    job_id: str
+    attempt: int
+    gang_size: int
+    endpoint: Endpoint
+
+
+class ClusterSpec(Message):
+    """Registry -> agents, once per attempt, on `muster.events.attempt.<job>.<attempt>.spec`:
+    every endpoint of the gang, ordered by role (config order) then index."""
+
+    job_id: str
+    attempt: int
+    endpoints: list[Endpoint]
+
+
+class TaskEventKind(StrEnum):
+    RUNNING = "running"
+    EXITED = "exited"
+
+
+class TaskEvent(Message):
+    """Agent -> everyone, on `muster.events.task.<job>.<attempt>.<role>.<index>.<kind>`."""
+
+    job_id: str
+    attempt: int
+    role: str
+    index: int
+    node: str
+    kind: TaskEventKind
+    exit_code: int | None = None
+    reason: str = ""
+    last_lines: list[str] = Field(default_factory=list)
+    at: datetime = Field(default_factory=now)
+
+
+class TaskState(StrEnum):
+    PLACED = "PLACED"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"  # killed by the platform (kill order, gang teardown)
+
+    @property
+    def ended(self) -> bool:
+        return self in (TaskState.SUCCEEDED, TaskState.FAILED, TaskState.STOPPED)
+
+
+class TaskStatus(BaseModel):
+    role: str
+    role_no: int
+    index: int
+    node: str
+    gpus: list[int] = Field(default_factory=list)
+    state: TaskState = TaskState.PLACED
+    host: str | None = None
+    port: int | None = None
+    exit_code: int | None = None
+    reason: str = ""
+    last_lines: list[str] = Field(default_factory=list)
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.role}.{self.index}"
+
+
+class AttemptRecord(Message):
+    """One attempt of a job: KV bucket `muster_attempts`, key `<job_id>.<attempt>`. Created by the
+    scheduler when it places the gang (the key's creation is the fence against placing it twice);
+    task states are then kept by the supervisor."""
+
+    job_id: str
+    attempt: int
+    tasks: list[TaskStatus]
+    placed_at: datetime = Field(default_factory=now)
+    ended_at: datetime | None = None
+    outcome: JobState | None = None
+    rule: str = ""  # which rule ended it
+
+    @property
+    def key(self) -> str:
+        return f"{self.job_id}.{self.attempt}"
+
+    @property
+    def ended(self) -> bool:
+        return self.ended_at is not None
+
+    def task(self, role: str, index: int) -> TaskStatus:
+        return next(t for t in self.tasks if t.role == role and t.index == index)
+
+
+class KillOrder(Message):
+    """Supervisor/CLI -> agent, on `muster.node.<node>.kill`: stop every task of this attempt
+    (SIGTERM, then SIGKILL after `grace` seconds)."""
+
+    job_id: str
+    attempt: int
+    reason: str
+    grace: float = 10.0

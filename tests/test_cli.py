@@ -98,6 +98,7 @@ def mesh(tmp_path):
             str(tmp_path / "data"),
             "--port",
             str(port),
+            "--no-agent",  # jobs stay WAITING: this file is about the contract and the CLI
         ],
         env=env,
         stdout=subprocess.PIPE,
@@ -115,8 +116,12 @@ def mesh(tmp_path):
     assert any(url in x for x in lines), lines
     yield proc, {**env, "MUSTER_NATS_URL": url}
     if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def test_up_submit_status_whole_corpus(mesh, tmp_path):
@@ -208,7 +213,7 @@ async def test_submit_wait_follows_the_job_to_its_final_state(mesh, tmp_path):
 def test_up_joins_an_existing_nats_with_muster_nats_url(nats_url, tmp_path):
     env = {**os.environ, "MUSTER_NATS_URL": nats_url}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "up"],
+        [sys.executable, "-m", "services.cli.main", "up", "--no-agent"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

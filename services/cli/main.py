@@ -19,6 +19,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
 
+from services.agent.config import add_agent_arguments
 from shared import bus, client, logs, subjects
 from shared.jobconfig import FieldError, check_job
 from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
@@ -249,7 +250,7 @@ def describe(r: JobRecord) -> str:
         f"submitted:  {r.submitted_at.isoformat(timespec='seconds')}",
         f"updated:    {r.updated_at.isoformat(timespec='seconds')}",
         f"retries:    {_retry_text(c.retryCount)}",
-        f"attempts:   {len(r.attempts)}",
+        f"attempt:    {r.attempt}",
         f"tasks:      {c.total_tasks}",
     ]
     for i, role in enumerate(c.taskRoles):
@@ -268,12 +269,36 @@ def _retry_text(n: int) -> str:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from services.cli.mesh import up
+    from services.agent.config import make_runtime, options_from_args
+    from services.agent.service import Agent
+    from services.cli.mesh import default_data_dir, up
 
     logs.configure("muster")
-    return asyncio.run(
-        up(Path(args.data_dir) if args.data_dir else None, args.port, lambda s: out(f"muster: {s}"))
-    )
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+
+    def agent():
+        options = options_from_args(args, str(data_dir))
+        out(
+            f"muster: local agent {options.node} at {options.address}: {options.cpus} CPUs, "
+            f"{options.memory_mb} MB, GPUs: {_gpu_text(options.gpus)}"
+        )
+        return Agent.builder(options, make_runtime(args.runtime))
+
+    try:
+        return asyncio.run(
+            up(data_dir, args.port, lambda s: out(f"muster: {s}"), None if args.no_agent else agent)
+        )
+    except (RuntimeError, TimeoutError, ConnectionError, FileNotFoundError) as exc:
+        raise CliError(str(exc)) from None
+
+
+def _gpu_text(gpus) -> str:
+    if not gpus:
+        return "none"
+    counts: dict[str, int] = {}
+    for g in gpus:
+        counts[g.model] = counts.get(g.model, 0) + 1
+    return ",".join(f"{n}x{m}" for m, n in counts.items())
 
 
 # ---------------------------------------------------------------- entry point
@@ -286,6 +311,8 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("up", help="start an embedded NATS and every Muster service on this machine")
     s.add_argument("--data-dir", help="where NATS keeps JetStream data (default ~/.local/share/muster)")
     s.add_argument("--port", type=int, help="NATS port (default 4222, or a free one if taken)")
+    s.add_argument("--no-agent", action="store_true", help="start no local agent")
+    add_agent_arguments(s)
     s.set_defaults(func=cmd_up)
 
     s = sub.add_parser("submit", help="submit a job config (JSON, JSON with comments, or YAML)")

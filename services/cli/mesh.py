@@ -14,6 +14,9 @@ from pathlib import Path
 import structlog
 from nats.aio.client import Client as NATS
 
+from services.registry.service import Registry
+from services.scheduler.service import Scheduler
+from services.supervisor.service import Supervisor
 from services.validator.service import Validator
 from shared import bus
 from shared.natsserver import NatsServer, free_port
@@ -21,9 +24,13 @@ from shared.service import Service, run_service
 
 log = structlog.get_logger(service="mesh")
 
-# name -> builder; later services (scheduler, registry, supervisor, agent) join this table.
-SERVICES: dict[str, Callable[[NATS], Awaitable[Service]]] = {
+Builder = Callable[[NATS], Awaitable[Service]]
+
+SERVICES: dict[str, Builder] = {
     "validator": Validator.build,
+    "scheduler": Scheduler.build,
+    "registry": Registry.build,
+    "supervisor": Supervisor.build,
 }
 
 
@@ -34,9 +41,7 @@ def default_data_dir() -> Path:
     return Path(base)
 
 
-async def supervise(
-    name: str, build: Callable[[NATS], Awaitable[Service]], url: str, stop: asyncio.Event
-) -> None:
+async def supervise(name: str, build: Builder, url: str, stop: asyncio.Event) -> None:
     delay = 0.5
     while not stop.is_set():
         try:
@@ -51,7 +56,12 @@ async def supervise(
             delay = min(delay * 2, 10.0)
 
 
-async def up(data_dir: Path | None, port: int | None, announce: Callable[[str], None]) -> int:
+async def up(
+    data_dir: Path,
+    port: int | None,
+    announce: Callable[[str], None],
+    agent: Callable[[], Builder] | None = None,
+) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -62,20 +72,22 @@ async def up(data_dir: Path | None, port: int | None, announce: Callable[[str], 
     if url:
         announce(f"joining NATS at {url}")
     else:
-        data_dir = data_dir or default_data_dir()
         server = NatsServer(data_dir / "nats", port=port or free_port(4222))
-        await asyncio.to_thread(server.start)
+        server.start()  # from the main thread: the server dies with us (see NatsServer)
         url = server.url
         announce(f"NATS: {url} (JetStream data in {server.data_dir})")
-        if server.port != 4222:
+        if port is None and server.port != 4222:
             announce(f"4222 was busy; in other shells: export MUSTER_NATS_URL={url}")
     try:
         # Fail fast on a bad URL or an unusable JetStream, before starting the services.
         nc = await bus.connect("muster-up", url, connect_timeout=15)
         await bus.ensure_jetstream(nc)
         await nc.close()
-        tasks = [asyncio.create_task(supervise(n, b, url, stop)) for n, b in SERVICES.items()]
-        announce(f"services: {', '.join(SERVICES)} — Ctrl-C to stop")
+        services = dict(SERVICES)
+        if agent is not None:
+            services["agent"] = agent()
+        tasks = [asyncio.create_task(supervise(n, b, url, stop)) for n, b in services.items()]
+        announce(f"services: {', '.join(services)} — Ctrl-C to stop")
         watch = asyncio.create_task(_watch_server(server, stop))
         await stop.wait()
         announce("stopping")

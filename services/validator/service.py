@@ -68,7 +68,7 @@ class Validator:
         while not stop.is_set():
             try:
                 msgs = await sub.fetch(self.batch, timeout=1)
-            except nats.errors.TimeoutError:
+            except (nats.errors.TimeoutError, TimeoutError):
                 continue
             except Exception as exc:  # disconnected, consumer being recreated, ...
                 log.warning("validator.fetch_failed", error=str(exc) or type(exc).__name__)

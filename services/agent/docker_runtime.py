@@ -1,0 +1,289 @@
+"""The Docker runtime: runs each task as one container on the local engine (pull with the job's
+credentials, create with the task's limits, mounts, GPUs and labels on the host network, stream its
+output, wait, stop) and finds the containers a previous agent left behind.
+
+docker-py is blocking: every call runs in `asyncio.to_thread`, and each container's log stream is
+read by its own thread that hands complete lines to the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import docker
+import docker.errors
+import structlog
+from docker.models.containers import Container
+from docker.types import DeviceRequest
+from docker.types import Mount as DockerMount
+
+from services.agent.runtime import LaunchError, OutputSink, RegistryAuth, TaskLaunch
+
+log = structlog.get_logger()
+
+MiB = 1024 * 1024
+DEFAULT_SHM_MB = 64
+LOG_DRAIN_TIMEOUT = 10.0  # after the container exits, how long its log stream may take to end
+# The engine copies a container's stdout and stderr pipes in two goroutines, so lines written to
+# both lose their relative order in the log. The task's shell sends stderr down stdout's pipe first.
+MERGE_STDERR = "exec 2>&1; "
+GONE_EXIT_CODE = 137  # reported when the container vanished (docker rm -f) before we read its code
+
+
+@dataclass(frozen=True)
+class FoundTask:
+    """A container found by its labels; `exit_code` is None while it runs."""
+
+    name: str
+    labels: dict[str, str]
+    running: bool
+    exit_code: int | None
+
+
+def _scrub(text: str, auth: RegistryAuth | None) -> str:
+    """The engine's error text, with the registry password cut out should it ever appear."""
+    if auth is not None and auth.password:
+        text = text.replace(auth.password, "***")
+    return text
+
+
+def _explain(err: docker.errors.DockerException) -> str:
+    explanation = getattr(err, "explanation", None)
+    return str(explanation or err)
+
+
+class DockerTask:
+    """One started container: its output stream, exit code, stop and removal."""
+
+    def __init__(
+        self, container: Container, output: OutputSink | None, loop: asyncio.AbstractEventLoop, since: float | None
+    ):
+        self.name: str = container.name
+        self._container = container
+        self._loop = loop
+        self._output = output
+        self._logs_done: asyncio.Future[None] = loop.create_future()
+        self._wait_task: asyncio.Task[int] | None = None
+        self._thread = threading.Thread(
+            target=self._pump_logs, args=(since,), name=f"logs-{self.name}", daemon=True
+        )
+        self._thread.start()
+
+    # -- the log thread ------------------------------------------------------------------------
+
+    def _pump_logs(self, since: float | None) -> None:
+        buffer = b""
+        try:
+            kwargs: dict[str, Any] = {"stream": True, "follow": True, "stdout": True, "stderr": True}
+            if since is not None:
+                kwargs["since"] = since
+            for chunk in self._container.logs(**kwargs):
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    self._emit(line)
+        except Exception as e:  # the engine went away, the container was removed, the client closed
+            log.warning("docker.logs_ended", task=self.name, error=str(e))
+        finally:
+            if buffer:
+                self._emit(buffer)
+            self._call(lambda: self._logs_done.done() or self._logs_done.set_result(None))
+
+    def _emit(self, raw: bytes) -> None:
+        if self._output is None:
+            return
+        line = raw.decode("utf-8", errors="replace").removesuffix("\r")
+        self._call(lambda: self._deliver(line))
+
+    def _call(self, fn: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
+            self._loop.call_soon_threadsafe(fn)
+
+    def _deliver(self, line: str) -> None:
+        assert self._output is not None
+        try:
+            self._output(line)
+        except Exception:
+            log.exception("docker.output_sink_failed", task=self.name)
+
+    # -- RunningTask -----------------------------------------------------------------------------
+
+    async def wait(self) -> int:
+        """The container's exit code, once it has ended and all its output was delivered."""
+        if self._wait_task is None:
+            self._wait_task = asyncio.ensure_future(self._wait())
+        return await asyncio.shield(self._wait_task)
+
+    async def _wait(self) -> int:
+        try:
+            result = await asyncio.to_thread(self._container.wait)
+            code = int(result["StatusCode"])
+        except docker.errors.NotFound:
+            log.warning("docker.container_vanished", task=self.name)
+            code = GONE_EXIT_CODE
+        try:
+            await asyncio.wait_for(asyncio.shield(self._logs_done), LOG_DRAIN_TIMEOUT)
+        except TimeoutError:
+            log.warning("docker.logs_not_drained", task=self.name)
+        return code
+
+    async def stop(self, grace: float) -> None:
+        """SIGTERM, SIGKILL after `grace` seconds (rounded up to whole seconds, as the engine takes
+        them); idempotent, tolerates a container that is already gone; returns once it has ended."""
+        try:
+            await asyncio.to_thread(self._container.stop, timeout=max(0, math.ceil(grace)))
+        except docker.errors.NotFound:
+            pass
+        await self.wait()
+
+    async def remove(self) -> None:
+        """Delete the container (killing it if it still runs); a container already gone is fine."""
+        with contextlib.suppress(docker.errors.NotFound):
+            await asyncio.to_thread(self._container.remove, force=True)
+
+
+class DockerRuntime:
+    """The Runtime that runs tasks as containers of the local Docker engine."""
+
+    name = "docker"
+
+    def __init__(self, client: docker.DockerClient | None = None):
+        # Each running task holds two engine connections (its log stream and its wait).
+        self._client = client if client is not None else docker.from_env(max_pool_size=64)
+
+    @classmethod
+    def available(cls, timeout: float = 2.0) -> bool:
+        """Whether a Docker engine answers a ping within `timeout` seconds."""
+        try:
+            client = docker.from_env(timeout=timeout)
+        except Exception:
+            return False
+        try:
+            return bool(client.ping())
+        except Exception:
+            return False
+        finally:
+            client.close()
+
+    async def start(self, launch: TaskLaunch, output: OutputSink) -> DockerTask:
+        await self._ensure_image(launch.image, launch.auth)
+        await self._remove_leftover(launch.name)
+        kwargs = self._create_kwargs(launch)
+        t0 = time.monotonic()
+        error: str | None = None
+        try:
+            container = await asyncio.to_thread(self._client.containers.create, launch.image, **kwargs)
+        except docker.errors.DockerException as e:
+            error = f"cannot create container {launch.name} from {launch.image}: {_explain(e)}"
+        if error is None:
+            try:
+                await asyncio.to_thread(container.start)
+            except docker.errors.DockerException as e:
+                error = f"cannot start container {launch.name} from {launch.image}: {_explain(e)}"
+                with contextlib.suppress(docker.errors.DockerException):
+                    await asyncio.to_thread(container.remove, force=True)
+        if error is not None:  # raised outside the handler: no engine response (auth header) chained
+            raise LaunchError(_scrub(error, launch.auth))
+        log.info(
+            "docker.started", task=launch.name, image=launch.image, seconds=round(time.monotonic() - t0, 3)
+        )
+        return DockerTask(container, output, asyncio.get_running_loop(), since=None)
+
+    async def attach(self, name: str, output: OutputSink | None = None) -> DockerTask:
+        """A task for an existing container (found after an agent restart): wait, stop and remove
+        work as for a started one; `output` gets only the lines written from now on."""
+        try:
+            container = await asyncio.to_thread(self._client.containers.get, name)
+        except docker.errors.NotFound:
+            raise LaunchError(f"no container named {name}") from None
+        return DockerTask(container, output, asyncio.get_running_loop(), since=time.time())
+
+    async def find(self, labels: dict[str, str]) -> list[FoundTask]:
+        """Containers in any state whose labels include all of `labels`."""
+        filters = {"label": [f"{k}={v}" for k, v in labels.items()]}
+        containers = await asyncio.to_thread(
+            self._client.containers.list, all=True, filters=filters, ignore_removed=True
+        )
+        found = []
+        for c in containers:
+            state = c.attrs.get("State", {})
+            running = bool(state.get("Running")) or bool(state.get("Paused"))
+            exit_code = None if running else int(state.get("ExitCode", 0))
+            found.append(FoundTask(name=c.name, labels=dict(c.labels), running=running, exit_code=exit_code))
+        return found
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._client.close)
+
+    # -- steps of start ----------------------------------------------------------------------------
+
+    async def _ensure_image(self, image: str, auth: RegistryAuth | None) -> None:
+        try:
+            await asyncio.to_thread(self._client.images.get, image)
+            return
+        except docker.errors.ImageNotFound:
+            pass
+        except docker.errors.DockerException as e:
+            raise LaunchError(f"cannot look up image {image}: {_scrub(_explain(e), auth)}") from None
+        auth_config = None
+        if auth is not None:
+            auth_config = {"username": auth.username, "password": auth.password, "serveraddress": auth.server}
+        log.info("docker.pulling", image=image, registry=auth.server if auth else None)
+        t0 = time.monotonic()
+        error: str | None = None
+        try:
+            await asyncio.to_thread(self._client.images.pull, image, auth_config=auth_config)
+        except docker.errors.DockerException as e:
+            error = f"cannot pull image {image}: {_explain(e)}"
+        if error is not None:  # raised outside the handler: the request's auth header is not chained
+            raise LaunchError(_scrub(error, auth))
+        log.info("docker.pulled", image=image, seconds=round(time.monotonic() - t0, 1))
+
+    async def _remove_leftover(self, name: str) -> None:
+        """Remove a container with this name (left by a crashed agent), so the name is free."""
+        try:
+            await asyncio.to_thread(self._client.api.remove_container, name, force=True)
+            log.warning("docker.removed_leftover", task=name)
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.DockerException as e:
+            raise LaunchError(f"cannot remove leftover container {name}: {_explain(e)}") from None
+
+    @staticmethod
+    def _create_kwargs(launch: TaskLaunch) -> dict[str, Any]:
+        env = dict(launch.env)
+        if launch.gpus:
+            # The engine exposes the chosen host devices; inside the container they count from 0.
+            env.setdefault("NVIDIA_VISIBLE_DEVICES", ",".join(str(i) for i in launch.gpus))
+            env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(len(launch.gpus))))
+        mounts = []
+        for m in launch.mounts:
+            if not m.read_only:
+                os.makedirs(m.host, exist_ok=True)
+            mounts.append(DockerMount(target=m.container, source=m.host, type="bind", read_only=m.read_only))
+        kwargs: dict[str, Any] = {
+            "name": launch.name,
+            "command": ["/bin/sh", "-c", MERGE_STDERR + launch.command],
+            "environment": env,
+            "network_mode": "host",
+            "labels": dict(launch.labels),
+            "working_dir": launch.workdir,
+            "mounts": mounts,
+            "shm_size": (launch.shm_mb or DEFAULT_SHM_MB) * MiB,
+        }
+        if launch.cpus > 0:
+            kwargs["nano_cpus"] = int(launch.cpus * 1e9)
+        if launch.memory_mb > 0:
+            kwargs["mem_limit"] = launch.memory_mb * MiB
+            kwargs["memswap_limit"] = launch.memory_mb * MiB  # no swap beyond the limit
+        if launch.gpus:
+            kwargs["device_requests"] = [
+                DeviceRequest(device_ids=[str(i) for i in launch.gpus], capabilities=[["gpu"]])
+            ]
+        return kwargs

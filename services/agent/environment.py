@@ -1,0 +1,265 @@
+"""What a task sees in its environment: every variable a task is started with, rendered from its
+job config and the attempt's ClusterSpec. Pure: no I/O, no clock, same input -> same output.
+
+Owns the variable families users' commands rely on:
+
+- OpenPAI (seed 000 plus the v1 names): PAI_JOB_NAME, PAI_TASK_ROLE_<i>_HOST_LIST,
+  PAI_TASK_ROLE_<name>_HOST_LIST, PAI_CONTAINER_HOST_<label>_PORT_LIST, PAI_DEFAULT_FS_URI, ...
+- TensorFlow / AI Platform (seed 004): TF_CONFIG and CLUSTER_SPEC, JSON.
+- ModelArts / Volcano (seed 002): VC_TASK_INDEX, VC_<ROLE>_HOSTS, VC_<ROLE>_NUM, TF_PS_HOSTS,
+  TF_WORKER_HOSTS, MA_TASK_NAME.
+- PyTorch: MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE.
+- MPI: MUSTER_MPI_HOSTFILE, OMPI_MCA_orte_default_hostfile (and `render_hostfile` for the file).
+- GPUs: CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES.
+- Muster: MUSTER_JOB_ID, MUSTER_ATTEMPT, MUSTER_TASK_ROLE, MUSTER_TASK_INDEX.
+- The config's jobEnvs, as plain variables. The platform's variables win over a jobEnvs entry of
+  the same name (jobEnvs cannot start with PAI_/MUSTER_, but could say TF_CONFIG or MASTER_ADDR).
+
+"Spec order" is the gang's rank order: role in config order, then index. A spec that does not
+hold exactly the config's tasks (one missing, duplicated, extra, or a portList label without its
+ports) is a programming error and raises ValueError; nothing here fails on user input.
+
+GPU indexes are rendered as given (host device indexes). A runtime that exposes only the task's
+GPUs to it under new numbers (Docker with the NVIDIA runtime numbers them from 0) must rewrite
+CUDA_VISIBLE_DEVICES to match.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+from dataclasses import dataclass
+
+from shared.jobconfig import JobConfig
+from shared.messages import ClusterSpec, Endpoint
+
+# Role names as TensorFlow's TF_CONFIG and AI Platform's CLUSTER_SPEC spell them; a role name not
+# listed is kept as it is.
+ROLE_TYPES: dict[str, dict[str, str]] = {
+    "TF_CONFIG": {"master": "chief", "chief": "chief", "ps": "ps", "ps_server": "ps", "worker": "worker"},
+    "CLUSTER_SPEC": {
+        "chief": "master",
+        "master": "master",
+        "ps": "ps",
+        "ps_server": "ps",
+        "worker": "worker",
+    },
+}
+
+
+@dataclass(frozen=True)
+class TaskContext:
+    job_id: str
+    attempt: int
+    user: str
+    config: JobConfig
+    spec: ClusterSpec
+    role: str
+    index: int
+    gpus: list[int]  # device indexes this task owns on its node
+    output_root: str  # where outputDir defaults to: <output_root>/<jobName>
+    default_fs_uri: str = ""  # PAI_DEFAULT_FS_URI
+    hostfile_path: str | None = None  # where the MPI hostfile will be visible to the task
+
+
+@dataclass(frozen=True)
+class Dirs:
+    data: str  # "" when unset
+    code: str  # "" when unset
+    output: str
+
+
+_VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+
+
+def resolve_dirs(config: JobConfig, user: str, default_fs_uri: str, output_root: str) -> Dirs:
+    """The config's dataDir/codeDir/outputDir with $PAI_DEFAULT_FS_URI, $PAI_USERNAME and
+    $PAI_JOB_NAME (or ${...}) expanded; other `$NAME`s are left for the task's shell. outputDir
+    defaults to <output_root>/<jobName>, as OpenPAI's hdfs://uri/output/$jobName."""
+    known = {"PAI_DEFAULT_FS_URI": default_fs_uri, "PAI_USERNAME": user, "PAI_JOB_NAME": config.jobName}
+
+    def expand(value: str | None) -> str:
+        if not value:
+            return ""
+        return _VAR.sub(lambda m: known.get(m.group(1) or m.group(2), m.group(0)), value)
+
+    output = expand(config.outputDir) or posixpath.join(output_root, config.jobName)
+    return Dirs(data=expand(config.dataDir), code=expand(config.codeDir), output=output)
+
+
+def render_env(ctx: TaskContext) -> dict[str, str]:
+    """Every variable the task (ctx.role, ctx.index) is started with; all values are strings."""
+    gang = _ordered(ctx.spec, ctx.config)
+    if (ctx.spec.job_id, ctx.spec.attempt) != (ctx.job_id, ctx.attempt):
+        raise ValueError(
+            f"spec is for {ctx.spec.job_id} attempt {ctx.spec.attempt}, "
+            f"task is of {ctx.job_id} attempt {ctx.attempt}"
+        )
+    me = next((ep for ep in gang if (ep.role, ep.index) == (ctx.role, ctx.index)), None)
+    if me is None:
+        raise ValueError(f"spec has no task {ctx.role}.{ctx.index}")
+    env = _job_envs(ctx.config)  # first, so that every platform variable below wins
+    env.update(_openpai(ctx, gang, me))
+    env.update(_tf_config(ctx, gang, "TF_CONFIG"))
+    env.update(_tf_config(ctx, gang, "CLUSTER_SPEC"))
+    env.update(_modelarts(ctx, gang))
+    env.update(_pytorch(gang, me))
+    env.update(_mpi(ctx))
+    env.update(_gpus(ctx.gpus))
+    env.update(_muster(ctx))
+    return env
+
+
+def render_hostfile(spec: ClusterSpec, config: JobConfig) -> str:
+    """An MPI hostfile: one `<host> slots=<n>` line per host in spec order, n = the summed slots of
+    the host's tasks (a task's slots: its role's gpuNumber, or 1 for a CPU-only role)."""
+    slots: dict[str, int] = {}
+    for ep in _ordered(spec, config):
+        gpus = config.taskRoles[ep.role_no].gpuNumber
+        slots[ep.host] = slots.get(ep.host, 0) + (gpus if gpus > 0 else 1)
+    return "".join(f"{host} slots={n}\n" for host, n in slots.items())
+
+
+# ------------------------------------------------------------------ the gang
+
+
+def _ordered(spec: ClusterSpec, config: JobConfig) -> list[Endpoint]:
+    """The spec's endpoints in spec order, checked to be exactly the config's tasks."""
+    by_key: dict[tuple[str, int], Endpoint] = {}
+    for ep in spec.endpoints:
+        if (ep.role, ep.index) in by_key:
+            raise ValueError(f"spec lists task {ep.role}.{ep.index} twice")
+        by_key[(ep.role, ep.index)] = ep
+    gang = []
+    for role_no, role in enumerate(config.taskRoles):
+        for index in range(role.taskNumber):
+            ep = by_key.pop((role.name, index), None)
+            if ep is None:
+                raise ValueError(f"spec has no task {role.name}.{index}")
+            if ep.role_no != role_no:
+                raise ValueError(f"spec gives task {role.name}.{index} role_no {ep.role_no}, not {role_no}")
+            for port in role.portList:
+                if len(ep.ports.get(port.label, [])) != port.portNumber:
+                    raise ValueError(
+                        f"spec gives task {role.name}.{index} {ep.ports.get(port.label, [])} "
+                        f"for port label {port.label!r}, which needs {port.portNumber} port(s)"
+                    )
+            gang.append(ep)
+    if by_key:
+        extra = ", ".join(f"{role}.{index}" for role, index in by_key)
+        raise ValueError(f"spec lists tasks the config does not have: {extra}")
+    return gang
+
+
+def _hosts(gang: list[Endpoint], role: str) -> str:
+    return ",".join(ep.address for ep in gang if ep.role == role)
+
+
+# ------------------------------------------------------------------ variable families
+
+
+def _job_envs(config: JobConfig) -> dict[str, str]:
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in config.jobEnvs.items()}
+
+
+def _openpai(ctx: TaskContext, gang: list[Endpoint], me: Endpoint) -> dict[str, str]:
+    config = ctx.config
+    role = config.taskRoles[me.role_no]
+    dirs = resolve_dirs(config, ctx.user, ctx.default_fs_uri, ctx.output_root)
+    kill_all = config.killAllOnCompletedTaskNumber
+    env = {
+        "PAI_JOB_NAME": config.jobName,
+        "PAI_USERNAME": ctx.user,
+        "PAI_DEFAULT_FS_URI": ctx.default_fs_uri,
+        "PAI_DATA_DIR": dirs.data,
+        "PAI_OUTPUT_DIR": dirs.output,
+        "PAI_CODE_DIR": dirs.code,
+        "PAI_TASK_ROLE_NAME": role.name,
+        "PAI_TASK_ROLE_NUM": str(role.taskNumber),
+        "PAI_TASK_CPU_NUM": str(role.cpuNumber),
+        "PAI_TASK_MEM_MB": str(role.memoryMB),
+        "PAI_TASK_GPU_NUM": str(role.gpuNumber),
+        "PAI_TASK_ROLE_INDEX": str(me.index),
+        "PAI_TASK_ROLE_NO": str(me.role_no),
+        "PAI_TASKS_NUM": str(config.total_tasks),
+        "PAI_TASK_ROLES_NUM": str(len(config.taskRoles)),
+        "PAI_KILL_ALL_ON_COMPLETED_TASK_NUM": str(kill_all or 0),
+        "PAI_CURRENT_CONTAINER_IP": me.host,
+        "PAI_CURRENT_CONTAINER_PORT": str(me.port),
+        "PAI_CURRENT_TASK_ROLE_NAME": role.name,
+        "PAI_CURRENT_TASK_ROLE_CURRENT_TASK_INDEX": str(me.index),
+    }
+    for i, r in enumerate(config.taskRoles):
+        env[f"PAI_TASK_ROLE_{i}_HOST_LIST"] = _hosts(gang, r.name)
+        env[f"PAI_TASK_ROLE_{r.name}_HOST_LIST"] = _hosts(gang, r.name)
+    labels = [p.label for p in role.portList]
+    for label in labels:
+        env[f"PAI_CONTAINER_HOST_{label}_PORT_LIST"] = ",".join(map(str, me.ports[label]))
+    env["PAI_CONTAINER_HOST_PORT_LIST"] = ";".join(
+        f"{label}:{','.join(map(str, me.ports[label]))}" for label in labels
+    )
+    return env
+
+
+def _role_types(config: JobConfig, table: dict[str, str]) -> dict[str, str]:
+    """Role name -> its type under `table`. Two roles that would get the same type (say `master`
+    and `chief`) both keep their own names, so no two roles ever share a type."""
+    mapped = {r.name: table.get(r.name, r.name) for r in config.taskRoles}
+    taken = list(mapped.values())
+    return {name: t if taken.count(t) == 1 else name for name, t in mapped.items()}
+
+
+def _tf_config(ctx: TaskContext, gang: list[Endpoint], var: str) -> dict[str, str]:
+    types = _role_types(ctx.config, ROLE_TYPES[var])
+    cluster = {types[r.name]: [ep.address for ep in gang if ep.role == r.name] for r in ctx.config.taskRoles}
+    task = {"type": types[ctx.role], "index": ctx.index}
+    return {var: json.dumps({"cluster": cluster, "task": task, "environment": "cloud"})}
+
+
+def _modelarts(ctx: TaskContext, gang: list[Endpoint]) -> dict[str, str]:
+    tf_type = ROLE_TYPES["TF_CONFIG"]
+    env = {"VC_TASK_INDEX": str(ctx.index)}
+    for r in ctx.config.taskRoles:  # roles differing only in case: the first in config order wins
+        env.setdefault(f"VC_{r.name.upper()}_HOSTS", _hosts(gang, r.name))
+        env.setdefault(f"VC_{r.name.upper()}_NUM", str(r.taskNumber))
+    for kind in ("ps", "worker"):  # the first role of that type, in config order
+        role = next((r.name for r in ctx.config.taskRoles if tf_type.get(r.name) == kind), None)
+        env[f"TF_{kind.upper()}_HOSTS"] = _hosts(gang, role) if role else ""
+    mine = tf_type.get(ctx.role)
+    env["MA_TASK_NAME"] = mine if mine in ("ps", "worker") else ctx.role
+    return env
+
+
+def _pytorch(gang: list[Endpoint], me: Endpoint) -> dict[str, str]:
+    local = [ep for ep in gang if ep.node == me.node]
+    return {
+        "MASTER_ADDR": gang[0].host,
+        "MASTER_PORT": str(gang[0].port),
+        "WORLD_SIZE": str(len(gang)),
+        "RANK": str(gang.index(me)),
+        "LOCAL_RANK": str(local.index(me)),
+        "LOCAL_WORLD_SIZE": str(len(local)),
+    }
+
+
+def _mpi(ctx: TaskContext) -> dict[str, str]:
+    if ctx.hostfile_path is None:
+        return {}
+    return {"MUSTER_MPI_HOSTFILE": ctx.hostfile_path, "OMPI_MCA_orte_default_hostfile": ctx.hostfile_path}
+
+
+def _gpus(gpus: list[int]) -> dict[str, str]:
+    """With no GPUs, hide them all: "void" tells the NVIDIA container runtime to expose none, and an
+    empty CUDA_VISIBLE_DEVICES hides them from a task run as a plain process."""
+    visible = ",".join(map(str, gpus))
+    return {"CUDA_VISIBLE_DEVICES": visible, "NVIDIA_VISIBLE_DEVICES": visible or "void"}
+
+
+def _muster(ctx: TaskContext) -> dict[str, str]:
+    return {
+        "MUSTER_JOB_ID": ctx.job_id,
+        "MUSTER_ATTEMPT": str(ctx.attempt),
+        "MUSTER_TASK_ROLE": ctx.role,
+        "MUSTER_TASK_INDEX": str(ctx.index),
+    }

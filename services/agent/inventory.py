@@ -1,0 +1,146 @@
+"""What a node has: CPUs, memory, GPUs (NVML when a driver is present, else declared as
+`4xV100,2xT4`), its address, and the pool of ports its tasks get."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+
+import structlog
+
+from shared.messages import GpuDevice
+
+log = structlog.get_logger(service="agent")
+
+_GPU_SPEC = re.compile(r"^\s*(\d+)\s*[xX×]\s*([A-Za-z0-9_.-]+)\s*$")
+
+
+def parse_gpus(spec: str) -> list[GpuDevice]:
+    """`8xV100` or `4xV100,2xT4` -> devices indexed 0..n-1 in the order written. "" or "0" -> none."""
+    spec = spec.strip()
+    if spec in ("", "0", "none"):
+        return []
+    devices: list[GpuDevice] = []
+    for part in spec.split(","):
+        m = _GPU_SPEC.match(part)
+        if not m:
+            raise ValueError(f"GPU spec {part.strip()!r}: expected COUNTxMODEL, e.g. 4xV100")
+        for _ in range(int(m.group(1))):
+            devices.append(GpuDevice(index=len(devices), model=m.group(2)))
+    return devices
+
+
+def discover_gpus() -> list[GpuDevice] | None:
+    """GPUs through NVML; None when there is no NVIDIA driver (or no nvidia-ml-py)."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        devices = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(handle)
+            name = name.decode() if isinstance(name, bytes) else name
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle).total // (1024 * 1024)
+            devices.append(GpuDevice(index=i, model=short_model(name), memory_mb=int(memory)))
+        return devices
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def short_model(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'H100'; 'Tesla V100-SXM2-16GB' -> 'V100': the word gpuType uses."""
+    for word in re.split(r"[\s-]+", name):
+        if re.match(r"^[A-Z]{1,3}\d{2,4}[A-Za-z]*$", word) and word not in ("NVIDIA", "Tesla"):
+            return word
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "GPU"
+
+
+def machine_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def machine_memory_mb() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) // 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024)
+
+
+def machine_address() -> str:
+    """The address other nodes reach this one at: the source address of the default route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent for a UDP connect
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+class PortPool:
+    """Ports for tasks from a range; never two live tasks with the same port, and never a port
+    something else on the machine is listening on."""
+
+    def __init__(self, low: int = 5000, high: int = 10000, host: str = "0.0.0.0"):
+        if not 0 < low <= high < 65536:
+            raise ValueError(f"bad port range {low}-{high}")
+        self.low, self.high, self.host = low, high, host
+        self.taken: set[int] = set()
+        self._next = low
+
+    def take(self, count: int) -> list[int]:
+        ports: list[int] = []
+        span = self.high - self.low + 1
+        for _ in range(span):
+            port = self._next
+            self._next = self.low + (self._next - self.low + 1) % span
+            if port not in self.taken and _bindable(self.host, port):
+                ports.append(port)
+                self.taken.add(port)
+                if len(ports) == count:
+                    return ports
+        self.release(ports)
+        raise RuntimeError(f"no {count} free ports left in {self.low}-{self.high}")
+
+    def take_range(self, begin: int, count: int) -> list[int]:
+        """Exactly begin..begin+count-1 (a portList entry with beginAt > 0)."""
+        ports = list(range(begin, begin + count))
+        busy = [p for p in ports if p in self.taken or not _bindable(self.host, p)]
+        if busy:
+            raise RuntimeError(f"ports {busy} are in use on this node")
+        self.taken.update(ports)
+        return ports
+
+    def take_exact(self, ports: list[int]) -> None:
+        """Mark ports a live task already holds (an adopted task after an agent restart)."""
+        self.taken.update(ports)
+
+    def release(self, ports: list[int]) -> None:
+        self.taken.difference_update(ports)
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def parse_port_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    return int(low), int(high or low)

@@ -1,0 +1,78 @@
+"""The runtime seam of the agent: what it takes to start one task, and the interface every
+runtime (docker, process) implements. The agent decides *what* runs; a runtime only runs it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+# Labels on every container (and recorded for every process) so a restarted agent can find them.
+LABEL_JOB = "muster.job"
+LABEL_ATTEMPT = "muster.attempt"
+LABEL_ROLE = "muster.role"
+LABEL_INDEX = "muster.index"
+LABEL_NODE = "muster.node"
+LABEL_PORTS = "muster.ports"
+
+
+@dataclass(frozen=True)
+class Mount:
+    host: str
+    container: str
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
+class RegistryAuth:
+    """Credentials from a job's authFile. The password never appears in repr, logs or errors."""
+
+    server: str
+    username: str
+    password: str = field(repr=False)
+
+
+@dataclass
+class TaskLaunch:
+    name: str  # unique on the node: muster-<job>-<attempt>-<role>-<index>
+    image: str
+    command: str  # run by /bin/sh -c, so $VAR references expand in the task
+    env: dict[str, str]
+    cpus: int
+    memory_mb: int
+    shm_mb: int | None = None
+    gpus: list[int] = field(default_factory=list)  # device indexes on this node
+    mounts: list[Mount] = field(default_factory=list)
+    workdir: str | None = None
+    auth: RegistryAuth | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+# Called with each line the task writes (stdout and stderr merged, without the newline).
+OutputSink = Callable[[str], None]
+
+
+class RunningTask(Protocol):
+    name: str
+
+    async def wait(self) -> int:
+        """Block until the task ends; its exit code (128+N when killed by signal N)."""
+        ...
+
+    async def stop(self, grace: float) -> None:
+        """SIGTERM, then SIGKILL after `grace` seconds. Idempotent; returns once it has ended."""
+        ...
+
+
+class Runtime(Protocol):
+    name: str
+
+    async def start(self, launch: TaskLaunch, output: OutputSink) -> RunningTask:
+        """Start the task. Raises `LaunchError` when it cannot start (bad image, pull failure...)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class LaunchError(Exception):
+    """The task could not be started; the message is safe to show (it never holds a secret)."""

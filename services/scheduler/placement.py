@@ -1,0 +1,527 @@
+"""Placement core: a snapshot of nodes and a FIFO queue of gangs in, a plan out. No I/O.
+
+Owns per-node resource accounting (`NodeState`, `allocate`, `release`), gang placement of one job
+(feasibility → best-fit rank → tentative allocations committed or discarded as a whole, like
+Volcano's statement), FIFO order with backfill, and the reason text for every job left waiting.
+The scheduler service feeds it snapshots and commits the `Plan` it returns.
+
+Per job, in queue order:
+  * feasible nodes for a task: enough free CPUs, memory and GPUs of the job's `gpuType` (any model
+    when unset, matched case-insensitively) on one node; a task gets exact device indexes;
+  * rank: GPU tasks go where the fewest free GPUs remain, CPU-only tasks to GPU-less nodes first,
+    then to the node with the fewest free GPUs, then best fit on CPUs and memory;
+  * a job's largest tasks are placed first; if any task finds no node, the job places nothing.
+
+A job that does not fit even when every schedulable node is empty is *unschedulable*: it waits
+with a reason saying it can never run on the current nodes and it never blocks the queue.
+
+Backfill rule (reservation): the first job that is not unschedulable and does not fit now is the
+*head*. The head is packed onto empty copies of the nodes, preferring the nodes with the most of
+what it needs free now, and the CPUs, memory and GPUs (counted per model) each of its tasks would
+use are claimed on those nodes (`Plan.reserved`). Every later job is placed only if it fits in
+what is free after subtracting the claims, so it can use any node the head does not need and any
+resources the head leaves over on the nodes it does need; a job that fits only by using claimed
+resources waits "behind" the head. Only the head is protected: other waiting jobs may be overtaken.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from dataclasses import dataclass, field
+
+from shared.jobconfig import JobConfig, TaskRole
+from shared.messages import GpuDevice, NodeInfo, TaskSpec
+
+NEVER = "can never run on the current nodes: "
+
+
+@dataclass
+class NodeState:
+    """One node's capacity and what placed tasks use of it."""
+
+    name: str
+    cpus: int
+    memory_mb: int
+    gpus: list[GpuDevice]
+    used_cpus: int = 0
+    used_memory_mb: int = 0
+    used_gpus: set[int] = field(default_factory=set)
+
+    @classmethod
+    def from_info(cls, info: NodeInfo) -> NodeState:
+        return cls(name=info.node, cpus=info.cpus, memory_mb=info.memory_mb, gpus=list(info.gpus))
+
+    @property
+    def free_cpus(self) -> int:
+        return self.cpus - self.used_cpus
+
+    @property
+    def free_memory_mb(self) -> int:
+        return self.memory_mb - self.used_memory_mb
+
+    def free_gpus(self, model: str | None = None) -> list[int]:
+        """Free device indexes of `model` (any model when None, case-insensitive), ascending."""
+        want = model.lower() if model else None
+        return sorted(
+            d.index
+            for d in self.gpus
+            if d.index not in self.used_gpus and (want is None or d.model.lower() == want)
+        )
+
+    def copy(self, *, empty: bool = False) -> NodeState:
+        if empty:
+            return NodeState(self.name, self.cpus, self.memory_mb, self.gpus)
+        return NodeState(
+            self.name,
+            self.cpus,
+            self.memory_mb,
+            self.gpus,
+            self.used_cpus,
+            self.used_memory_mb,
+            set(self.used_gpus),
+        )
+
+
+@dataclass(frozen=True)
+class PendingJob:
+    job_id: str
+    config: JobConfig
+
+
+@dataclass
+class Claim:
+    """Resources on one node held for the head job; backfill jobs may not use them."""
+
+    cpus: int = 0
+    memory_mb: int = 0
+    gpus: Counter[str] = field(default_factory=Counter)  # lower-cased model -> count
+
+
+@dataclass
+class Plan:
+    placements: dict[str, list[TaskSpec]] = field(default_factory=dict)  # in (role_no, index) order
+    pending: dict[str, str] = field(default_factory=dict)  # job id -> reason a person can act on
+    unschedulable: set[str] = field(default_factory=set)  # pending jobs that can never fit now
+    head: str | None = None  # the blocked job that backfill must not delay
+    reserved: dict[str, Claim] = field(default_factory=dict)  # node -> what is held for the head
+
+
+# ------------------------------------------------------------------ accounting
+
+
+def _take(node: NodeState, cpus: int, memory_mb: int, gpus: Sequence[int]) -> None:
+    """Add a task's usage to `node`; ValueError (and no change) if it would not fit."""
+    known = {d.index for d in node.gpus}
+    for i in gpus:
+        if i not in known:
+            raise ValueError(f"node {node.name} has no GPU {i}")
+        if i in node.used_gpus:
+            raise ValueError(f"GPU {i} on node {node.name} is already in use")
+    if len(set(gpus)) != len(gpus):
+        raise ValueError(f"GPU indexes {list(gpus)} on node {node.name} repeat")
+    if node.used_cpus + cpus > node.cpus:
+        raise ValueError(f"node {node.name}: {node.used_cpus + cpus} CPUs would exceed its {node.cpus}")
+    if node.used_memory_mb + memory_mb > node.memory_mb:
+        raise ValueError(
+            f"node {node.name}: {node.used_memory_mb + memory_mb} MB would exceed its {node.memory_mb} MB"
+        )
+    node.used_cpus += cpus
+    node.used_memory_mb += memory_mb
+    node.used_gpus.update(gpus)
+
+
+def _give_back(node: NodeState, cpus: int, memory_mb: int, gpus: Sequence[int]) -> None:
+    """Remove a task's usage from `node`; ValueError (and no change) if it was not in use."""
+    for i in gpus:
+        if i not in node.used_gpus:
+            raise ValueError(f"GPU {i} on node {node.name} is not in use")
+    if cpus > node.used_cpus or memory_mb > node.used_memory_mb:
+        raise ValueError(f"node {node.name} has less in use than the task to release")
+    node.used_cpus -= cpus
+    node.used_memory_mb -= memory_mb
+    node.used_gpus.difference_update(gpus)
+
+
+class _Statement:
+    """Tentative allocations of one gang: kept as they are, or all undone by `discard`."""
+
+    def __init__(self) -> None:
+        self.done: list[tuple[NodeState, int, int, list[int]]] = []
+
+    def allocate(self, node: NodeState, cpus: int, memory_mb: int, gpus: list[int]) -> None:
+        _take(node, cpus, memory_mb, gpus)
+        self.done.append((node, cpus, memory_mb, gpus))
+
+    def discard(self) -> None:
+        for node, cpus, memory_mb, gpus in reversed(self.done):
+            _give_back(node, cpus, memory_mb, gpus)
+        self.done.clear()
+
+    def claims(self) -> dict[str, Claim]:
+        out: dict[str, Claim] = {}
+        for node, cpus, memory_mb, gpus in self.done:
+            claim = out.setdefault(node.name, Claim())
+            claim.cpus += cpus
+            claim.memory_mb += memory_mb
+            models = {d.index: d.model.lower() for d in node.gpus}
+            claim.gpus.update(models[i] for i in gpus)
+        return out
+
+
+def _role_of(config: JobConfig, task: TaskSpec) -> TaskRole:
+    roles = config.taskRoles
+    if not 0 <= task.role_no < len(roles) or roles[task.role_no].name != task.role:
+        raise ValueError(f"task {task.key} (role_no {task.role_no}) is not a role of job {config.jobName}")
+    return roles[task.role_no]
+
+
+def allocate(nodes: Mapping[str, NodeState], config: JobConfig, tasks: Iterable[TaskSpec]) -> None:
+    """Record placed tasks as used on `nodes` (e.g. to rebuild the view after a restart).
+
+    All or nothing: raises ValueError, changing nothing, on an unknown node or GPU, a GPU count
+    that differs from the role's, a GPU index already in use, or CPUs/memory beyond capacity."""
+    stmt = _Statement()
+    try:
+        for task in tasks:
+            role = _role_of(config, task)
+            node = nodes.get(task.node)
+            if node is None:
+                raise ValueError(f"task {task.key} is on unknown node {task.node}")
+            if len(task.gpus) != role.gpuNumber:
+                raise ValueError(
+                    f"task {task.key} holds {len(task.gpus)} GPUs, its role needs {role.gpuNumber}"
+                )
+            stmt.allocate(node, role.cpuNumber, role.memoryMB, list(task.gpus))
+    except ValueError:
+        stmt.discard()
+        raise
+
+
+def release(nodes: Mapping[str, NodeState], config: JobConfig, tasks: Iterable[TaskSpec]) -> None:
+    """Give back the resources of ended tasks. Tasks on nodes no longer in `nodes` are skipped (the
+    node took its resources with it). All or nothing: ValueError if something was not in use."""
+    done: list[tuple[NodeState, int, int, list[int]]] = []
+    try:
+        for task in tasks:
+            role = _role_of(config, task)
+            node = nodes.get(task.node)
+            if node is not None:
+                _give_back(node, role.cpuNumber, role.memoryMB, list(task.gpus))
+                done.append((node, role.cpuNumber, role.memoryMB, list(task.gpus)))
+    except ValueError:
+        for node, cpus, memory_mb, gpus in reversed(done):
+            _take(node, cpus, memory_mb, gpus)
+        raise
+
+
+# ------------------------------------------------------------------ one gang
+
+
+@dataclass(frozen=True, order=True)
+class _Shape:
+    """What one task needs on one node."""
+
+    gpus: int
+    cpus: int
+    memory_mb: int
+    model: str | None  # lower-cased gpuType; None = any model
+
+
+@dataclass(frozen=True)
+class _Task:
+    role_no: int
+    index: int
+    role: str
+
+
+Groups = list[tuple[_Shape, list[_Task]]]
+Ranker = Callable[[NodeState, _Shape, "Claim | None"], tuple]
+
+
+def _demand(config: JobConfig) -> Groups:
+    """The job's tasks grouped by shape, largest shape first (GPUs, then CPUs, then memory)."""
+    model = config.gpuType.lower() if config.gpuType else None
+    groups: dict[_Shape, list[_Task]] = {}
+    for role_no, role in enumerate(config.taskRoles):
+        shape = _Shape(role.gpuNumber, role.cpuNumber, role.memoryMB, model if role.gpuNumber else None)
+        tasks = groups.setdefault(shape, [])
+        tasks.extend(_Task(role_no, i, role.name) for i in range(role.taskNumber))
+    return sorted(groups.items(), key=lambda kv: (kv[0].gpus, kv[0].cpus, kv[0].memory_mb), reverse=True)
+
+
+def _usable_gpus(node: NodeState, model: str | None, claim: Claim | None) -> list[int]:
+    """Free device indexes of `model` (any when None), ascending, less those `claim` holds."""
+    free = [d for d in node.gpus if d.index not in node.used_gpus]
+    if claim is not None and claim.gpus:
+        held = Counter(claim.gpus)
+        kept = []
+        for d in sorted(free, key=lambda d: d.index, reverse=True):
+            if held[d.model.lower()] > 0:
+                held[d.model.lower()] -= 1
+            else:
+                kept.append(d)
+        free = kept
+    return sorted(d.index for d in free if model is None or d.model.lower() == model)
+
+
+def _fits(node: NodeState, shape: _Shape, claim: Claim | None) -> bool:
+    cpus, memory_mb = (claim.cpus, claim.memory_mb) if claim else (0, 0)
+    return (
+        node.free_cpus - cpus >= shape.cpus
+        and node.free_memory_mb - memory_mb >= shape.memory_mb
+        and (shape.gpus == 0 or len(_usable_gpus(node, shape.model, claim)) >= shape.gpus)
+    )
+
+
+def _best_fit(node: NodeState, shape: _Shape, claim: Claim | None) -> tuple:
+    """Smaller is better: leave the fewest free GPUs, then the fewest free CPUs and memory."""
+    cpus, memory_mb = (claim.cpus, claim.memory_mb) if claim else (0, 0)
+    gpus_after = len(_usable_gpus(node, None, claim)) - shape.gpus
+    cpus_after = node.free_cpus - cpus - shape.cpus
+    memory_after = node.free_memory_mb - memory_mb - shape.memory_mb
+    if shape.gpus:
+        return (gpus_after, cpus_after, memory_after, node.name)
+    return (bool(node.gpus), gpus_after, cpus_after, memory_after, node.name)
+
+
+def _place_gang(
+    groups: Groups, nodes: list[NodeState], claims: Mapping[str, Claim], rank: Ranker, stmt: _Statement
+) -> tuple[list[TaskSpec], tuple[_Shape, _Task] | None]:
+    """Place tasks into `stmt` until one finds no node; returns the specs and that task (or None).
+
+    Tasks of one shape share a heap of feasible nodes: placing a task changes only its node's rank."""
+    specs: list[TaskSpec] = []
+    for shape, tasks in groups:
+        heap = [
+            (rank(n, shape, claims.get(n.name)), i)
+            for i, n in enumerate(nodes)
+            if _fits(n, shape, claims.get(n.name))
+        ]
+        heapq.heapify(heap)
+        for task in tasks:
+            if not heap:
+                return specs, (shape, task)
+            _, i = heapq.heappop(heap)
+            node, claim = nodes[i], claims.get(nodes[i].name)
+            gpus = _usable_gpus(node, shape.model, claim)[: shape.gpus]
+            stmt.allocate(node, shape.cpus, shape.memory_mb, gpus)
+            specs.append(
+                TaskSpec(role=task.role, role_no=task.role_no, index=task.index, node=node.name, gpus=gpus)
+            )
+            if _fits(node, shape, claim):
+                heapq.heappush(heap, (rank(node, shape, claim), i))
+    return specs, None
+
+
+def _closest_to_free(live: Mapping[str, NodeState]) -> Ranker:
+    """Rank empty copies of nodes by how much of a task is free on the real node now (most first),
+    less what the head's earlier tasks already claimed there."""
+
+    def rank(node: NodeState, shape: _Shape, _claim: Claim | None) -> tuple:
+        real = live[node.name]
+        gpus = len(real.free_gpus(shape.model)) - len(node.used_gpus)
+        return (
+            -gpus,
+            -(real.free_cpus - node.used_cpus),
+            -(real.free_memory_mb - node.used_memory_mb),
+            node.name,
+        )
+
+    return rank
+
+
+def _reserve(groups: Groups, live: list[NodeState], empty: list[NodeState]) -> dict[str, Claim]:
+    """Where the head would go once enough frees up: packed on empty nodes, nearest-to-free first."""
+    stmt = _Statement()
+    _, failed = _place_gang(groups, empty, {}, _closest_to_free({n.name: n for n in live}), stmt)
+    if failed is not None:  # the spread-out packing failed; the best-fit one is known to succeed
+        stmt.discard()
+        _place_gang(groups, empty, {}, _best_fit, stmt)
+    claims = stmt.claims()
+    stmt.discard()
+    return claims
+
+
+# ------------------------------------------------------------------ reasons
+
+
+def _gpus(n: int, label: str | None) -> str:
+    return f"{n} {label}" if label else f"{n} GPU{'' if n == 1 else 's'}"
+
+
+def _shape_text(shape: _Shape, label: str | None) -> str:
+    parts = [_gpus(shape.gpus, label)] if shape.gpus else []
+    parts += [f"{shape.cpus} CPUs", f"{shape.memory_mb} MB"]
+    return ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def _gpu_demand(config: JobConfig) -> str:
+    """`2×4 V100 on one node each` / `8 V100 on one node`."""
+    roles = [r for r in config.taskRoles if r.gpuNumber]
+    parts = [
+        _gpus(r.gpuNumber, config.gpuType)
+        if r.taskNumber == 1
+        else f"{r.taskNumber}×{_gpus(r.gpuNumber, config.gpuType)}"
+        for r in roles
+    ]
+    each = " each" if sum(r.taskNumber for r in roles) > 1 else ""
+    return " + ".join(parts) + f" on one node{each}"
+
+
+def _most(nodes: Iterable[NodeState], amount: Callable[[NodeState], int]) -> tuple[int, str]:
+    best = max(nodes, key=lambda n: (amount(n), n.name), default=None)
+    return (amount(best), best.name) if best else (0, "")
+
+
+def _role_never_fits(role: TaskRole, shape: _Shape, label: str | None, empty: list[NodeState]) -> str | None:
+    if any(_fits(n, shape, None) for n in empty):
+        return None
+    gpus, _ = _most(empty, lambda n: len(n.free_gpus(shape.model)))
+    if gpus < shape.gpus:
+        return f"task {role.name} needs {_gpus(shape.gpus, label)} on one node; the largest node has {gpus}"
+    cpus, _ = _most(empty, lambda n: n.cpus)
+    if cpus < shape.cpus:
+        return f"task {role.name} needs {shape.cpus} CPUs; the largest node has {cpus}"
+    memory, _ = _most(empty, lambda n: n.memory_mb)
+    if memory < shape.memory_mb:
+        return f"task {role.name} needs {shape.memory_mb} MB of memory; the largest node has {memory} MB"
+    return f"task {role.name} needs {_shape_text(shape, label)} on one node; no node has all of them"
+
+
+def _gang_never_fits(config: JobConfig, groups: Groups, empty: list[NodeState]) -> str | None:
+    if _trial(groups, empty)[1] is None:
+        return None
+    n = config.total_tasks
+    model = config.gpuType.lower() if config.gpuType else None
+    totals = [
+        (
+            sum(s.gpus * len(t) for s, t in groups),
+            sum(len(e.free_gpus(model)) for e in empty),
+            lambda k: _gpus(k, config.gpuType),
+        ),
+        (sum(s.cpus * len(t) for s, t in groups), sum(e.cpus for e in empty), lambda k: f"{k} CPUs"),
+        (sum(s.memory_mb * len(t) for s, t in groups), sum(e.memory_mb for e in empty), lambda k: f"{k} MB"),
+    ]
+    for need, have, show in totals:
+        if need > have:
+            return f"its {n} tasks need {show(need)} in all; the cluster has {show(have)}"
+    return f"its {n} tasks do not pack onto the nodes even when they are empty"
+
+
+def _never_fits(config: JobConfig, groups: Groups, empty: list[NodeState]) -> str | None:
+    """Why the job cannot fit even when every schedulable node is empty; None if it can."""
+    model = config.gpuType.lower() if config.gpuType else None
+    if model and any(s.gpus for s, _ in groups) and not any(e.free_gpus(model) for e in empty):
+        have = sorted({d.model.lower(): d.model for e in empty for d in e.gpus}.values())
+        has = f"cluster has: {', '.join(have)}" if have else "cluster has no GPUs"
+        return f"no node has a GPU of type {config.gpuType} ({has})"
+    for shape, tasks in groups:
+        role = config.taskRoles[tasks[0].role_no]
+        why = _role_never_fits(role, shape, config.gpuType, empty)
+        if why:
+            return why
+    return _gang_never_fits(config, groups, empty)
+
+
+def _why_not_now(config: JobConfig, shape: _Shape, failed: _Task, placed: int, live: list[NodeState]) -> str:
+    """Why a job that fits on empty nodes does not fit on what is free now."""
+    label = config.gpuType
+    if shape.gpus:
+        block, where = _most(live, lambda n: len(n.free_gpus(shape.model)))
+        if block == 0:
+            return f"needs {_gpu_demand(config)}; no {label or 'GPU'} is free now"
+        if block < shape.gpus:
+            return f"needs {_gpu_demand(config)}; largest free block is {_gpus(block, label)} ({where})"
+    cpus, where = _most(live, lambda n: n.free_cpus)
+    if cpus < shape.cpus:
+        return f"task {failed.role} needs {shape.cpus} CPUs on one node; at most {cpus} are free ({where})"
+    memory, where = _most(live, lambda n: n.free_memory_mb)
+    if memory < shape.memory_mb:
+        free = f"at most {memory} MB are free ({where})"
+        return f"task {failed.role} needs {shape.memory_mb} MB on one node; {free}"
+    if placed:
+        return (
+            f"only {placed} of {config.total_tasks} tasks fit in what is free now "
+            f"(task {failed.role} needs {_shape_text(shape, label)} on one node)"
+        )
+    return (
+        f"task {failed.role} needs {_shape_text(shape, label)} on one node; no node has all of them free now"
+    )
+
+
+# ------------------------------------------------------------------ the queue
+
+
+def plan(nodes: Iterable[NodeState], queue: Sequence[PendingJob], avoid: Set[str] = frozenset()) -> Plan:
+    """Place the queue in FIFO order with backfill around the head (see the module docstring).
+
+    `nodes` and the jobs are not changed; nodes named in `avoid` get nothing."""
+    all_nodes = list(nodes)
+    live = [n.copy() for n in all_nodes if n.name not in avoid]
+    empty = [n.copy(empty=True) for n in live]
+    avoided = sorted(n.name for n in all_nodes if n.name in avoid)
+    result = Plan()
+    never_cache: dict[tuple, str | None] = {}
+    for job in queue:
+        groups = _demand(job.config)
+        stmt = _Statement()
+        specs, failed = _place_gang(groups, live, result.reserved, _best_fit, stmt)
+        if failed is None:
+            result.placements[job.job_id] = sorted(specs, key=lambda t: (t.role_no, t.index))
+            continue
+        stmt.discard()
+        never = _unschedulable(job.config, groups, empty, all_nodes, avoided, never_cache)
+        if never is not None:
+            result.pending[job.job_id] = never
+            result.unschedulable.add(job.job_id)
+            continue
+        if result.head is not None:  # did it fail only because of the head's claims?
+            specs, failed = _trial(groups, live)
+            if failed is None:
+                result.pending[job.job_id] = (
+                    f"waiting behind job {result.head} (FIFO): "
+                    f"it fits now only on resources held for {result.head}"
+                )
+                continue
+        assert failed is not None
+        result.pending[job.job_id] = _why_not_now(job.config, *failed, len(specs), live)
+        if result.head is None:
+            result.head = job.job_id
+            result.reserved = _reserve(groups, live, empty)
+            held = ", ".join(sorted(result.reserved))
+            result.pending[job.job_id] += f"; first in line, holding resources on {held}"
+    return result
+
+
+def _trial(groups: Groups, nodes: list[NodeState]) -> tuple[list[TaskSpec], tuple[_Shape, _Task] | None]:
+    """What a best-fit placement on `nodes` would do, undone afterwards."""
+    stmt = _Statement()
+    specs, failed = _place_gang(groups, nodes, {}, _best_fit, stmt)
+    stmt.discard()
+    return specs, failed
+
+
+def _unschedulable(
+    config: JobConfig,
+    groups: Groups,
+    empty: list[NodeState],
+    all_nodes: list[NodeState],
+    avoided: list[str],
+    cache: dict[tuple, str | None],
+) -> str | None:
+    """The reason if the job can never fit on the current schedulable nodes; None if it can."""
+    if not all_nodes:
+        return "no nodes registered"
+    if not empty:
+        return f"no schedulable nodes: every node is avoided ({', '.join(avoided)})"
+    key = (
+        config.gpuType and config.gpuType.lower(),
+        tuple((r.name, r.taskNumber, r.cpuNumber, r.memoryMB, r.gpuNumber) for r in config.taskRoles),
+    )
+    if key not in cache:
+        why = _never_fits(config, groups, empty)
+        note = f" (avoided nodes not counted: {', '.join(avoided)})" if avoided else ""
+        cache[key] = NEVER + why + note if why else None
+    return cache[key]
