@@ -36,13 +36,20 @@ class Procs:
         self.url, self.log_dir, self.procs = url, log_dir, []
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, "MUSTER_NATS_URL": self.url, "PYTHONUNBUFFERED": "1"}
+        # Tasks of the process runtime find this environment's python3 (and torch) first.
+        path = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"
+        return {**os.environ, "MUSTER_NATS_URL": self.url, "PYTHONUNBUFFERED": "1", "PATH": path}
 
-    def start(self, module: str, *args: str) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{module.rsplit('.', 1)[-1]}-{len(self.procs)}.log", "wb")  # noqa: SIM115
+    def start(self, module: str, *args: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+        log_path = self.log_dir / f"{module.rsplit('.', 1)[-1]}-{len(self.procs)}.log"
+        log = open(log_path, "wb")  # noqa: SIM115
         proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args], env=self.env(), stdout=log, stderr=subprocess.STDOUT
+            [*prefix, sys.executable, "-m", module, *args],
+            env=self.env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
+        proc.log_path = log_path  # type: ignore[attr-defined]
         self.procs.append(proc)
         return proc
 
@@ -70,3 +77,41 @@ def procs(nats_url: str, tmp_path: Path) -> Iterator[Procs]:
     p = Procs(nats_url, tmp_path)
     yield p
     p.stop_all()
+
+
+CORE = ("services.validator", "services.scheduler", "services.registry", "services.supervisor")
+
+
+class Cluster(Procs):
+    """The control plane as separate processes plus agents, each killable on its own."""
+
+    def core(self) -> Cluster:
+        for module in CORE:
+            self.start(module)
+        return self
+
+    def agent(self, node: str, *args: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+        work = self.log_dir / "work"
+        return self.start(
+            "services.agent",
+            "--node",
+            node,
+            "--runtime",
+            "process",
+            "--work-root",
+            str(work / node),
+            "--output-root",
+            str(self.log_dir / "output"),
+            *args,
+            prefix=prefix,
+        )
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.log_dir.glob("*.log")))
+
+
+@pytest.fixture
+def cluster(nats_url: str, tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(nats_url, tmp_path)
+    yield c
+    c.stop_all()

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import getpass
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -17,13 +18,14 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import DeliverPolicy
 from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
 
 from services.agent.config import add_agent_arguments
 from shared import bus, client, logs, subjects
 from shared.jobconfig import FieldError, check_job
 from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
-from shared.messages import JobRecord, JobState
+from shared.messages import AttemptRecord, JobRecord, JobState
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
 
@@ -116,8 +118,27 @@ def _safe_key(key: str) -> bool:
 # ---------------------------------------------------------------- submit
 
 
+LOCAL_DIR_FIELDS = ("dataDir", "codeDir", "outputDir", "authFile")
+
+
+def absolutize(raw: Any, base: Path) -> bool:
+    """Dir fields written relative to the config file (`./code`) become absolute paths on this
+    machine, so a config next to its code works from any directory. Returns whether any did."""
+    if not isinstance(raw, dict):
+        return False
+    changed = False
+    for key in LOCAL_DIR_FIELDS:
+        value = raw.get(key)
+        if isinstance(value, str) and (value == "." or value.startswith("./")):
+            raw[key] = str((base / value).resolve())
+            changed = True
+    return changed
+
+
 async def submit(args: argparse.Namespace) -> int:
-    data, _ = read_config(args.file)
+    data, raw = read_config(args.file)
+    if args.file != "-" and absolutize(raw, Path(os.path.abspath(args.file)).parent):  # noqa: ASYNC240
+        data = json.dumps(raw).encode()
     if len(data) > MAX_CONFIG_BYTES:
         raise CliError(f"{args.file}: {len(data)} bytes; the limit is 1 MiB", EXIT_INVALID)
     nc = await connect(args.connect_timeout)
@@ -188,7 +209,13 @@ async def status(args: argparse.Namespace) -> int:
     try:
         if args.job:
             record = await resolve(nc, args.job)
-            out(record.model_dump_json(indent=2) if args.json else describe(record))
+            attempt = await current_attempt(nc, record)
+            if args.json:
+                doc = record.model_dump(mode="json")
+                doc["current_attempt"] = attempt.model_dump(mode="json") if attempt else None
+                out(json.dumps(doc, indent=2))
+            else:
+                out(describe(record, attempt))
             return EXIT_OK
         records = await all_jobs(nc)
         if args.json:
@@ -198,6 +225,16 @@ async def status(args: argparse.Namespace) -> int:
         return EXIT_OK
     finally:
         await nc.close()
+
+
+async def current_attempt(nc: NATS, record: JobRecord) -> AttemptRecord | None:
+    if record.attempt == 0:
+        return None
+    try:
+        kv = await nc.jetstream(timeout=5).key_value(subjects.ATTEMPTS_BUCKET)
+        return AttemptRecord.from_bytes((await kv.get(f"{record.job_id}.{record.attempt}")).value)
+    except (NotFoundError, KeyNotFoundError):
+        return None
 
 
 async def all_jobs(nc: NATS) -> list[JobRecord]:
@@ -232,14 +269,19 @@ def table(records: list[JobRecord]) -> str:
                 "" if r.state.final else r.reason,
             )
         )
+    return columns(rows)
+
+
+def columns(rows: list[tuple[str, ...]]) -> str:
+    """Rows as aligned columns; the last column is not padded."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]
+        ("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]).rstrip()
         for row in rows
-    ).rstrip()
+    )
 
 
-def describe(r: JobRecord) -> str:
+def describe(r: JobRecord, attempt: AttemptRecord | None = None) -> str:
     c = r.config
     lines = [
         f"job:        {r.job_id}",
@@ -258,11 +300,61 @@ def describe(r: JobRecord) -> str:
             f"  [{i}] {role.name} ×{role.taskNumber}: {role.cpuNumber} CPU, {role.memoryMB} MB, "
             f"{role.gpuNumber} GPU{(' ' + c.gpuType) if c.gpuType and role.gpuNumber else ''}"
         )
-    return "\n".join(lines)
+    if attempt is not None:
+        ended = f", ended {attempt.ended_at:%H:%M:%S}: {attempt.rule}" if attempt.ended_at else ""
+        lines.append(f"attempt {attempt.attempt}: placed {attempt.placed_at:%Y-%m-%d %H:%M:%S}{ended}")
+        rows = [("TASK", "NODE", "GPUS", "STATE", "EXIT", "REASON")]
+        for t in attempt.tasks:
+            rows.append(
+                (
+                    t.key,
+                    t.node,
+                    ",".join(map(str, t.gpus)) or "-",
+                    str(t.state),
+                    "" if t.exit_code is None else str(t.exit_code),
+                    t.reason,
+                )
+            )
+        lines += ["  " + line for line in columns(rows).splitlines()]
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def _retry_text(n: int) -> str:
     return {-1: "retry failures without limit", -2: "always restart until killed"}.get(n, str(n))
+
+
+# ---------------------------------------------------------------- logs
+
+
+async def show_logs(args: argparse.Namespace) -> int:
+    nc = await connect(args.connect_timeout)
+    try:
+        record = await resolve(nc, args.job)
+        attempt = args.attempt or record.attempt
+        if attempt == 0:
+            raise CliError(f"job {record.job_id} has not started yet: {record.reason}")
+        role, _, index = (args.task or "*.*").partition(".")
+        subject = subjects.task_logs(record.job_id, attempt, role or "*", index or "*")
+        js = nc.jetstream(timeout=5)
+        sub = await js.subscribe(subject, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+        idle = 0.0
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=0.5)
+            except NatsTimeout:
+                if not args.follow:
+                    break
+                idle += 0.5
+                if idle >= 2.0:
+                    idle = 0.0
+                    if (await resolve(nc, record.job_id)).state.final:
+                        break
+                continue
+            token = msg.subject.split(".")
+            out(f"[{token[-2]}.{token[-1]}] {msg.data.decode('utf-8', 'replace')}")
+        return EXIT_OK
+    finally:
+        await nc.close()
 
 
 # ---------------------------------------------------------------- up
@@ -327,11 +419,18 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=lambda a: asyncio.run(status(a)))
 
+    s = sub.add_parser("logs", help="print the output of a job's tasks (kept after they end)")
+    s.add_argument("job")
+    s.add_argument("--task", help="one task, as ROLE.INDEX (or ROLE)")
+    s.add_argument("--attempt", type=int, help="which attempt (default: the current one)")
+    s.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    s.set_defaults(func=lambda a: asyncio.run(show_logs(a)))
+
     s = sub.add_parser("validate", help="check a config locally (every rule but name uniqueness)")
     s.add_argument("file")
     s.set_defaults(func=cmd_validate)
 
-    for name in ("submit", "status"):
+    for name in ("submit", "status", "logs"):
         sub.choices[name].add_argument(
             "--connect-timeout", type=float, default=10.0, help="seconds to keep trying to reach NATS"
         )

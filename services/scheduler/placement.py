@@ -39,7 +39,8 @@ NEVER = "can never run on the current nodes: "
 
 @dataclass
 class NodeState:
-    """One node's capacity and what placed tasks use of it."""
+    """One node's capacity and what placed tasks use of it. Assign a new list to `gpus` rather
+    than changing it in place: the (index, lower-cased model) view of it is cached."""
 
     name: str
     cpus: int
@@ -48,6 +49,9 @@ class NodeState:
     used_cpus: int = 0
     used_memory_mb: int = 0
     used_gpus: set[int] = field(default_factory=set)
+    _devices: tuple[list[GpuDevice], list[tuple[int, str]]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @classmethod
     def from_info(cls, info: NodeInfo) -> NodeState:
@@ -61,27 +65,37 @@ class NodeState:
     def free_memory_mb(self) -> int:
         return self.memory_mb - self.used_memory_mb
 
+    @property
+    def free_gpu_count(self) -> int:
+        """Free GPUs of any model."""
+        return len(self.gpus) - len(self.used_gpus)
+
+    def devices(self) -> list[tuple[int, str]]:
+        """(index, lower-cased model) of every GPU, by index."""
+        if self._devices is None or self._devices[0] is not self.gpus:
+            self._devices = (self.gpus, sorted((d.index, d.model.lower()) for d in self.gpus))
+        return self._devices[1]
+
     def free_gpus(self, model: str | None = None) -> list[int]:
         """Free device indexes of `model` (any model when None, case-insensitive), ascending."""
         want = model.lower() if model else None
-        return sorted(
-            d.index
-            for d in self.gpus
-            if d.index not in self.used_gpus and (want is None or d.model.lower() == want)
-        )
+        return [i for i, m in self.devices() if i not in self.used_gpus and (want is None or m == want)]
 
     def copy(self, *, empty: bool = False) -> NodeState:
         if empty:
-            return NodeState(self.name, self.cpus, self.memory_mb, self.gpus)
-        return NodeState(
-            self.name,
-            self.cpus,
-            self.memory_mb,
-            self.gpus,
-            self.used_cpus,
-            self.used_memory_mb,
-            set(self.used_gpus),
-        )
+            twin = NodeState(self.name, self.cpus, self.memory_mb, self.gpus)
+        else:
+            twin = NodeState(
+                self.name,
+                self.cpus,
+                self.memory_mb,
+                self.gpus,
+                self.used_cpus,
+                self.used_memory_mb,
+                set(self.used_gpus),
+            )
+        twin._devices = (self.gpus, self.devices())  # a cache, shared: the device list never changes
+        return twin
 
 
 @dataclass(frozen=True)
@@ -165,7 +179,7 @@ class _Statement:
             claim = out.setdefault(node.name, Claim())
             claim.cpus += cpus
             claim.memory_mb += memory_mb
-            models = {d.index: d.model.lower() for d in node.gpus}
+            models = dict(node.devices())
             claim.gpus.update(models[i] for i in gpus)
         return out
 
@@ -219,7 +233,7 @@ def release(nodes: Mapping[str, NodeState], config: JobConfig, tasks: Iterable[T
 # ------------------------------------------------------------------ one gang
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class _Shape:
     """What one task needs on one node."""
 
@@ -237,7 +251,7 @@ class _Task:
 
 
 Groups = list[tuple[_Shape, list[_Task]]]
-Ranker = Callable[[NodeState, _Shape, "Claim | None"], tuple]
+Ranker = Callable[[NodeState, _Shape, Claim | None], tuple]
 
 
 def _demand(config: JobConfig) -> Groups:
@@ -253,32 +267,33 @@ def _demand(config: JobConfig) -> Groups:
 
 def _usable_gpus(node: NodeState, model: str | None, claim: Claim | None) -> list[int]:
     """Free device indexes of `model` (any when None), ascending, less those `claim` holds."""
-    free = [d for d in node.gpus if d.index not in node.used_gpus]
+    free = [(i, m) for i, m in node.devices() if i not in node.used_gpus]
     if claim is not None and claim.gpus:
         held = Counter(claim.gpus)
         kept = []
-        for d in sorted(free, key=lambda d: d.index, reverse=True):
-            if held[d.model.lower()] > 0:
-                held[d.model.lower()] -= 1
+        for i, m in reversed(free):  # the claim holds the highest free indexes of each model
+            if held[m] > 0:
+                held[m] -= 1
             else:
-                kept.append(d)
-        free = kept
-    return sorted(d.index for d in free if model is None or d.model.lower() == model)
+                kept.append((i, m))
+        free = kept[::-1]
+    return [i for i, m in free if model is None or m == model]
 
 
 def _fits(node: NodeState, shape: _Shape, claim: Claim | None) -> bool:
     cpus, memory_mb = (claim.cpus, claim.memory_mb) if claim else (0, 0)
-    return (
-        node.free_cpus - cpus >= shape.cpus
-        and node.free_memory_mb - memory_mb >= shape.memory_mb
-        and (shape.gpus == 0 or len(_usable_gpus(node, shape.model, claim)) >= shape.gpus)
-    )
+    if node.free_cpus - cpus < shape.cpus or node.free_memory_mb - memory_mb < shape.memory_mb:
+        return False
+    if shape.gpus == 0 or (claim is None and shape.model is None):
+        return node.free_gpu_count >= shape.gpus
+    return node.free_gpu_count >= shape.gpus and len(_usable_gpus(node, shape.model, claim)) >= shape.gpus
 
 
 def _best_fit(node: NodeState, shape: _Shape, claim: Claim | None) -> tuple:
     """Smaller is better: leave the fewest free GPUs, then the fewest free CPUs and memory."""
     cpus, memory_mb = (claim.cpus, claim.memory_mb) if claim else (0, 0)
-    gpus_after = len(_usable_gpus(node, None, claim)) - shape.gpus
+    free_gpus = node.free_gpu_count if claim is None else len(_usable_gpus(node, None, claim))
+    gpus_after = free_gpus - shape.gpus
     cpus_after = node.free_cpus - cpus - shape.cpus
     memory_after = node.free_memory_mb - memory_mb - shape.memory_mb
     if shape.gpus:
@@ -370,28 +385,64 @@ def _gpu_demand(config: JobConfig) -> str:
     return " + ".join(parts) + f" on one node{each}"
 
 
-def _most(nodes: Iterable[NodeState], amount: Callable[[NodeState], int]) -> tuple[int, str]:
-    best = max(nodes, key=lambda n: (amount(n), n.name), default=None)
-    return (amount(best), best.name) if best else (0, "")
+@dataclass
+class _Largest:
+    """The most of each resource free on any one node, with that node's name (the greatest name on
+    a tie: best fit breaks ties the other way, so placing rarely touches these nodes).
+    A cheap necessary test before a full placement, and the numbers a reason quotes."""
+
+    gpus: dict[str | None, tuple[int, str]] = field(default_factory=dict)  # model (None: any) -> most
+    cpus: tuple[int, str] = (0, "")
+    memory_mb: tuple[int, str] = (0, "")
+
+    @classmethod
+    def of(cls, nodes: Iterable[NodeState]) -> _Largest:
+        out = cls()
+        for n in nodes:
+            counts: dict[str | None, int] = {None: n.free_gpu_count}
+            for i, m in n.devices():
+                if i not in n.used_gpus:
+                    counts[m] = counts.get(m, 0) + 1
+            for model, k in counts.items():
+                out.gpus[model] = max(out.gpu_block(model), (k, n.name))
+            out.cpus = max(out.cpus, (n.free_cpus, n.name))
+            out.memory_mb = max(out.memory_mb, (n.free_memory_mb, n.name))
+        return out
+
+    def holders(self) -> set[str]:
+        """The nodes the numbers come from: placing on other nodes leaves every maximum as it is."""
+        return {name for _, name in self.gpus.values()} | {self.cpus[1], self.memory_mb[1]}
+
+    def gpu_block(self, model: str | None) -> tuple[int, str]:
+        return self.gpus.get(model, (0, ""))
+
+    def could_host(self, shape: _Shape) -> bool:
+        return (
+            self.gpu_block(shape.model)[0] >= shape.gpus
+            and self.cpus[0] >= shape.cpus
+            and self.memory_mb[0] >= shape.memory_mb
+        )
 
 
-def _role_never_fits(role: TaskRole, shape: _Shape, label: str | None, empty: list[NodeState]) -> str | None:
-    if any(_fits(n, shape, None) for n in empty):
-        return None
-    gpus, _ = _most(empty, lambda n: len(n.free_gpus(shape.model)))
+def _role_never_fits(
+    role: TaskRole, shape: _Shape, label: str | None, empty: list[NodeState], largest: _Largest
+) -> str | None:
+    gpus, cpus, memory = largest.gpu_block(shape.model)[0], largest.cpus[0], largest.memory_mb[0]
     if gpus < shape.gpus:
         return f"task {role.name} needs {_gpus(shape.gpus, label)} on one node; the largest node has {gpus}"
-    cpus, _ = _most(empty, lambda n: n.cpus)
     if cpus < shape.cpus:
         return f"task {role.name} needs {shape.cpus} CPUs; the largest node has {cpus}"
-    memory, _ = _most(empty, lambda n: n.memory_mb)
     if memory < shape.memory_mb:
         return f"task {role.name} needs {shape.memory_mb} MB of memory; the largest node has {memory} MB"
+    if any(_fits(n, shape, None) for n in empty):
+        return None
     return f"task {role.name} needs {_shape_text(shape, label)} on one node; no node has all of them"
 
 
-def _gang_never_fits(config: JobConfig, groups: Groups, empty: list[NodeState]) -> str | None:
-    if _trial(groups, empty)[1] is None:
+def _gang_never_fits(
+    config: JobConfig, groups: Groups, empty: list[NodeState], largest: _Largest
+) -> str | None:
+    if _place(groups, empty, {}, largest, keep=False)[1] is None:
         return None
     n = config.total_tasks
     model = config.gpuType.lower() if config.gpuType else None
@@ -410,7 +461,7 @@ def _gang_never_fits(config: JobConfig, groups: Groups, empty: list[NodeState]) 
     return f"its {n} tasks do not pack onto the nodes even when they are empty"
 
 
-def _never_fits(config: JobConfig, groups: Groups, empty: list[NodeState]) -> str | None:
+def _never_fits(config: JobConfig, groups: Groups, empty: list[NodeState], largest: _Largest) -> str | None:
     """Why the job cannot fit even when every schedulable node is empty; None if it can."""
     model = config.gpuType.lower() if config.gpuType else None
     if model and any(s.gpus for s, _ in groups) and not any(e.free_gpus(model) for e in empty):
@@ -419,28 +470,28 @@ def _never_fits(config: JobConfig, groups: Groups, empty: list[NodeState]) -> st
         return f"no node has a GPU of type {config.gpuType} ({has})"
     for shape, tasks in groups:
         role = config.taskRoles[tasks[0].role_no]
-        why = _role_never_fits(role, shape, config.gpuType, empty)
+        why = _role_never_fits(role, shape, config.gpuType, empty, largest)
         if why:
             return why
-    return _gang_never_fits(config, groups, empty)
+    return _gang_never_fits(config, groups, empty, largest)
 
 
-def _why_not_now(config: JobConfig, shape: _Shape, failed: _Task, placed: int, live: list[NodeState]) -> str:
-    """Why a job that fits on empty nodes does not fit on what is free now."""
+def _why_not_now(config: JobConfig, shape: _Shape, failed: _Task, placed: int, free: _Largest) -> str:
+    """Why a job that fits on empty nodes does not fit on what is free now (`free`)."""
     label = config.gpuType
     if shape.gpus:
-        block, where = _most(live, lambda n: len(n.free_gpus(shape.model)))
+        block, where = free.gpu_block(shape.model)
         if block == 0:
             return f"needs {_gpu_demand(config)}; no {label or 'GPU'} is free now"
         if block < shape.gpus:
             return f"needs {_gpu_demand(config)}; largest free block is {_gpus(block, label)} ({where})"
-    cpus, where = _most(live, lambda n: n.free_cpus)
+    cpus, where = free.cpus
     if cpus < shape.cpus:
         return f"task {failed.role} needs {shape.cpus} CPUs on one node; at most {cpus} are free ({where})"
-    memory, where = _most(live, lambda n: n.free_memory_mb)
+    memory, where = free.memory_mb
     if memory < shape.memory_mb:
-        free = f"at most {memory} MB are free ({where})"
-        return f"task {failed.role} needs {shape.memory_mb} MB on one node; {free}"
+        have = f"at most {memory} MB are free ({where})"
+        return f"task {failed.role} needs {shape.memory_mb} MB on one node; {have}"
     if placed:
         return (
             f"only {placed} of {config.total_tasks} tasks fit in what is free now "
@@ -460,25 +511,24 @@ def plan(nodes: Iterable[NodeState], queue: Sequence[PendingJob], avoid: Set[str
     `nodes` and the jobs are not changed; nodes named in `avoid` get nothing."""
     all_nodes = list(nodes)
     live = [n.copy() for n in all_nodes if n.name not in avoid]
-    empty = [n.copy(empty=True) for n in live]
-    avoided = sorted(n.name for n in all_nodes if n.name in avoid)
+    capacity = _Capacity(all_nodes, avoid)
     result = Plan()
-    never_cache: dict[tuple, str | None] = {}
+    free = _Largest.of(live)  # kept current: placing only lowers what is free
     for job in queue:
         groups = _demand(job.config)
-        stmt = _Statement()
-        specs, failed = _place_gang(groups, live, result.reserved, _best_fit, stmt)
+        specs, failed = _place(groups, live, result.reserved, free)
         if failed is None:
             result.placements[job.job_id] = sorted(specs, key=lambda t: (t.role_no, t.index))
+            if {t.node for t in specs} & free.holders():
+                free = _Largest.of(live)
             continue
-        stmt.discard()
-        never = _unschedulable(job.config, groups, empty, all_nodes, avoided, never_cache)
+        never = capacity.never(job.config, groups)
         if never is not None:
             result.pending[job.job_id] = never
             result.unschedulable.add(job.job_id)
             continue
         if result.head is not None:  # did it fail only because of the head's claims?
-            specs, failed = _trial(groups, live)
+            specs, failed = _place(groups, live, {}, free, keep=False)
             if failed is None:
                 result.pending[job.job_id] = (
                     f"waiting behind job {result.head} (FIFO): "
@@ -486,42 +536,52 @@ def plan(nodes: Iterable[NodeState], queue: Sequence[PendingJob], avoid: Set[str
                 )
                 continue
         assert failed is not None
-        result.pending[job.job_id] = _why_not_now(job.config, *failed, len(specs), live)
+        result.pending[job.job_id] = _why_not_now(job.config, *failed, len(specs), free)
         if result.head is None:
             result.head = job.job_id
-            result.reserved = _reserve(groups, live, empty)
+            result.reserved = _reserve(groups, live, capacity.nodes)
             held = ", ".join(sorted(result.reserved))
             result.pending[job.job_id] += f"; first in line, holding resources on {held}"
     return result
 
 
-def _trial(groups: Groups, nodes: list[NodeState]) -> tuple[list[TaskSpec], tuple[_Shape, _Task] | None]:
-    """What a best-fit placement on `nodes` would do, undone afterwards."""
+def _place(
+    groups: Groups, live: list[NodeState], claims: Mapping[str, Claim], free: _Largest, keep: bool = True
+) -> tuple[list[TaskSpec], tuple[_Shape, _Task] | None]:
+    """Best-fit placement of a gang on `live`, kept only if `keep` and every task found a node.
+    A shape no single node could host fails at once, without a pass over the nodes."""
+    for shape, tasks in groups:
+        if not free.could_host(shape):
+            return [], (shape, tasks[0])
     stmt = _Statement()
-    specs, failed = _place_gang(groups, nodes, {}, _best_fit, stmt)
-    stmt.discard()
+    specs, failed = _place_gang(groups, live, claims, _best_fit, stmt)
+    if failed is not None or not keep:
+        stmt.discard()
     return specs, failed
 
 
-def _unschedulable(
-    config: JobConfig,
-    groups: Groups,
-    empty: list[NodeState],
-    all_nodes: list[NodeState],
-    avoided: list[str],
-    cache: dict[tuple, str | None],
-) -> str | None:
-    """The reason if the job can never fit on the current schedulable nodes; None if it can."""
-    if not all_nodes:
-        return "no nodes registered"
-    if not empty:
-        return f"no schedulable nodes: every node is avoided ({', '.join(avoided)})"
-    key = (
-        config.gpuType and config.gpuType.lower(),
-        tuple((r.name, r.taskNumber, r.cpuNumber, r.memoryMB, r.gpuNumber) for r in config.taskRoles),
-    )
-    if key not in cache:
-        why = _never_fits(config, groups, empty)
-        note = f" (avoided nodes not counted: {', '.join(avoided)})" if avoided else ""
-        cache[key] = NEVER + why + note if why else None
-    return cache[key]
+class _Capacity:
+    """The schedulable nodes as if empty: answers "can this job ever run here?", once per job shape."""
+
+    def __init__(self, all_nodes: list[NodeState], avoid: Set[str]) -> None:
+        self.registered = len(all_nodes)
+        self.avoided = sorted(n.name for n in all_nodes if n.name in avoid)
+        self.nodes = [n.copy(empty=True) for n in all_nodes if n.name not in avoid]
+        self.largest = _Largest.of(self.nodes)
+        self._answers: dict[tuple, str | None] = {}
+
+    def never(self, config: JobConfig, groups: Groups) -> str | None:
+        """Why the job can never run on the current schedulable nodes; None if it can."""
+        if not self.registered:
+            return "no nodes registered"
+        if not self.nodes:
+            return f"no schedulable nodes: every node is avoided ({', '.join(self.avoided)})"
+        key = (
+            config.gpuType and config.gpuType.lower(),
+            tuple((r.name, r.taskNumber, r.cpuNumber, r.memoryMB, r.gpuNumber) for r in config.taskRoles),
+        )
+        if key not in self._answers:
+            why = _never_fits(config, groups, self.nodes, self.largest)
+            note = f" (avoided nodes not counted: {', '.join(self.avoided)})" if self.avoided else ""
+            self._answers[key] = NEVER + why + note if why else None
+        return self._answers[key]

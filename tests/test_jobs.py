@@ -1,0 +1,222 @@
+"""Jobs run end to end against a real nats-server, with every service a separate process and
+agents on the process runtime: the environment each task sees, a real PyTorch gang, and a
+scheduler killed mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shared import bus, client, subjects
+from shared.messages import AttemptRecord, ClusterSpec, JobRecord, JobState, TaskState
+from tests.conftest import ROOT
+
+PY = sys.executable
+
+
+def dump_env(path: Path) -> str:
+    """A command that writes the task's whole environment as JSON to <path>/<role>.<index>.json."""
+    code = (
+        "import json,os;"
+        f"json.dump(dict(os.environ),open(os.path.join({str(path)!r},"
+        "os.environ['PAI_TASK_ROLE_NAME']+'.'+os.environ['PAI_TASK_ROLE_INDEX']+'.json'),'w'))"
+    )
+    return f'{PY} -c "{code}"'
+
+
+async def run_job(nc, config: dict, timeout: float = 90) -> JobRecord:
+    _, verdict = await client.submit(nc, json.dumps(config).encode(), timeout=30)
+    assert verdict is not None and verdict.accepted, verdict
+    return await wait_final(nc, verdict.job_id, timeout)
+
+
+async def wait_final(nc, job_id: str, timeout: float = 90) -> JobRecord:
+    kv = await nc.jetstream().key_value(subjects.JOBS_BUCKET)
+    deadline = time.monotonic() + timeout
+    record = None
+    while time.monotonic() < deadline:
+        record = JobRecord.from_bytes((await kv.get(job_id)).value)
+        if record.state.final:
+            return record
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"job {job_id} did not end within {timeout}s: {record}")
+
+
+async def attempt(nc, job_id: str, n: int = 1) -> AttemptRecord:
+    kv = await nc.jetstream().key_value(subjects.ATTEMPTS_BUCKET)
+    return AttemptRecord.from_bytes((await kv.get(f"{job_id}.{n}")).value)
+
+
+async def spec(nc, job_id: str, n: int = 1) -> ClusterSpec:
+    msg = await nc.jetstream().get_last_msg(subjects.EVENTS_STREAM, subjects.cluster_spec(job_id, n))
+    return ClusterSpec.from_bytes(msg.data)
+
+
+@pytest.fixture
+async def nc(nats_url):
+    conn = await bus.connect("test", nats_url)
+    yield conn
+    await conn.close()
+
+
+def role(name, n, command, cpu=1, mem=128, gpu=0, **extra):
+    return {
+        "name": name,
+        "taskNumber": n,
+        "cpuNumber": cpu,
+        "memoryMB": mem,
+        "gpuNumber": gpu,
+        "command": command,
+        **extra,
+    }
+
+
+async def test_seed_tf_example_shape_every_task_sees_the_spec(cluster, nc, tmp_path):
+    """The seed's distributed TensorFlow job (2 ps_server + 2 workers, killAllOnCompletedTaskNumber
+    2) on two nodes: each task's environment, as the task itself wrote it, matches the spec."""
+    cluster.core()
+    cluster.agent("node-a", "--address", "127.0.0.1", "--cpus", "3", "--ports", "20000-20999")
+    cluster.agent("node-b", "--address", "127.0.0.2", "--cpus", "3", "--ports", "21000-21999")
+    out = tmp_path / "envs"
+    out.mkdir()
+    job = {
+        "jobName": "tensorflow-distributed-jobguid",
+        "image": "aii.run.tensorflow",
+        "dataDir": "hdfs://path/tensorflow-distributed-jobguid/data",
+        "outputDir": str(tmp_path / "output"),
+        "taskRoles": [
+            role("ps_server", 2, dump_env(out) + " && sleep 600", cpu=2),
+            role("worker", 2, dump_env(out), cpu=1),
+        ],
+        "killAllOnCompletedTaskNumber": 2,
+        "retryCount": 0,
+    }
+    record = await run_job(nc, job)
+    assert record.state == JobState.SUCCEEDED, cluster.logs()
+    assert "killAllOnCompletedTaskNumber" in record.reason
+
+    tasks = (await attempt(nc, record.job_id)).tasks
+    states = {t.key: t.state for t in tasks}
+    assert states == {
+        "ps_server.0": TaskState.STOPPED,
+        "ps_server.1": TaskState.STOPPED,
+        "worker.0": TaskState.SUCCEEDED,
+        "worker.1": TaskState.SUCCEEDED,
+    }
+    assert {t.node for t in tasks} == {"node-a", "node-b"}  # 2-CPU ps tasks cannot share a 3-CPU node
+
+    cluster_spec = await spec(nc, record.job_id)
+    by_role: dict[str, list[str]] = {}
+    for ep in cluster_spec.endpoints:
+        by_role.setdefault(ep.role, []).append(ep.address)
+    ps, workers = ",".join(by_role["ps_server"]), ",".join(by_role["worker"])
+    tf_cluster = {"ps": by_role["ps_server"], "worker": by_role["worker"]}
+    for ep in cluster_spec.endpoints:
+        env = json.loads((out / f"{ep.role}.{ep.index}.json").read_text())
+        rank = cluster_spec.endpoints.index(ep)
+        tf_type = "ps" if ep.role == "ps_server" else "worker"
+        expected = {
+            "PAI_JOB_NAME": "tensorflow-distributed-jobguid",
+            "PAI_TASK_ROLE_NAME": ep.role,
+            "PAI_TASK_ROLE_INDEX": str(ep.index),
+            "PAI_TASK_ROLE_NO": "0" if ep.role == "ps_server" else "1",
+            "PAI_TASK_ROLE_NUM": "2",
+            "PAI_TASKS_NUM": "4",
+            "PAI_TASK_ROLES_NUM": "2",
+            "PAI_TASK_CPU_NUM": "2" if ep.role == "ps_server" else "1",
+            "PAI_KILL_ALL_ON_COMPLETED_TASK_NUM": "2",
+            "PAI_DATA_DIR": "hdfs://path/tensorflow-distributed-jobguid/data",
+            "PAI_OUTPUT_DIR": str(tmp_path / "output"),
+            "PAI_CURRENT_CONTAINER_IP": ep.host,
+            "PAI_CURRENT_CONTAINER_PORT": str(ep.port),
+            "PAI_TASK_ROLE_0_HOST_LIST": ps,
+            "PAI_TASK_ROLE_1_HOST_LIST": workers,
+            "PAI_TASK_ROLE_ps_server_HOST_LIST": ps,
+            "PAI_TASK_ROLE_worker_HOST_LIST": workers,
+            "TF_PS_HOSTS": ps,
+            "TF_WORKER_HOSTS": workers,
+            "VC_TASK_INDEX": str(ep.index),
+            "MA_TASK_NAME": tf_type,
+            "WORLD_SIZE": "4",
+            "RANK": str(rank),
+            "MASTER_ADDR": cluster_spec.endpoints[0].host,
+            "MASTER_PORT": str(cluster_spec.endpoints[0].port),
+        }
+        assert {k: env.get(k) for k in expected} == expected, f"{ep.role}.{ep.index}"
+        assert json.loads(env["TF_CONFIG"]) == {
+            "cluster": tf_cluster,
+            "task": {"type": tf_type, "index": ep.index},
+            "environment": "cloud",
+        }
+        assert json.loads(env["CLUSTER_SPEC"])["cluster"] == tf_cluster
+        hostfile = Path(env["MUSTER_MPI_HOSTFILE"]).read_text().split("\n")
+        assert hostfile[:2] == ["127.0.0.1 slots=2", "127.0.0.2 slots=2"] or hostfile[:2] == [
+            "127.0.0.2 slots=2",
+            "127.0.0.1 slots=2",
+        ]
+    # The ports each task was given are distinct on each node.
+    per_node: dict[str, list[int]] = {}
+    for ep in cluster_spec.endpoints:
+        per_node.setdefault(ep.node, []).append(ep.port)
+    assert all(len(ports) == len(set(ports)) for ports in per_node.values())
+
+
+async def test_pytorch_gloo_allreduce_on_the_process_runtime(cluster, nc, tmp_path):
+    pytest.importorskip("torch")
+    cluster.core()
+    cluster.agent("solo", "--address", "127.0.0.1", "--cpus", "4", "--memory-mb", "8192")
+    config = json.loads(
+        "\n".join(
+            line
+            for line in (ROOT / "examples/pytorch-allreduce/job.json").read_text().splitlines()
+            if not line.strip().startswith("//")
+        )
+    )
+    config["codeDir"] = str(ROOT / "examples/pytorch-allreduce")
+    record = await run_job(nc, config, timeout=180)
+    a = await attempt(nc, record.job_id)
+    assert record.state == JobState.SUCCEEDED, (a.tasks, cluster.logs())
+    lines = sorted(line for t in a.tasks for line in t.last_lines if "all_reduce" in line)
+    assert lines == [f"rank {r}/3: all_reduce sum 6 ok (master 127.0.0.1)" for r in range(3)]
+
+
+async def test_killing_the_active_scheduler_mid_stream_standby_takes_over(cluster, nc, tmp_path):
+    for module in ("services.validator", "services.registry", "services.supervisor"):
+        cluster.start(module)
+    schedulers = [cluster.start("services.scheduler"), cluster.start("services.scheduler")]
+    cluster.agent("n1", "--address", "127.0.0.1", "--cpus", "4")
+    runs = tmp_path / "runs.log"
+    jobs = []
+    for i in range(12):
+        config = {
+            "jobName": f"once-{i}",
+            "image": "img",
+            "taskRoles": [role("main", 2, f"echo $PAI_JOB_NAME.$PAI_TASK_ROLE_INDEX >> {runs}; sleep 0.3")],
+        }
+        _, verdict = await client.submit(nc, json.dumps(config).encode(), timeout=30)
+        assert verdict and verdict.accepted
+        jobs.append(verdict.job_id)
+        if i == 3:  # kill whichever scheduler holds the lease, with work in flight
+            leases = await nc.jetstream().key_value(subjects.LEASES_BUCKET)
+            holder = (await leases.get(subjects.SCHEDULER_LEASE)).value.decode()
+            leader = next(p for p in schedulers if holder in p.log_path.read_text())
+            leader.send_signal(signal.SIGKILL)
+            leader.wait(5)
+            standby = next(p for p in schedulers if p is not leader)
+    for job_id in jobs:
+        record = await wait_final(nc, job_id, timeout=120)
+        assert record.state == JobState.SUCCEEDED and record.attempt == 1, cluster.logs()
+    assert standby.poll() is None
+    assert "scheduler.leader" in standby.log_path.read_text()
+    lines = runs.read_text().split()
+    assert sorted(lines) == sorted(f"once-{i}.{k}" for i in range(12) for k in range(2)), (
+        "a task ran twice or never"
+    )
+    kv = await nc.jetstream().key_value(subjects.ATTEMPTS_BUCKET)
+    assert sorted(await kv.keys()) == sorted(f"{j}.1" for j in jobs)
