@@ -226,3 +226,48 @@ def test_up_joins_an_existing_nats_with_muster_nats_url(nats_url, tmp_path):
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(20) == 0
+
+
+def test_readme_first_command_runs_the_distributed_example_to_succeeded(tmp_path):
+    """What the README's first command does: `muster up` with a local agent, then
+    `muster submit examples/ps-worker/job.json --wait`, from another directory."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "MUSTER_NATS_URL"}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}"
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli.main",
+            "up",
+            "--runtime",
+            "process",
+            "--cpus",
+            "8",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--port",
+            str(port),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "up.log", "wb"),  # noqa: SIM115
+    )
+    try:
+        env["MUSTER_NATS_URL"] = f"nats://127.0.0.1:{port}"
+        job = Path(__file__).resolve().parents[1] / "examples" / "ps-worker" / "job.json"
+        r = subprocess.run(
+            [sys.executable, "-m", "services.cli.main", "submit", str(job), "--wait"],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stdout + r.stderr + (tmp_path / "up.log").read_text()[-3000:]
+        assert r.stdout.splitlines()[-1].split()[1:3] == ["SUCCEEDED", "all"]
+        logs = muster("logs", "ps-worker", env=env).stdout
+        assert logs.count("every ps agrees the sum is 6") == 3
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(30)
