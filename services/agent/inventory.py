@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import socket
@@ -55,10 +56,15 @@ def discover_gpus() -> list[GpuDevice] | None:
 
 
 def short_model(name: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'H100'; 'Tesla V100-SXM2-16GB' -> 'V100': the word gpuType uses."""
-    for word in re.split(r"[\s-]+", name):
-        if re.match(r"^[A-Z]{1,3}\d{2,4}[A-Za-z]*$", word) and word not in ("NVIDIA", "Tesla"):
+    """The word gpuType uses: 'NVIDIA H100 80GB HBM3' -> 'H100', 'Tesla V100-SXM2-16GB' -> 'V100',
+    'Tesla T4' -> 'T4', 'NVIDIA GeForce RTX 3090' -> 'RTX3090'."""
+    words = re.split(r"[\s-]+", name)
+    for word in words:
+        if re.match(r"^[A-Z]{1,3}\d{1,4}[A-Za-z]*$", word):
             return word
+    for first, second in itertools.pairwise(words):
+        if first.isalpha() and first.isupper() and second.isdigit():
+            return first + second
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "GPU"
 
 

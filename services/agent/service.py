@@ -23,7 +23,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
-from nats.js.errors import NotFoundError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge
 
@@ -161,6 +161,8 @@ class Agent:
             await self.runtime.close()
 
     async def _heartbeat(self, stop: asyncio.Event) -> None:
+        """Rewrite the node record every beat. If the bus lost its state (a new server, a purged
+        bucket), set JetStream up again: the node registers again by itself."""
         failing = False
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
@@ -176,22 +178,38 @@ class Agent:
                 if not failing:
                     self.log.warning("agent.heartbeat_failed", error=str(exc) or type(exc).__name__)
                 failing = True
+                if isinstance(exc, NotFoundError | ServiceUnavailableError) and self.nc.is_connected:
+                    with contextlib.suppress(Exception):
+                        _, buckets = await bus.ensure_jetstream(self.nc)
+                        self.nodes = buckets[subjects.NODES_BUCKET]
 
-    async def _consume(self, stop: asyncio.Event) -> None:
-        sub = await self.js.pull_subscribe(
+    async def _subscribe(self):
+        return await self.js.pull_subscribe(
             subjects.node_commands(self.opts.node),
             durable=subjects.agent_consumer(self.opts.node),
             stream=subjects.COMMANDS_STREAM,
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_deliver=-1),
         )
+
+    async def _consume(self, stop: asyncio.Event) -> None:
+        sub = await self._subscribe()
+        failures = 0
         while not stop.is_set():
             try:
                 msgs = await sub.fetch(16, timeout=1)
+                failures = 0
             except (nats.errors.TimeoutError, TimeoutError):
                 continue
             except Exception as exc:
-                self.log.warning("agent.fetch_failed", error=str(exc) or type(exc).__name__)
+                failures += 1
+                if failures == 1:
+                    self.log.warning("agent.fetch_failed", error=str(exc) or type(exc).__name__)
                 await asyncio.sleep(0.5)
+                if failures % 4 == 0 and self.nc.is_connected:
+                    # The consumer (or its stream) is gone: the bus lost its state. Set it up again.
+                    with contextlib.suppress(Exception):
+                        await bus.ensure_jetstream(self.nc)
+                        sub = await self._subscribe()
                 continue
             for msg in msgs:
                 await self._handle(msg)
