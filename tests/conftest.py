@@ -18,6 +18,25 @@ ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "conformance" / "openpai-v1"
 
 
+BASE_IMAGE = os.environ.get("MUSTER_BASE_IMAGE", "muster/base:bookworm")
+
+
+@pytest.fixture(scope="session")
+def base_image() -> str:
+    """The local base image (deploy/build-base-image.sh); skips when there is no Docker engine."""
+    from services.agent.docker_runtime import DockerRuntime
+
+    if not DockerRuntime.available():
+        pytest.skip("no Docker engine answers a ping (start dockerd)")
+    proc = subprocess.run(
+        [str(ROOT / "deploy" / "build-base-image.sh")], capture_output=True, text=True, timeout=600
+    )
+    if proc.returncode == 2:
+        pytest.skip(f"cannot build {BASE_IMAGE}: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, f"build-base-image.sh failed:\n{proc.stderr}"
+    return BASE_IMAGE
+
+
 @pytest.fixture
 def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
     with NatsServer(tmp_path / "nats") as server:

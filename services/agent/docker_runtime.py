@@ -62,7 +62,11 @@ class DockerTask:
     """One started container: its output stream, exit code, stop and removal."""
 
     def __init__(
-        self, container: Container, output: OutputSink | None, loop: asyncio.AbstractEventLoop, since: float | None
+        self,
+        container: Container,
+        output: OutputSink | None,
+        loop: asyncio.AbstractEventLoop,
+        since: float | None,
     ):
         self.name: str = container.name
         self._container = container
@@ -136,10 +140,8 @@ class DockerTask:
     async def stop(self, grace: float) -> None:
         """SIGTERM, SIGKILL after `grace` seconds (rounded up to whole seconds, as the engine takes
         them); idempotent, tolerates a container that is already gone; returns once it has ended."""
-        try:
+        with contextlib.suppress(docker.errors.NotFound):
             await asyncio.to_thread(self._container.stop, timeout=max(0, math.ceil(grace)))
-        except docker.errors.NotFound:
-            pass
         await self.wait()
 
     async def remove(self) -> None:
@@ -174,22 +176,23 @@ class DockerRuntime:
     async def start(self, launch: TaskLaunch, output: OutputSink) -> DockerTask:
         await self._ensure_image(launch.image, launch.auth)
         await self._remove_leftover(launch.name)
-        kwargs = self._create_kwargs(launch)
         t0 = time.monotonic()
-        error: str | None = None
         try:
-            container = await asyncio.to_thread(self._client.containers.create, launch.image, **kwargs)
+            container = await asyncio.to_thread(
+                self._client.containers.create, launch.image, **self._create_kwargs(launch)
+            )
         except docker.errors.DockerException as e:
-            error = f"cannot create container {launch.name} from {launch.image}: {_explain(e)}"
-        if error is None:
-            try:
-                await asyncio.to_thread(container.start)
-            except docker.errors.DockerException as e:
-                error = f"cannot start container {launch.name} from {launch.image}: {_explain(e)}"
-                with contextlib.suppress(docker.errors.DockerException):
-                    await asyncio.to_thread(container.remove, force=True)
-        if error is not None:  # raised outside the handler: no engine response (auth header) chained
-            raise LaunchError(_scrub(error, launch.auth))
+            raise LaunchError(
+                f"cannot create container {launch.name} from {launch.image}: {_explain(e)}"
+            ) from None
+        try:
+            await asyncio.to_thread(container.start)
+        except docker.errors.DockerException as e:
+            with contextlib.suppress(docker.errors.DockerException):
+                await asyncio.to_thread(container.remove, force=True)
+            raise LaunchError(
+                f"cannot start container {launch.name} from {launch.image}: {_explain(e)}"
+            ) from None
         log.info(
             "docker.started", task=launch.name, image=launch.image, seconds=round(time.monotonic() - t0, 3)
         )
@@ -259,9 +262,10 @@ class DockerRuntime:
     def _create_kwargs(launch: TaskLaunch) -> dict[str, Any]:
         env = dict(launch.env)
         if launch.gpus:
-            # The engine exposes the chosen host devices; inside the container they count from 0.
-            env.setdefault("NVIDIA_VISIBLE_DEVICES", ",".join(str(i) for i in launch.gpus))
-            env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(len(launch.gpus))))
+            # The engine exposes the chosen host devices; inside the container they count from 0,
+            # whatever host indexes the agent rendered for the process runtime.
+            env["NVIDIA_VISIBLE_DEVICES"] = ",".join(str(i) for i in launch.gpus)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(len(launch.gpus)))
         mounts = []
         for m in launch.mounts:
             if not m.read_only:

@@ -49,7 +49,13 @@ class ProcessTask:
 class ProcessRuntime:
     name = "process"
 
+    def __init__(self) -> None:
+        self._warned: set[str] = set()
+
     async def start(self, launch: TaskLaunch, output: OutputSink) -> ProcessTask:
+        if launch.image not in self._warned:
+            self._warned.add(launch.image)
+            log.warning("process_runtime.image_ignored", image=launch.image, task=launch.name)
         workdir = launch.workdir
         if workdir:
             os.makedirs(workdir, exist_ok=True)
