@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import nats
+import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
@@ -104,13 +105,13 @@ async def ensure_jetstream(nc: NATS) -> tuple[JetStreamContext, dict[str, KeyVal
         js,
         StreamConfig(
             name=subjects.SUBMISSIONS_STREAM,
-            subjects=[subjects.SUBMIT],
+            subjects=[subjects.SUBMIT, subjects.KILL],
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             max_msg_size=-1,
             duplicate_window=120,
             num_replicas=r,
-            description="Job submissions waiting for a validator",
+            description="User requests: job submissions (validator) and kill requests (supervisor)",
         ),
     )
     await _ensure_stream(
@@ -211,3 +212,28 @@ async def cas_update(
             return updated
         except KeyWrongLastSequenceError:
             continue
+
+
+async def consume(
+    sub: Any, handle: Callable[[Any], Awaitable[None]], stop: asyncio.Event, logger: Any, batch: int = 64
+) -> None:
+    """Pull from a durable consumer and handle each message until `stop`. A fetch that fails
+    (disconnected, server restarting) is logged once per outage and retried; nats-py resumes the
+    subscription after a reconnect."""
+    failing = False
+    while not stop.is_set():
+        try:
+            msgs = await sub.fetch(batch, timeout=1)
+        except (nats.errors.TimeoutError, TimeoutError):
+            continue
+        except Exception as exc:
+            if not failing:
+                logger.warning("consumer.fetch_failed", error=str(exc) or type(exc).__name__)
+            failing = True
+            await asyncio.sleep(0.5)
+            continue
+        if failing:
+            logger.info("consumer.fetch_restored")
+        failing = False
+        for msg in msgs:
+            await handle(msg)

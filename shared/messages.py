@@ -74,6 +74,10 @@ class JobRecord(Message):
     updated_at: datetime = Field(default_factory=now)
     reason: str = "waiting for a scheduler"
     attempt: int = 0  # the current attempt's number; 0 until first placed
+    retries: int = 0  # retries charged to the config's retryCount (user failures, or -2 restarts)
+    platform_retries: int = 0  # retries after platform failures: not charged to retryCount
+    not_before: datetime | None = None  # the next attempt waits until then (backoff)
+    settled: int = 0  # the last attempt whose end the supervisor has applied to this record
 
 
 class JobEventKind(StrEnum):
@@ -81,6 +85,8 @@ class JobEventKind(StrEnum):
     ACCEPTED = "accepted"
     PLACED = "placed"
     RUNNING = "running"
+    RETRYING = "retrying"
+    KILLED = "killed"
     ENDED = "ended"
 
 
@@ -237,6 +243,22 @@ class TaskStatus(BaseModel):
         return f"{self.role}.{self.index}"
 
 
+class FailureKind(StrEnum):
+    USER = "user"  # the command exited non-zero, or ran out of memory
+    PLATFORM = "platform"  # node lost, image pull failed, could not start, killed by the platform
+
+
+class Failure(BaseModel):
+    """What failed an attempt, and the evidence: the first failed task's node, exit code, output."""
+
+    kind: FailureKind
+    task: str
+    node: str
+    exit_code: int | None = None
+    reason: str = ""
+    last_lines: list[str] = Field(default_factory=list)
+
+
 class AttemptRecord(Message):
     """One attempt of a job: KV bucket `muster_attempts`, key `<job_id>.<attempt>`. Created by the
     scheduler when it places the gang (the key's creation is the fence against placing it twice);
@@ -249,6 +271,8 @@ class AttemptRecord(Message):
     ended_at: datetime | None = None
     outcome: JobState | None = None
     rule: str = ""  # which rule ended it
+    failure: Failure | None = None  # why it failed, with the evidence
+    charged: bool | None = None  # whether a retry after it was charged to retryCount
 
     @property
     def key(self) -> str:
@@ -270,3 +294,12 @@ class KillOrder(Message):
     attempt: int
     reason: str
     grace: float = 10.0
+
+
+class KillRequest(Message):
+    """A user's request to stop a job, on `muster.job.kill` (stream MUSTER_SUBMISSIONS)."""
+
+    job_id: str
+    user: str = "anonymous"
+    grace: float = 10.0
+    at: datetime = Field(default_factory=now)

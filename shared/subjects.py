@@ -21,6 +21,7 @@ from shared.messages import (
     JobEventKind,
     JobRecord,
     KillOrder,
+    KillRequest,
     NodeInfo,
     TaskEvent,
     Verdict,
@@ -28,6 +29,7 @@ from shared.messages import (
 
 # Commands
 SUBMIT = "muster.job.submit"
+KILL = "muster.job.kill"
 NODE_COMMANDS_PREFIX = "muster.node"
 
 
@@ -92,6 +94,7 @@ LOGS_STREAM = "MUSTER_LOGS"
 VALIDATOR_CONSUMER = "validator"
 REGISTRY_CONSUMER = "registry"
 SUPERVISOR_CONSUMER = "supervisor"
+SUPERVISOR_KILL_CONSUMER = "supervisor-kill"
 
 
 def agent_consumer(node: str) -> str:
@@ -138,6 +141,16 @@ CHANNELS: dict[str, Channel] = {
             "Submit a job: the payload is the job config (JSON, UTF-8, at most 1 MiB). Optional headers: "
             f"{Headers.SUBMISSION_ID} (else the stream sequence is used), {Headers.USER}. "
             "Captured by stream MUSTER_SUBMISSIONS (work queue) and validated by any validator replica."
+        ),
+    ),
+    "jobKill": Channel(
+        address=KILL,
+        parameters=(),
+        message=KillRequest,
+        action="receive",
+        description=(
+            "Stop a job: every task gets SIGTERM, then SIGKILL after the grace; the job becomes "
+            "STOPPED and is not retried. Captured by stream MUSTER_SUBMISSIONS."
         ),
     ),
     "submissionVerdict": Channel(

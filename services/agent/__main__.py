@@ -9,6 +9,9 @@ if __name__ == "__main__":
     add_agent_arguments(parser)
     args = parser.parse_args()
     data_dir = os.environ.get("MUSTER_DATA_DIR", "/tmp/muster")
-    run_main(
-        "agent", lambda: Agent.builder(options_from_args(args, data_dir), make_runtime(args.runtime)), args
-    )
+
+    def build():
+        options = options_from_args(args, data_dir)
+        return Agent.builder(options, make_runtime(args.runtime, os.path.join(options.work_root, "tasks")))
+
+    run_main("agent", build, args)

@@ -76,7 +76,7 @@ def options_from_args(args: argparse.Namespace, data_dir: str = "/tmp/muster") -
     )
 
 
-def make_runtime(choice: str) -> Runtime:
+def make_runtime(choice: str, state_dir: str | None = None) -> Runtime:
     from services.agent.process_runtime import ProcessRuntime
 
     if choice in ("auto", "docker"):
@@ -87,4 +87,4 @@ def make_runtime(choice: str) -> Runtime:
         if choice == "docker":
             raise SystemExit("--runtime docker: no Docker engine answers")
         log.warning("agent.no_docker", detail="no Docker engine answers: using the process runtime")
-    return ProcessRuntime()
+    return ProcessRuntime(state_dir)

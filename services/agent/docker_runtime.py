@@ -23,7 +23,7 @@ from docker.models.containers import Container
 from docker.types import DeviceRequest
 from docker.types import Mount as DockerMount
 
-from services.agent.runtime import LaunchError, OutputSink, RegistryAuth, TaskLaunch
+from services.agent.runtime import FoundTask, LaunchError, OutputSink, RegistryAuth, TaskLaunch
 
 log = structlog.get_logger()
 
@@ -37,15 +37,6 @@ GONE_EXIT_CODE = 137  # reported when the container vanished (docker rm -f) befo
 
 
 @dataclass(frozen=True)
-class FoundTask:
-    """A container found by its labels; `exit_code` is None while it runs."""
-
-    name: str
-    labels: dict[str, str]
-    running: bool
-    exit_code: int | None
-
-
 def _scrub(text: str, auth: RegistryAuth | None) -> str:
     """The engine's error text, with the registry password cut out should it ever appear."""
     if auth is not None and auth.password:
@@ -154,6 +145,7 @@ class DockerRuntime:
     """The Runtime that runs tasks as containers of the local Docker engine."""
 
     name = "docker"
+    can_adopt = True
 
     def __init__(self, client: docker.DockerClient | None = None):
         # Each running task holds two engine connections (its log stream and its wait).
@@ -220,6 +212,10 @@ class DockerRuntime:
             exit_code = None if running else int(state.get("ExitCode", 0))
             found.append(FoundTask(name=c.name, labels=dict(c.labels), running=running, exit_code=exit_code))
         return found
+
+    async def reap(self, found: FoundTask) -> None:
+        with contextlib.suppress(docker.errors.NotFound):
+            await asyncio.to_thread(self._client.api.remove_container, found.name, force=True)
 
     async def close(self) -> None:
         await asyncio.to_thread(self._client.close)

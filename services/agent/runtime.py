@@ -64,11 +64,34 @@ class RunningTask(Protocol):
         ...
 
 
+@dataclass
+class FoundTask:
+    """A task found by its labels after an agent restart; `exit_code` is None while it runs."""
+
+    name: str
+    labels: dict[str, str]
+    running: bool
+    exit_code: int | None
+
+
 class Runtime(Protocol):
     name: str
+    can_adopt: bool  # whether a restarted agent can take over a task this runtime started
 
     async def start(self, launch: TaskLaunch, output: OutputSink) -> RunningTask:
         """Start the task. Raises `LaunchError` when it cannot start (bad image, pull failure...)."""
+        ...
+
+    async def find(self, labels: dict[str, str]) -> list[FoundTask]:
+        """Tasks (running or exited, not yet removed) whose labels include all of `labels`."""
+        ...
+
+    async def attach(self, name: str, output: OutputSink | None = None) -> RunningTask:
+        """Take over a found task (only when `can_adopt`)."""
+        ...
+
+    async def reap(self, found: FoundTask) -> None:
+        """Stop a found task at once (SIGKILL) and remove what is left of it. Idempotent."""
         ...
 
     async def close(self) -> None: ...

@@ -23,7 +23,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
-from nats.js.errors import NotFoundError, ServiceUnavailableError
+from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge
 
@@ -36,6 +36,7 @@ from services.agent.runtime import (
     LABEL_NODE,
     LABEL_PORTS,
     LABEL_ROLE,
+    FoundTask,
     LaunchError,
     Mount,
     RegistryAuth,
@@ -46,15 +47,19 @@ from services.agent.runtime import (
 from shared import bus, subjects
 from shared.messages import (
     Assignment,
+    AttemptRecord,
     ClusterSpec,
     Endpoint,
     EndpointReported,
     GpuDevice,
+    JobRecord,
     KillOrder,
     NodeInfo,
     TaskEvent,
     TaskEventKind,
     TaskSpec,
+    TaskState,
+    TaskStatus,
     now,
 )
 from shared.subjects import Headers
@@ -112,8 +117,13 @@ class Agent:
     ):
         self.nc, self.js, self.opts, self.runtime = nc, js, options, runtime
         self.nodes = buckets[subjects.NODES_BUCKET]
+        self.kv_attempts = buckets[subjects.ATTEMPTS_BUCKET]
+        self.kv_jobs = buckets[subjects.JOBS_BUCKET]
         self.ports = PortPool(options.port_low, options.port_high)
         self.tasks: dict[tuple[str, int, str, int], LocalTask] = {}
+        # Tasks that ended here, so a late or repeated order never runs one again.
+        self._background: set[asyncio.Task[None]] = set()
+        self.finished: collections.OrderedDict[tuple[str, int, str, int], None] = collections.OrderedDict()
         self.agent_id = uuid.uuid4().hex[:12]
         self.started_at = now()
         self.log = log.bind(node=options.node)
@@ -142,6 +152,8 @@ class Agent:
         )
 
     async def run(self, stop: asyncio.Event) -> None:
+        # Reconcile before the node record is (re)written, so nothing new is placed here meanwhile.
+        await self.reconcile_at_start()
         await self.nodes.put(self.opts.node, self.info().to_bytes())
         await self.js.publish(subjects.node_event(self.opts.node, "registered"), self.info().to_bytes())
         self.log.info(
@@ -174,6 +186,7 @@ class Agent:
                 if failing:
                     self.log.info("agent.heartbeat_restored")
                 failing = False
+                await self.stop_obsolete()
             except Exception as exc:
                 if not failing:
                     self.log.warning("agent.heartbeat_failed", error=str(exc) or type(exc).__name__)
@@ -182,6 +195,8 @@ class Agent:
                     with contextlib.suppress(Exception):
                         _, buckets = await bus.ensure_jetstream(self.nc)
                         self.nodes = buckets[subjects.NODES_BUCKET]
+        self.kv_attempts = buckets[subjects.ATTEMPTS_BUCKET]
+        self.kv_jobs = buckets[subjects.JOBS_BUCKET]
 
     async def _subscribe(self):
         return await self.js.pull_subscribe(
@@ -225,13 +240,127 @@ class Agent:
             self.log.error("agent.order_failed", subject=msg.subject, exc_info=True)
             await msg.nak(delay=1)
 
+    # ------------------------------------------------------------ reconciliation
+
+    async def _live_here(self) -> dict[tuple[str, int, str, int], tuple[AttemptRecord, TaskStatus]]:
+        """Tasks the bus says run on this node: in attempts not ended, not ended themselves."""
+        out: dict[tuple[str, int, str, int], tuple[AttemptRecord, TaskStatus]] = {}
+        try:
+            keys = await self.kv_attempts.keys()
+        except NoKeysError:
+            return out
+        for key in keys:
+            try:
+                attempt = AttemptRecord.from_bytes((await self.kv_attempts.get(key)).value)
+            except KeyNotFoundError:
+                continue
+            if attempt.ended:
+                continue
+            for t in attempt.tasks:
+                if t.node == self.opts.node and not t.state.ended:
+                    out[(attempt.job_id, attempt.attempt, t.role, t.index)] = (attempt, t)
+        return out
+
+    async def reconcile_at_start(self) -> None:
+        """Before taking new work: adopt the tasks of live attempts this runtime can take over,
+        reap every other leftover (obsolete attempts, or a runtime that cannot adopt), and report
+        the live tasks that are gone as lost, so their attempt ends and is retried."""
+        live = await self._live_here()
+        adopted: set[tuple[str, int, str, int]] = set()
+        for found in await self.runtime.find({LABEL_NODE: self.opts.node}):
+            lb = found.labels
+            try:
+                key = (lb[LABEL_JOB], int(lb[LABEL_ATTEMPT]), lb[LABEL_ROLE], int(lb[LABEL_INDEX]))
+            except (KeyError, ValueError):
+                continue
+            if key in live and found.running and self.runtime.can_adopt:
+                try:
+                    await self._adopt(key, found, *live[key])
+                    adopted.add(key)
+                    continue
+                except Exception as exc:
+                    self.log.warning("agent.adopt_failed", task=found.name, error=str(exc))
+            self.log.info("agent.reap", task=found.name, live=key in live)
+            await self.runtime.reap(found)
+        for key, (attempt, t) in live.items():
+            if key not in adopted and await self._was_taken(key, t):
+                spec = TaskSpec(role=t.role, role_no=t.role_no, index=t.index, node=t.node, gpus=t.gpus)
+                reason = "platform: task lost: its agent restarted"
+                await self._report_exit(attempt, spec, NOT_STARTED, reason, [])
+                self.finished[key] = None
+
+    async def _was_taken(self, key: tuple[str, int, str, int], t: TaskStatus) -> bool:
+        """Whether an earlier run of this agent took the task on: it started it, or it reported
+        the task's endpoint (which it does before acknowledging the order). A task whose order
+        is still waiting in the queue is neither, and will be run when the order is read."""
+        if t.state != TaskState.PLACED:
+            return True
+        job_id, attempt, role, index = key
+        try:
+            await self.js.get_last_msg(
+                subjects.EVENTS_STREAM, subjects.task_event(job_id, attempt, role, index, "endpoint")
+            )
+            return True
+        except NotFoundError:
+            return False
+
+    async def _adopt(
+        self, key: tuple[str, int, str, int], found: FoundTask, attempt: AttemptRecord, t: TaskStatus
+    ) -> None:
+        job = JobRecord.from_bytes((await self.kv_jobs.get(attempt.job_id)).value)
+        gang = [
+            TaskSpec(role=x.role, role_no=x.role_no, index=x.index, node=x.node, gpus=x.gpus)
+            for x in attempt.tasks
+        ]
+        order = Assignment(
+            job_id=attempt.job_id,
+            attempt=attempt.attempt,
+            user=job.user,
+            config=job.config,
+            gang=gang,
+            node=self.opts.node,
+        )
+        spec = next(g for g in gang if g.role == t.role and g.index == t.index)
+        ports = [int(p) for p in found.labels.get(LABEL_PORTS, "").split(",") if p]
+        self.ports.take_exact(ports)
+        endpoint = Endpoint(
+            role=t.role,
+            role_no=t.role_no,
+            index=t.index,
+            node=self.opts.node,
+            host=self.opts.address,
+            port=ports[0] if ports else 0,
+        )
+        task = LocalTask(assignment=order, spec=spec, endpoint=endpoint, ports=ports)
+        task.handle = await self.runtime.attach(found.name, lambda line: self._output(task, line))
+        self.tasks[key] = task
+        task.runner = asyncio.create_task(self._watch(key, task))
+        self.log.info("agent.adopted", task=found.name)
+
+    async def stop_obsolete(self) -> None:
+        """Stop local tasks the bus no longer counts as live (their attempt ended, or they were
+        declared lost while this agent was cut off)."""
+        for key, task in list(self.tasks.items()):
+            if task.handle is None:
+                continue
+            job_id, attempt, role, index = key
+            try:
+                record = AttemptRecord.from_bytes((await self.kv_attempts.get(f"{job_id}.{attempt}")).value)
+            except KeyNotFoundError:
+                continue
+            if record.ended or record.task(role, index).state.ended:
+                self.log.warning("agent.obsolete_task", task=task.name)
+                stopping = asyncio.create_task(self._stop_task(task, "obsolete attempt", 0))
+                self._background.add(stopping)
+                stopping.add_done_callback(self._background.discard)
+
     # ------------------------------------------------------------ orders
 
     async def assign(self, a: Assignment) -> None:
         for spec in a.mine:
             key = (a.job_id, a.attempt, spec.role, spec.index)
-            if key in self.tasks:
-                continue  # a redelivered order
+            if key in self.tasks or key in self.finished:
+                continue  # a redelivered or repeated order
             role = a.config.role(spec.role)
             try:
                 ports, named = self._reserve_ports(role.portList)
@@ -306,34 +435,60 @@ class Agent:
     # ------------------------------------------------------------ one task
 
     async def _run_task(self, key: tuple[str, int, str, int], task: LocalTask) -> None:
-        a, spec = task.assignment, task.spec
-        code, reason = NOT_STARTED, ""
+        a = task.assignment
         try:
             cluster = await self._wait_spec(a.job_id, a.attempt)
+            if await self._obsolete(key):
+                raise asyncio.CancelledError
             launch = self._launch(task, cluster)
             task.handle = await self.runtime.start(launch, lambda line: self._output(task, line))
-            await self._publish_task(a, spec, TaskEventKind.RUNNING)
-            self.log.info("agent.task_started", task=task.name)
-            code = await task.handle.wait()
-            reason = f"killed: {task.kill_reason}" if task.kill_reason else ""
         except asyncio.CancelledError:
-            reason = f"killed before start: {task.kill_reason or 'cancelled'}"
+            why = task.kill_reason or "its attempt ended"
+            await self._finish(key, task, NOT_STARTED, f"killed before start: {why}")
+            return
         except LaunchError as exc:
-            reason = f"platform: {exc}"
+            await self._finish(key, task, NOT_STARTED, f"platform: {exc}")
+            return
         except Exception as exc:
             self.log.error("agent.task_error", task=task.name, exc_info=True)
-            reason = f"platform: {type(exc).__name__}: {exc}"
-        finally:
-            self.ports.release(task.ports)
-            self.tasks.pop(key, None)
-            TASKS_LIVE.labels(self.opts.node).set(len(self.tasks))
+            await self._finish(key, task, NOT_STARTED, f"platform: {type(exc).__name__}: {exc}")
+            return
+        await self._publish_task(a, task.spec, TaskEventKind.RUNNING)
+        self.log.info("agent.task_started", task=task.name)
+        await self._watch(key, task)
+
+    async def _watch(self, key: tuple[str, int, str, int], task: LocalTask) -> None:
+        """Wait for a started (or adopted) task to end and report it."""
+        assert task.handle is not None
+        try:
+            code = await task.handle.wait()
+            reason = f"killed: {task.kill_reason}" if task.kill_reason else ""
+        except Exception as exc:
+            code, reason = NOT_STARTED, f"platform: lost track of the task: {exc}"
+        await self._finish(key, task, code, reason)
+
+    async def _obsolete(self, key: tuple[str, int, str, int]) -> bool:
+        job_id, attempt, role, index = key
+        try:
+            record = AttemptRecord.from_bytes((await self.kv_attempts.get(f"{job_id}.{attempt}")).value)
+        except KeyNotFoundError:
+            return False
+        return record.ended or record.task(role, index).state.ended
+
+    async def _finish(self, key: tuple[str, int, str, int], task: LocalTask, code: int, reason: str) -> None:
+        self.ports.release(task.ports)
+        self.tasks.pop(key, None)
+        self.finished[key] = None
+        while len(self.finished) > 10_000:
+            self.finished.popitem(last=False)
+        TASKS_LIVE.labels(self.opts.node).set(len(self.tasks))
         outcome = "succeeded" if code == 0 and not reason else "failed"
         TASKS_ENDED.labels(self.opts.node, outcome).inc()
         self.log.info("agent.task_ended", task=task.name, exit_code=code, reason=reason)
-        await self._report_exit(a, spec, code, reason, list(task.lines))
-        with contextlib.suppress(Exception):
-            remove = getattr(task.handle, "remove", None)
-            if remove is not None:
+        await self._report_exit(task.assignment, task.spec, code, reason, list(task.lines))
+        remove = getattr(task.handle, "remove", None)
+        if remove is not None:
+            with contextlib.suppress(Exception):
                 await remove()
 
     async def _wait_spec(self, job_id: str, attempt: int) -> ClusterSpec:
@@ -414,7 +569,9 @@ class Agent:
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().create_task(self.nc.publish(subject, line.encode()))
 
-    async def _publish_task(self, a: Assignment, spec: TaskSpec, kind: TaskEventKind, **fields) -> None:
+    async def _publish_task(
+        self, a: Assignment | AttemptRecord, spec: TaskSpec, kind: TaskEventKind, **fields
+    ) -> None:
         event = TaskEvent(
             job_id=a.job_id,
             attempt=a.attempt,
@@ -431,7 +588,7 @@ class Agent:
         )
 
     async def _report_exit(
-        self, a: Assignment, spec: TaskSpec, code: int, reason: str, lines: list[str]
+        self, a: Assignment | AttemptRecord, spec: TaskSpec, code: int, reason: str, lines: list[str]
     ) -> None:
         for delay in (0, 0.5, 1, 2, 5, 10):
             await asyncio.sleep(delay)

@@ -374,7 +374,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"muster: local agent {options.node} at {options.address}: {options.cpus} CPUs, "
             f"{options.memory_mb} MB, GPUs: {_gpu_text(options.gpus)}"
         )
-        return Agent.builder(options, make_runtime(args.runtime))
+        return Agent.builder(options, make_runtime(args.runtime, str(Path(options.work_root) / "tasks")))
 
     try:
         return asyncio.run(

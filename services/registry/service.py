@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -63,17 +62,7 @@ class Registry:
                 ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, ack_wait=30, max_deliver=-1
             ),
         )
-        while not stop.is_set():
-            try:
-                msgs = await sub.fetch(64, timeout=1)
-            except (nats.errors.TimeoutError, TimeoutError):
-                continue
-            except Exception as exc:
-                log.warning("registry.fetch_failed", error=str(exc) or type(exc).__name__)
-                await asyncio.sleep(0.5)
-                continue
-            for msg in msgs:
-                await self.handle(msg)
+        await bus.consume(sub, self.handle, stop, log, 64)
 
     async def handle(self, msg: Msg) -> None:
         try:

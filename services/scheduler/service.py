@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import uuid
 from datetime import timedelta
 
@@ -26,12 +27,14 @@ from shared import bus, subjects
 from shared.messages import (
     Assignment,
     AttemptRecord,
+    FailureKind,
     JobEvent,
     JobEventKind,
     JobRecord,
     JobState,
     NodeInfo,
     TaskSpec,
+    TaskState,
     TaskStatus,
     now,
 )
@@ -40,6 +43,8 @@ from shared.subjects import Headers
 log = structlog.get_logger(service="scheduler")
 PLACED = Counter("muster_scheduler_placements_total", "Attempts placed")
 PENDING = Gauge("muster_scheduler_pending_jobs", "Jobs waiting for resources")
+AVOID_AFTER = int(os.environ.get("MUSTER_AVOID_AFTER", "2"))
+AVOID_WINDOW = float(os.environ.get("MUSTER_AVOID_WINDOW", "600"))
 LEADER = Gauge("muster_scheduler_leader", "1 while this replica is the active scheduler")
 
 
@@ -156,15 +161,28 @@ class Scheduler:
             if info.heartbeat_at >= cutoff
         }
 
-    def queue(self) -> list[JobRecord]:
-        waiting = []
+    def queue(self) -> list[tuple[JobRecord, int]]:
+        """Jobs to place now, with the number of the attempt to place: never placed; moved to an
+        attempt whose record was never written (a leader died mid-commit); or whose last attempt
+        has ended, been settled by the supervisor as a retry, every task of it gone, and whose
+        backoff has passed."""
+        waiting, at = [], now()
         for job in self.jobs.values():
-            if job.state.final:
+            if job.state != JobState.WAITING:
                 continue
             current = self.attempts.get(f"{job.job_id}.{job.attempt}")
-            if job.attempt == 0 or (current is not None and current.ended and job.state == JobState.WAITING):
-                waiting.append(job)
-        return sorted(waiting, key=lambda j: (j.submitted_at, j.job_id))
+            if job.attempt == 0:
+                waiting.append((job, 1))
+            elif current is None:
+                waiting.append((job, job.attempt))
+            elif (
+                current.ended
+                and job.settled >= job.attempt
+                and all(t.state.ended for t in current.tasks)
+                and (job.not_before is None or job.not_before <= at)
+            ):
+                waiting.append((job, job.attempt + 1))
+        return sorted(waiting, key=lambda jn: (jn[0].submitted_at, jn[0].job_id))
 
     async def cycle(self) -> None:
         nodes = self.live_nodes()
@@ -183,16 +201,45 @@ class Scheduler:
         PENDING.set(len(waiting))
         if not waiting:
             return
-        queue = [placement.PendingJob(j.job_id, j.config) for j in waiting]
-        plan = placement.plan(nodes.values(), queue)
-        for job in waiting:
+        queue = [placement.PendingJob(j.job_id, j.config) for j, _ in waiting]
+        plan = placement.plan(nodes.values(), queue, self.avoided())
+        for job, n in waiting:
             if job.job_id in plan.placements:
-                await self.commit(job, plan.placements[job.job_id])
+                await self.commit(job, n, plan.placements[job.job_id])
             elif plan.pending.get(job.job_id) and plan.pending[job.job_id] != job.reason:
                 await self.set_reason(job.job_id, job.attempt, plan.pending[job.job_id])
 
-    async def commit(self, job: JobRecord, tasks: list[TaskSpec]) -> None:
-        n = job.attempt + 1
+    def avoided(self) -> set[str]:
+        """Nodes that keep failing attempts: AVOID_AFTER platform failures within AVOID_WINDOW."""
+        since = now() - timedelta(seconds=AVOID_WINDOW)
+        counts: dict[str, int] = {}
+        for a in self.attempts.values():
+            if a.failure and a.failure.kind == FailureKind.PLATFORM and a.ended_at and a.ended_at >= since:
+                counts[a.failure.node] = counts.get(a.failure.node, 0) + 1
+        return {node for node, n in counts.items() if n >= AVOID_AFTER}
+
+    async def commit(self, job: JobRecord, n: int, tasks: list[TaskSpec]) -> None:
+        """Place attempt n. The job record is moved to attempt n first (the fence: a job killed or
+        placed by another leader meanwhile is left alone), then the attempt record is created
+        (or an earlier leader's is reused), then the agents get their orders."""
+        nodes = sorted({t.node for t in tasks})
+        reason = f"placed on {', '.join(nodes)}; starting tasks"
+        fenced: list[bool] = []
+
+        def change(current: JobRecord) -> JobRecord | None:
+            fenced.clear()
+            if current.state != JobState.WAITING or current.attempt not in (n - 1, n):
+                return None
+            fenced.append(True)
+            if current.attempt == n:
+                return None  # moved already by a commit that did not finish
+            return current.model_copy(update={"attempt": n, "reason": reason, "updated_at": now()})
+
+        updated = await bus.cas_update(self.kv_jobs, job.job_id, JobRecord.from_bytes, change)
+        if not fenced:
+            return
+        if updated is not None:
+            self.jobs[job.job_id] = updated
         record = AttemptRecord(
             job_id=job.job_id,
             attempt=n,
@@ -204,21 +251,9 @@ class Scheduler:
         try:
             await self.kv_attempts.create(record.key, record.to_bytes())
         except KeyWrongLastSequenceError:
-            # Placed by an earlier leader that died before finishing: finish its commit instead.
             record = AttemptRecord.from_bytes((await self.kv_attempts.get(record.key)).value)
         self.attempts[record.key] = record
         await self._send_assignments(job, record)
-        nodes = sorted({t.node for t in record.tasks})
-        reason = f"placed on {', '.join(nodes)}; starting tasks"
-
-        def change(current: JobRecord) -> JobRecord | None:
-            if current.attempt >= n or current.state.final:
-                return None
-            return current.model_copy(update={"attempt": n, "reason": reason, "updated_at": now()})
-
-        updated = await bus.cas_update(self.kv_jobs, job.job_id, JobRecord.from_bytes, change)
-        if updated is not None:
-            self.jobs[job.job_id] = updated
         PLACED.inc()
         await self.js.publish(
             subjects.job_event(job.job_id, JobEventKind.PLACED),
@@ -252,12 +287,16 @@ class Scheduler:
             )
 
     async def _finish_interrupted_commits(self) -> None:
-        """Attempts whose record exists but whose job was not yet moved to them."""
+        """A new leader re-sends the orders of attempts that no task has acted on yet: an earlier
+        leader may have died between writing the attempt and sending them. Orders carry message
+        ids and agents ignore tasks they already run or ran, so a second copy is harmless."""
         for record in list(self.attempts.values()):
             job = self.jobs.get(record.job_id)
-            if job is not None and not record.ended and job.attempt < record.attempt:
-                log.info("scheduler.finish_commit", attempt=record.key)
-                await self.commit(job.model_copy(update={"attempt": record.attempt - 1}), [])
+            if job is None or record.ended or job.attempt != record.attempt or job.state.final:
+                continue
+            if all(t.state == TaskState.PLACED for t in record.tasks):
+                log.info("scheduler.resend_orders", attempt=record.key)
+                await self._send_assignments(job, record)
 
     async def set_reason(self, job_id: str, attempt: int, reason: str) -> None:
         def change(current: JobRecord) -> JobRecord | None:

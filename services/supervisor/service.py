@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+from datetime import timedelta
 
-import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
-from services.supervisor.policy import decide, task_state_for
+from services.supervisor.policy import NextStep, RetryLimits, classify, decide, next_step, task_state_for
 from shared import bus, subjects
 from shared.messages import (
     AttemptRecord,
@@ -30,6 +31,8 @@ from shared.messages import (
     JobRecord,
     JobState,
     KillOrder,
+    KillRequest,
+    NodeInfo,
     TaskEvent,
     TaskEventKind,
     TaskState,
@@ -43,11 +46,22 @@ JOBS_ENDED = Counter("muster_jobs_ended_total", "Jobs that reached a final state
 
 class Supervisor:
     def __init__(
-        self, nc: NATS, js: JetStreamContext, buckets: dict[str, KeyValue], kill_grace: float = 10.0
+        self,
+        nc: NATS,
+        js: JetStreamContext,
+        buckets: dict[str, KeyValue],
+        kill_grace: float = 10.0,
+        limits: RetryLimits | None = None,
     ):
         self.nc, self.js, self.kill_grace = nc, js, kill_grace
+        self.limits = limits or RetryLimits(
+            platform=int(os.environ.get("MUSTER_PLATFORM_RETRIES", "10")),
+            backoff=float(os.environ.get("MUSTER_RETRY_BACKOFF", "1")),
+        )
         self.jobs = buckets[subjects.JOBS_BUCKET]
         self.attempts = buckets[subjects.ATTEMPTS_BUCKET]
+        self.nodes = buckets[subjects.NODES_BUCKET]
+        self.node_timeout = float(os.environ.get("MUSTER_NODE_TIMEOUT", "5"))
 
     @classmethod
     async def build(cls, nc: NATS) -> Supervisor:
@@ -55,7 +69,7 @@ class Supervisor:
         return cls(nc, js, buckets)
 
     async def run(self, stop: asyncio.Event) -> None:
-        sub = await self.js.pull_subscribe(
+        events = await self.js.pull_subscribe(
             "",
             durable=subjects.SUPERVISOR_CONSUMER,
             stream=subjects.EVENTS_STREAM,
@@ -67,17 +81,17 @@ class Supervisor:
                 filter_subjects=subjects.TASK_STATES,
             ),
         )
-        while not stop.is_set():
-            try:
-                msgs = await sub.fetch(64, timeout=1)
-            except (nats.errors.TimeoutError, TimeoutError):
-                continue
-            except Exception as exc:
-                log.warning("supervisor.fetch_failed", error=str(exc) or type(exc).__name__)
-                await asyncio.sleep(0.5)
-                continue
-            for msg in msgs:
-                await self.handle(msg)
+        kills = await self.js.pull_subscribe(
+            subjects.KILL,
+            durable=subjects.SUPERVISOR_KILL_CONSUMER,
+            stream=subjects.SUBMISSIONS_STREAM,
+            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_deliver=-1),
+        )
+        await asyncio.gather(
+            bus.consume(events, self.handle, stop, log),
+            bus.consume(kills, self.handle_kill, stop, log, 16),
+            self.watch_nodes(stop),
+        )
 
     async def handle(self, msg: Msg) -> None:
         try:
@@ -95,10 +109,8 @@ class Supervisor:
         except KeyNotFoundError:
             log.warning("supervisor.unknown_job", job_id=ev.job_id)
             return
-        ended: list[AttemptRecord] = []
 
         def record(attempt: AttemptRecord) -> AttemptRecord | None:
-            ended.clear()
             task = attempt.task(ev.role, ev.index)
             if ev.kind == TaskEventKind.RUNNING:
                 if task.state != TaskState.PLACED:
@@ -118,26 +130,139 @@ class Supervisor:
                 decision = decide(job.config, attempt.tasks)
                 if decision.outcome is not None:
                     attempt.ended_at, attempt.outcome, attempt.rule = now(), decision.outcome, decision.rule
-                    ended.append(attempt)
+                    if decision.outcome == JobState.FAILED:
+                        attempt.failure = classify(attempt.tasks)
             return attempt
 
         try:
             attempt = await bus.cas_update(self.attempts, key, AttemptRecord.from_bytes, record)
+            if attempt is None:  # a replayed event: nothing new, but finish what may be unfinished
+                attempt = AttemptRecord.from_bytes((await self.attempts.get(key)).value)
         except KeyNotFoundError:
             log.warning("supervisor.unknown_attempt", attempt=key)
             return
-        if ev.kind == TaskEventKind.RUNNING and attempt is not None:
-            await self.set_job(ev.job_id, ev.attempt, JobState.RUNNING, "running", JobEventKind.RUNNING)
-        if ended:
-            done = ended[0]
-            await self.kill_rest(done)
-            assert done.outcome is not None
-            await self.set_job(done.job_id, done.attempt, done.outcome, done.rule, JobEventKind.ENDED)
+        if ev.kind == TaskEventKind.RUNNING and not attempt.ended:
+            await self.set_running(ev.job_id, ev.attempt)
+        if attempt.ended:
+            await self.end_attempt(attempt)
 
-    async def kill_rest(self, attempt: AttemptRecord) -> None:
+    # ------------------------------------------------------------ kill
+
+    async def handle_kill(self, msg: Msg) -> None:
+        try:
+            await self.kill_job(KillRequest.from_bytes(msg.data))
+            await msg.ack()
+        except Exception:
+            log.error("supervisor.kill_failed", exc_info=True)
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=1)
+
+    async def kill_job(self, req: KillRequest) -> None:
+        """The job becomes STOPPED (not retried), its current attempt ends, its tasks are told to
+        stop: SIGTERM, then SIGKILL after the grace. A job already ended is left as it is."""
+        reason = f"killed by {req.user}"
+
+        def stop_job(job: JobRecord) -> JobRecord | None:
+            if job.state.final:
+                return None
+            return job.model_copy(
+                update={
+                    "state": JobState.STOPPED,
+                    "reason": reason,
+                    "settled": job.attempt,
+                    "updated_at": now(),
+                }
+            )
+
+        try:
+            job = await bus.cas_update(self.jobs, req.job_id, JobRecord.from_bytes, stop_job)
+        except KeyNotFoundError:
+            log.warning("supervisor.kill_unknown_job", job_id=req.job_id)
+            return
+        if job is None:
+            return
+        if job.attempt:
+
+            def end(a: AttemptRecord) -> AttemptRecord | None:
+                if a.ended:
+                    return None
+                return a.model_copy(update={"ended_at": now(), "outcome": JobState.STOPPED, "rule": reason})
+
+            with contextlib.suppress(KeyNotFoundError):
+                await bus.cas_update(
+                    self.attempts, f"{job.job_id}.{job.attempt}", AttemptRecord.from_bytes, end
+                )
+                attempt = AttemptRecord.from_bytes(
+                    (await self.attempts.get(f"{job.job_id}.{job.attempt}")).value
+                )
+                await self.kill_rest(attempt, grace=req.grace)
+        JOBS_ENDED.labels(JobState.STOPPED).inc()
+        await self.event(job, JobEventKind.KILLED, reason)
+
+    # ------------------------------------------------------------ node loss
+
+    async def watch_nodes(self, stop: asyncio.Event) -> None:
+        """Every second: a node whose heartbeat is older than `node_timeout` is lost. Each of its
+        tasks in a live attempt is reported as exited with a platform failure, which ends (and
+        retries) the attempt through the same path as any other exit."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+            try:
+                await self.check_nodes()
+            except Exception as exc:
+                log.warning("supervisor.node_check_failed", error=str(exc) or type(exc).__name__)
+
+    async def check_nodes(self) -> None:
+        try:
+            names = await self.nodes.keys()
+        except NoKeysError:
+            return
+        cutoff = now() - timedelta(seconds=self.node_timeout)
+        lost: dict[str, NodeInfo] = {}
+        for name in names:
+            with contextlib.suppress(KeyNotFoundError):
+                info = NodeInfo.from_bytes((await self.nodes.get(name)).value)
+                if info.heartbeat_at < cutoff:
+                    lost[name] = info
+        if not lost:
+            return
+        try:
+            keys = await self.attempts.keys()
+        except NoKeysError:
+            return
+        for key in keys:
+            with contextlib.suppress(KeyNotFoundError):
+                attempt = AttemptRecord.from_bytes((await self.attempts.get(key)).value)
+            if attempt.ended:
+                continue
+            for task in attempt.tasks:
+                if task.node in lost and not task.state.ended:
+                    silent = (now() - lost[task.node].heartbeat_at).total_seconds()
+                    await self.js.publish(
+                        subjects.task_event(attempt.job_id, attempt.attempt, task.role, task.index, "exited"),
+                        TaskEvent(
+                            job_id=attempt.job_id,
+                            attempt=attempt.attempt,
+                            role=task.role,
+                            index=task.index,
+                            node=task.node,
+                            kind=TaskEventKind.EXITED,
+                            reason=f"platform: node {task.node} lost (no heartbeat for {silent:.0f}s)",
+                        ).to_bytes(),
+                        headers={Headers.MSG_ID: f"lost:{attempt.key}.{task.key}"},
+                    )
+                    log.warning("supervisor.task_lost", attempt=attempt.key, task=task.key, node=task.node)
+
+    # ------------------------------------------------------------ shared
+
+    async def kill_rest(self, attempt: AttemptRecord, grace: float | None = None) -> None:
         nodes = sorted({t.node for t in attempt.tasks if not t.state.ended})
         order = KillOrder(
-            job_id=attempt.job_id, attempt=attempt.attempt, reason=attempt.rule, grace=self.kill_grace
+            job_id=attempt.job_id,
+            attempt=attempt.attempt,
+            reason=attempt.rule,
+            grace=self.kill_grace if grace is None else grace,
         )
         for node in nodes:
             await self.js.publish(
@@ -146,25 +271,77 @@ class Supervisor:
                 headers={Headers.MSG_ID: f"kill:{attempt.key}:{node}"},
             )
 
-    async def set_job(
-        self, job_id: str, attempt: int, state: JobState, reason: str, kind: JobEventKind
-    ) -> None:
+    async def set_running(self, job_id: str, attempt: int) -> None:
         def change(job: JobRecord) -> JobRecord | None:
-            if job.attempt != attempt or job.state.final or job.state == state:
+            if job.attempt != attempt or job.state != JobState.WAITING or job.settled >= attempt:
                 return None
-            return job.model_copy(update={"state": state, "reason": reason, "updated_at": now()})
+            return job.model_copy(
+                update={"state": JobState.RUNNING, "reason": "running", "updated_at": now()}
+            )
 
         job = await bus.cas_update(self.jobs, job_id, JobRecord.from_bytes, change)
+        if job is not None:
+            await self.event(job, JobEventKind.RUNNING, "running")
+
+    async def end_attempt(self, attempt: AttemptRecord) -> None:
+        """Apply an ended attempt to its job: kill what is left of the gang, then end the job or
+        make it wait for its next attempt. Idempotent: `JobRecord.settled` records it was done."""
+        await self.kill_rest(attempt)
+        steps: list[NextStep] = []
+
+        def change(job: JobRecord) -> JobRecord | None:
+            steps.clear()
+            if job.attempt != attempt.attempt or job.settled >= attempt.attempt or job.state.final:
+                return None
+            assert attempt.outcome is not None
+            step = next_step(
+                job.config, attempt.outcome, attempt.failure, job.retries, job.platform_retries, self.limits
+            )
+            if step.state == JobState.SUCCEEDED:
+                step = NextStep(step.state, attempt.rule)  # which rule ended it
+            steps.append(step)
+            update: dict = {
+                "state": step.state,
+                "reason": step.reason,
+                "settled": attempt.attempt,
+                "updated_at": now(),
+            }
+            if step.state == JobState.WAITING:
+                update["retries"] = job.retries + (1 if step.charged else 0)
+                update["platform_retries"] = job.platform_retries + (1 if step.platform else 0)
+                update["not_before"] = now() + timedelta(seconds=step.delay)
+            return job.model_copy(update=update)
+
+        job = await bus.cas_update(self.jobs, attempt.job_id, JobRecord.from_bytes, change)
         if job is None:
             return
-        if state.final:
-            JOBS_ENDED.labels(state).inc()
-            # The name is free again for a new job (the validator checks the holder's state).
+        step = steps[0]
+        if step.state == JobState.WAITING:
+            with contextlib.suppress(KeyNotFoundError):
+                await bus.cas_update(
+                    self.attempts,
+                    attempt.key,
+                    AttemptRecord.from_bytes,
+                    lambda a: a.model_copy(update={"charged": step.charged}) if a.charged is None else None,
+                )
+            await self.event(job, JobEventKind.RETRYING, step.reason)
+        else:
+            JOBS_ENDED.labels(step.state).inc()
+            await self.event(job, JobEventKind.ENDED, step.reason)
+
+    async def event(self, job: JobRecord, kind: JobEventKind, detail: str) -> None:
         await self.js.publish(
-            subjects.job_event(job_id, kind),
+            subjects.job_event(job.job_id, kind),
             JobEvent(
-                job_id=job_id, job_name=job.job_name, kind=kind, state=state, attempt=attempt, detail=reason
+                job_id=job.job_id,
+                job_name=job.job_name,
+                kind=kind,
+                state=job.state,
+                attempt=job.attempt,
+                detail=detail,
             ).to_bytes(),
-            headers={Headers.MSG_ID: f"{job_id}:{attempt}:{kind}"},
+            headers={Headers.MSG_ID: f"{job.job_id}:{job.attempt}:{kind}"},
         )
-        log.info("supervisor.job_state", job_id=job_id, attempt=attempt, state=state, reason=reason)
+        log.info(
+            "supervisor.job_state", job_id=job.job_id, attempt=job.attempt, state=job.state, reason=detail
+        )

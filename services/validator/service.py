@@ -14,7 +14,6 @@ import contextlib
 import re
 from datetime import datetime
 
-import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -65,17 +64,7 @@ class Validator:
                 max_ack_pending=1000,
             ),
         )
-        while not stop.is_set():
-            try:
-                msgs = await sub.fetch(self.batch, timeout=1)
-            except (nats.errors.TimeoutError, TimeoutError):
-                continue
-            except Exception as exc:  # disconnected, consumer being recreated, ...
-                log.warning("validator.fetch_failed", error=str(exc) or type(exc).__name__)
-                await asyncio.sleep(0.5)
-                continue
-            for msg in msgs:
-                await self.handle(msg)
+        await bus.consume(sub, self.handle, stop, log, self.batch)
 
     async def handle(self, msg: Msg) -> None:
         meta = msg.metadata
