@@ -39,6 +39,11 @@ def nats_url() -> str:
     return os.environ.get("MUSTER_NATS_URL", DEFAULT_URL)
 
 
+def node_timeout() -> float:
+    """Seconds without a heartbeat after which a node is lost (supervisor) and gets no work (scheduler)."""
+    return float(os.environ.get("MUSTER_NODE_TIMEOUT", "5"))
+
+
 def replicas() -> int:
     """JetStream replicas for every stream and bucket: 1 on one machine, 3 on a NATS cluster."""
     return int(os.environ.get("MUSTER_JS_REPLICAS", "1"))
@@ -171,11 +176,14 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     try:
         await js.add_stream(config)
     except BadRequestError as exc:
-        # Exists with another config (an older Muster): bring it up to date.
-        if exc.err_code == 10058:
-            await js.update_stream(config)
-        else:
+        if exc.err_code != 10058:
             raise
+        # It exists with another config (an older Muster, or made with other settings): bring
+        # its subjects and limits up to date, but never change how many replicas it has, so a
+        # client without MUSTER_JS_REPLICAS cannot shrink a cluster's streams.
+        current = await js.stream_info(config.name)
+        config.num_replicas = current.config.num_replicas
+        await js.update_stream(config)
 
 
 async def _ensure_bucket(js: JetStreamContext, bucket: str, history: int, r: int, ttl: float) -> KeyValue:

@@ -37,6 +37,12 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
         "--memory-mb", type=int, default=_int(env("MUSTER_AGENT_MEMORY_MB")), help="memory (MB) to offer"
     )
     p.add_argument(
+        "--gpu-devices",
+        choices=("auto", "on", "off"),
+        default=env("MUSTER_AGENT_GPU_DEVICES", "auto"),
+        help="request GPU devices from Docker (auto: only for GPUs discovered through NVML)",
+    )
+    p.add_argument(
         "--runtime",
         choices=("auto", "docker", "process"),
         default=env("MUSTER_AGENT_RUNTIME", "auto"),
@@ -59,7 +65,8 @@ def options_from_args(args: argparse.Namespace, data_dir: str = "/tmp/muster") -
     node = args.node or default_node_name()
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", node):
         raise SystemExit(f"--node {node!r}: use letters, digits, '_' and '-'")
-    gpus = parse_gpus(args.gpus) if args.gpus is not None else discover_gpus() or []
+    declared = args.gpus is not None
+    gpus = parse_gpus(args.gpus) if declared else discover_gpus() or []
     low, high = parse_port_range(args.ports)
     return AgentOptions(
         node=node,
@@ -67,6 +74,7 @@ def options_from_args(args: argparse.Namespace, data_dir: str = "/tmp/muster") -
         cpus=args.cpus or machine_cpus(),
         memory_mb=args.memory_mb or machine_memory_mb(),
         gpus=gpus,
+        gpu_devices=not declared if args.gpu_devices == "auto" else args.gpu_devices == "on",
         port_low=low,
         port_high=high,
         work_root=args.work_root or os.path.join(data_dir, "work", node),

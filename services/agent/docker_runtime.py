@@ -13,7 +13,6 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import docker
@@ -36,7 +35,6 @@ MERGE_STDERR = "exec 2>&1; "
 GONE_EXIT_CODE = 137  # reported when the container vanished (docker rm -f) before we read its code
 
 
-@dataclass(frozen=True)
 def _scrub(text: str, auth: RegistryAuth | None) -> str:
     """The engine's error text, with the registry password cut out should it ever appear."""
     if auth is not None and auth.password:

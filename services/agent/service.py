@@ -86,6 +86,9 @@ class AgentOptions:
     output_root: str = "/tmp/muster/output"
     default_fs_uri: str = ""
     heartbeat: float = 2.0
+    # Ask the runtime for the GPU devices (Docker device requests). Off when GPUs are only
+    # declared: there is no device to hand over, only the indexes the scheduler accounts for.
+    gpu_devices: bool = True
     stop_grace: float = 10.0
 
 
@@ -548,7 +551,7 @@ class Agent:
             cpus=role.cpuNumber,
             memory_mb=role.memoryMB,
             shm_mb=role.shmMB,
-            gpus=spec.gpus,
+            gpus=spec.gpus if self.opts.gpu_devices else [],
             mounts=mounts,
             workdir=workdir,
             auth=read_auth_file(config.authFile),

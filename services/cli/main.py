@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import getpass
 import json
 import os
@@ -25,7 +26,8 @@ from services.agent.config import add_agent_arguments
 from shared import bus, client, logs, subjects
 from shared.jobconfig import FieldError, check_job
 from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
-from shared.messages import AttemptRecord, JobRecord, JobState
+from shared.messages import AttemptRecord, JobRecord, JobState, KillRequest
+from shared.subjects import Headers
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
 
@@ -209,13 +211,13 @@ async def status(args: argparse.Namespace) -> int:
     try:
         if args.job:
             record = await resolve(nc, args.job)
-            attempt = await current_attempt(nc, record)
+            history = await attempts_of(nc, record)
             if args.json:
                 doc = record.model_dump(mode="json")
-                doc["current_attempt"] = attempt.model_dump(mode="json") if attempt else None
+                doc["attempts"] = [a.model_dump(mode="json") for a in history]
                 out(json.dumps(doc, indent=2))
             else:
-                out(describe(record, attempt))
+                out(describe(record, history))
             return EXIT_OK
         records = await all_jobs(nc)
         if args.json:
@@ -235,6 +237,19 @@ async def current_attempt(nc: NATS, record: JobRecord) -> AttemptRecord | None:
         return AttemptRecord.from_bytes((await kv.get(f"{record.job_id}.{record.attempt}")).value)
     except (NotFoundError, KeyNotFoundError):
         return None
+
+
+async def attempts_of(nc: NATS, record: JobRecord) -> list[AttemptRecord]:
+    """Every attempt of a job, first to last."""
+    out = []
+    try:
+        kv = await nc.jetstream(timeout=5).key_value(subjects.ATTEMPTS_BUCKET)
+    except NotFoundError:
+        return out
+    for n in range(1, record.attempt + 1):
+        with contextlib.suppress(KeyNotFoundError):
+            out.append(AttemptRecord.from_bytes((await kv.get(f"{record.job_id}.{n}")).value))
+    return out
 
 
 async def all_jobs(nc: NATS) -> list[JobRecord]:
@@ -281,7 +296,7 @@ def columns(rows: list[tuple[str, ...]]) -> str:
     )
 
 
-def describe(r: JobRecord, attempt: AttemptRecord | None = None) -> str:
+def describe(r: JobRecord, history: list[AttemptRecord] | None = None) -> str:
     c = r.config
     lines = [
         f"job:        {r.job_id}",
@@ -292,7 +307,7 @@ def describe(r: JobRecord, attempt: AttemptRecord | None = None) -> str:
         f"submitted:  {r.submitted_at.isoformat(timespec='seconds')}",
         f"updated:    {r.updated_at.isoformat(timespec='seconds')}",
         f"retries:    {_retry_text(c.retryCount)}",
-        f"attempt:    {r.attempt}",
+        f"attempt:    {r.attempt} (retries charged {r.retries}, platform retries {r.platform_retries})",
         f"tasks:      {c.total_tasks}",
     ]
     for i, role in enumerate(c.taskRoles):
@@ -300,27 +315,72 @@ def describe(r: JobRecord, attempt: AttemptRecord | None = None) -> str:
             f"  [{i}] {role.name} ×{role.taskNumber}: {role.cpuNumber} CPU, {role.memoryMB} MB, "
             f"{role.gpuNumber} GPU{(' ' + c.gpuType) if c.gpuType and role.gpuNumber else ''}"
         )
-    if attempt is not None:
-        ended = f", ended {attempt.ended_at:%H:%M:%S}: {attempt.rule}" if attempt.ended_at else ""
-        lines.append(f"attempt {attempt.attempt}: placed {attempt.placed_at:%Y-%m-%d %H:%M:%S}{ended}")
-        rows = [("TASK", "NODE", "GPUS", "STATE", "EXIT", "REASON")]
-        for t in attempt.tasks:
-            rows.append(
-                (
-                    t.key,
-                    t.node,
-                    ",".join(map(str, t.gpus)) or "-",
-                    str(t.state),
-                    "" if t.exit_code is None else str(t.exit_code),
-                    t.reason,
-                )
+    for a in history or []:
+        lines.append(attempt_line(a))
+        if a is not history[-1]:
+            exits = ", ".join(
+                f"{t.key}@{t.node} {t.state}" + ("" if t.exit_code is None else f" ({t.exit_code})")
+                for t in a.tasks
             )
+            lines.append(f"    tasks: {exits}")
+    if history:
+        rows = [("TASK", "NODE", "GPUS", "STATE", "EXIT", "REASON")]
+        for t in history[-1].tasks:
+            exit_code = "" if t.exit_code is None else str(t.exit_code)
+            rows.append((t.key, t.node, ",".join(map(str, t.gpus)) or "-", str(t.state), exit_code, t.reason))
         lines += ["  " + line for line in columns(rows).splitlines()]
     return "\n".join(line.rstrip() for line in lines)
 
 
+def attempt_line(a: AttemptRecord) -> str:
+    """One attempt: when, where, how it ended and by which rule, and whether it was charged."""
+    nodes = ",".join(sorted({t.node for t in a.tasks}))
+    text = f"attempt {a.attempt}: {a.placed_at:%Y-%m-%d %H:%M:%S} on {nodes}"
+    if a.ended_at:
+        text += f", ended {a.ended_at:%H:%M:%S} {a.outcome}: {a.rule}"
+    if a.failure:
+        text += f" [{a.failure.kind} failure]"
+    if a.charged is not None:
+        text += " (retry charged to retryCount)" if a.charged else " (retry not charged)"
+    return text
+
+
 def _retry_text(n: int) -> str:
     return {-1: "retry failures without limit", -2: "always restart until killed"}.get(n, str(n))
+
+
+# ---------------------------------------------------------------- kill
+
+
+async def kill(args: argparse.Namespace) -> int:
+    nc = await connect(args.connect_timeout)
+    try:
+        record = await resolve(nc, args.job)
+        if record.state.final:
+            out(f"{record.job_id}  {record.state}: already ended ({record.reason})")
+            return EXIT_OK
+        await bus.ensure_jetstream(nc)
+        request = KillRequest(job_id=record.job_id, user=_user(), grace=args.grace)
+        await nc.jetstream(timeout=10).publish(
+            subjects.KILL, request.to_bytes(), headers={Headers.MSG_ID: f"kill:{record.job_id}"}
+        )
+        if args.no_wait:
+            out(f"{record.job_id}  kill requested")
+            return EXIT_OK
+        loop = asyncio.get_running_loop()
+        started, deadline = loop.time(), loop.time() + args.grace + 30
+        while loop.time() < deadline:
+            record = await resolve(nc, record.job_id)
+            attempt = await current_attempt(nc, record)
+            alive = [t.key for t in attempt.tasks if not t.state.ended] if attempt else []
+            if record.state.final and not alive:
+                took = loop.time() - started
+                out(f"{record.job_id}  {record.state}: {record.reason} ({took:.1f}s)")
+                return EXIT_OK if record.state == JobState.STOPPED else EXIT_FAIL
+            await asyncio.sleep(0.2)
+        raise CliError(f"{record.job_id}: still {record.state}; tasks not stopped yet: {', '.join(alive)}")
+    finally:
+        await nc.close()
 
 
 # ---------------------------------------------------------------- logs
@@ -419,6 +479,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=lambda a: asyncio.run(status(a)))
 
+    s = sub.add_parser("kill", help="stop a job: SIGTERM, SIGKILL after the grace; it is not retried")
+    s.add_argument("job")
+    s.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    s.add_argument("--no-wait", action="store_true", help="do not wait for the tasks to stop")
+    s.set_defaults(func=lambda a: asyncio.run(kill(a)))
+
     s = sub.add_parser("logs", help="print the output of a job's tasks (kept after they end)")
     s.add_argument("job")
     s.add_argument("--task", help="one task, as ROLE.INDEX (or ROLE)")
@@ -430,7 +496,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("file")
     s.set_defaults(func=cmd_validate)
 
-    for name in ("submit", "status", "logs"):
+    for name in ("submit", "status", "logs", "kill"):
         sub.choices[name].add_argument(
             "--connect-timeout", type=float, default=10.0, help="seconds to keep trying to reach NATS"
         )

@@ -50,9 +50,10 @@ LEADER = Gauge("muster_scheduler_leader", "1 while this replica is the active sc
 
 class Scheduler:
     def __init__(
-        self, nc: NATS, js: JetStreamContext, buckets: dict[str, KeyValue], node_timeout: float = 10.0
+        self, nc: NATS, js: JetStreamContext, buckets: dict[str, KeyValue], node_timeout: float | None = None
     ):
-        self.nc, self.js, self.node_timeout = nc, js, node_timeout
+        self.nc, self.js = nc, js
+        self.node_timeout = bus.node_timeout() if node_timeout is None else node_timeout
         self.kv_nodes = buckets[subjects.NODES_BUCKET]
         self.kv_jobs = buckets[subjects.JOBS_BUCKET]
         self.kv_attempts = buckets[subjects.ATTEMPTS_BUCKET]

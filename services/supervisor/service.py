@@ -61,7 +61,7 @@ class Supervisor:
         self.jobs = buckets[subjects.JOBS_BUCKET]
         self.attempts = buckets[subjects.ATTEMPTS_BUCKET]
         self.nodes = buckets[subjects.NODES_BUCKET]
-        self.node_timeout = float(os.environ.get("MUSTER_NODE_TIMEOUT", "5"))
+        self.node_timeout = bus.node_timeout()
 
     @classmethod
     async def build(cls, nc: NATS) -> Supervisor:

@@ -1,0 +1,212 @@
+"""End to end: the services image (deploy/build-image.sh) and docker-compose.yml.
+
+Builds muster/muster, brings up the compose project without the agent (3 NATS servers, two
+replicas of every service), submits through nats-1's published port, checks the job waits for
+nodes, then kills a validator and submits again. Needs a Docker engine and Compose (v2's
+`docker compose` or Debian's `docker-compose`); skipped without them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import tomllib
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from shared import bus, client, subjects
+from shared.messages import JobRecord, JobState, Verdict
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+# Everything but the agent (host network, Docker socket): replicas expected of each.
+EXPECTED = {"nats-1": 1, "nats-2": 1, "nats-3": 1}
+EXPECTED.update(validator=2, scheduler=2, registry=2, supervisor=2)
+
+pytestmark = pytest.mark.docker
+
+
+def _run(cmd: list[str], timeout: float = 60, **kw) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def compose_command() -> list[str] | None:
+    """`docker compose` (v2) if the plugin is there, else `docker-compose` (v1), else None."""
+    try:
+        if _run(["docker", "compose", "version"], timeout=20).returncode == 0:
+            return ["docker", "compose"]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return ["docker-compose"] if shutil.which("docker-compose") else None
+
+
+@pytest.fixture(scope="session")
+def compose() -> list[str]:
+    if not shutil.which("docker"):
+        pytest.skip("no docker CLI")
+    try:
+        engine = _run(["docker", "info"], timeout=30).returncode == 0
+    except subprocess.TimeoutExpired:
+        engine = False
+    if not engine:
+        pytest.skip("no Docker engine answers (start dockerd)")
+    cmd = compose_command()
+    if cmd is None:
+        pytest.skip("no Compose: install Debian's docker-compose (apt-get install -y docker-compose)")
+    return cmd
+
+
+@pytest.fixture(scope="session")
+def muster_image(compose: list[str]) -> Iterator[str]:
+    """The services image, built (or found up to date) by deploy/build-image.sh, under a tag of
+    this session's own so that a concurrent rebuild cannot swap it under the test."""
+    proc = _run([str(ROOT / "deploy" / "build-image.sh")], timeout=540)
+    if proc.returncode == 2:
+        pytest.skip(f"cannot build the image: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, f"deploy/build-image.sh failed:\n{proc.stderr}"
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    tag = f"musterdeploytest/muster:{uuid.uuid4().hex[:10]}"
+    assert _run(["docker", "tag", f"muster/muster:{version}", tag]).returncode == 0
+    yield tag
+    _run(["docker", "rmi", tag])  # only the tag: the image stays
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Stack:
+    compose: list[str]
+    project: str
+    env: dict[str, str]
+    url: str
+
+    def run(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+        cmd = [*self.compose, "-p", self.project, "-f", str(COMPOSE_FILE), *args]
+        return _run(cmd, timeout=timeout, env=self.env, cwd=ROOT)
+
+    def containers(self, service: str | None = None) -> list[dict]:
+        """`docker inspect` of the project's containers (of one service), running or not."""
+        filters = ["--filter", f"label=com.docker.compose.project={self.project}"]
+        if service:
+            filters += ["--filter", f"label=com.docker.compose.service={service}"]
+        ids = _run(["docker", "ps", "-aq", *filters]).stdout.split()
+        return json.loads(_run(["docker", "inspect", *ids]).stdout) if ids else []
+
+    def logs(self) -> str:
+        out = self.run("logs", "--no-color", "--tail", "25", timeout=60)
+        return (out.stdout + out.stderr)[-12000:]
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            healthy: dict[str, int] = {}
+            states = []
+            for c in self.containers():
+                service = c["Config"]["Labels"]["com.docker.compose.service"]
+                health = (c["State"].get("Health") or {}).get("Status", c["State"]["Status"])
+                states.append(f"{c['Name'].lstrip('/')}: {health}")
+                healthy[service] = healthy.get(service, 0) + (health == "healthy")
+            if all(healthy.get(s, 0) >= n for s, n in EXPECTED.items()):
+                return
+            if time.monotonic() > deadline:
+                pytest.fail(f"not all healthy after {timeout:g}s: {states}\n{self.logs()}")
+            time.sleep(1)
+
+    def scrape(self, container: dict, name: str) -> float | None:
+        """One metric of one replica, read from inside its container."""
+        code = (
+            "import urllib.request as u; "
+            "print(u.urlopen('http://127.0.0.1:9100/metrics', timeout=3).read().decode())"
+        )
+        out = _run(["docker", "exec", container["Id"], "python3", "-c", code]).stdout
+        for line in out.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        return None
+
+
+@pytest.fixture
+def stack(compose: list[str], muster_image: str) -> Iterator[Stack]:
+    project = f"musterdeploytest{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
+    env.update(MUSTER_IMAGE=muster_image, MUSTER_NATS_PORT=str(port))
+    s = Stack(compose, project, env, f"nats://127.0.0.1:{port}")
+    try:
+        up = s.run("up", "-d", *EXPECTED)
+        assert up.returncode == 0, f"compose up failed:\n{up.stderr[-4000:]}\n{s.logs()}"
+        s.wait_healthy(120)
+        yield s
+    finally:
+        down = s.run("down", "-v", "--remove-orphans", "-t", "5", timeout=120)
+        assert down.returncode == 0, f"compose down failed:\n{down.stderr[-4000:]}"
+
+
+def job_config(name: str) -> bytes:
+    role = dict(name="worker", taskNumber=2, cpuNumber=1, memoryMB=256, gpuNumber=0, command="true")
+    config = dict(jobName=f"{name}-{uuid.uuid4().hex[:6]}", image="muster/base:bookworm", taskRoles=[role])
+    return json.dumps(config).encode()
+
+
+async def submit(nc, name: str, stack: Stack) -> Verdict:
+    _, verdict = await client.submit(nc, job_config(name), user="compose-test", timeout=30)
+    assert verdict is not None, f"no verdict within 30 s\n{stack.logs()}"
+    assert verdict.accepted, verdict.errors
+    return verdict
+
+
+async def waiting_for_nodes(nc, job_id: str, stack: Stack) -> JobRecord:
+    """The job's record once the active scheduler has given its reason (no agent runs)."""
+    kv = await nc.jetstream(timeout=10).key_value(subjects.JOBS_BUCKET)
+    deadline = asyncio.get_running_loop().time() + 30
+    while True:
+        record = JobRecord.from_bytes((await kv.get(job_id)).value)
+        if "no nodes" in record.reason or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.3)
+    assert record.state == JobState.WAITING, record
+    assert "no nodes" in record.reason, f"{record.reason!r}\n{stack.logs()}"
+    return record
+
+
+@pytest.mark.timeout(720)
+async def test_compose_stack_accepts_jobs_and_survives_a_dead_validator(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # client.submit declares the streams: with the cluster's replica count, not a downgrade to 1.
+    monkeypatch.setenv("MUSTER_JS_REPLICAS", "3")
+    nc = await bus.connect("test-compose", stack.url, connect_timeout=30, quiet=True)
+    try:
+        js = nc.jetstream(timeout=10)
+        for stream in (subjects.SUBMISSIONS_STREAM, subjects.EVENTS_STREAM, subjects.COMMANDS_STREAM):
+            info = await js.stream_info(stream)
+            assert info.config.num_replicas == 3, (stream, info.config.num_replicas)
+
+        first = await submit(nc, "compose-first", stack)
+        await waiting_for_nodes(nc, first.job_id, stack)
+
+        # Exactly one scheduler is the active leader; the other stands by.
+        leaders = sorted(stack.scrape(c, "muster_scheduler_leader") for c in stack.containers("scheduler"))
+        assert leaders == [0.0, 1.0], leaders
+
+        victim, survivor = stack.containers("validator")
+        assert _run(["docker", "kill", victim["Id"]]).returncode == 0
+        second = await submit(nc, "compose-second", stack)
+        assert second.job_id != first.job_id
+        await waiting_for_nodes(nc, second.job_id, stack)
+        states = {c["Id"]: c["State"]["Running"] for c in stack.containers("validator")}
+        assert states == {victim["Id"]: False, survivor["Id"]: True}, states
+    finally:
+        await nc.close()

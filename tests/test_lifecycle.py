@@ -1,0 +1,215 @@
+"""How jobs end, end to end (real nats-server, every service a process): retries as retryCount
+says, a lost node's gang retried elsewhere, kill, and agents that restart under running tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+
+import docker
+import pytest
+
+from shared import client, subjects
+from shared.messages import FailureKind, JobRecord, JobState, TaskState
+from tests.test_jobs import attempt, nc, role, run_job, wait_final  # noqa: F401 - nc is a fixture
+
+
+async def test_a_worker_exiting_1_with_retry_count_2_runs_exactly_3_attempts(cluster, nc, tmp_path):  # noqa: F811
+    cluster.core()
+    cluster.agent("n1", "--address", "127.0.0.1", "--cpus", "4")
+    runs = tmp_path / "runs"
+    config = {
+        "jobName": "always-fails",
+        "image": "img",
+        "retryCount": 2,
+        "taskRoles": [
+            role("ps", 1, f"echo ps >> {runs}; sleep 600"),
+            role("worker", 1, f"echo worker >> {runs}; echo boom >&2; exit 1"),
+        ],
+    }
+    record = await run_job(nc, config, timeout=60)
+    assert (record.state, record.attempt, record.retries) == (JobState.FAILED, 3, 2), record
+    assert "all 2 retries spent" in record.reason
+    assert runs.read_text().split().count("worker") == 3
+    await _until_gone(nc, record.job_id, 3)
+    for n in (1, 2, 3):
+        a = await attempt(nc, record.job_id, n)
+        assert a.outcome == JobState.FAILED and a.failure is not None
+        assert (a.failure.kind, a.failure.task, a.failure.exit_code) == (FailureKind.USER, "worker.0", 1)
+        assert a.failure.last_lines == ["boom"]
+        assert a.task("ps", 0).state == TaskState.STOPPED  # the rest of the gang was killed
+        assert a.charged is (n < 3 or None)
+    # muster status shows the whole history.
+    status = cluster.cli("status", record.job_id).stdout
+    assert status.count("[user failure]") == 3 and status.count("(retry charged to retryCount)") == 2
+
+
+async def test_a_lost_node_fails_its_gang_as_platform_and_it_succeeds_elsewhere(cluster, nc, tmp_path):  # noqa: F811
+    os.environ["MUSTER_NODE_TIMEOUT"] = "3"  # read by the supervisor started below
+    try:
+        cluster.core()
+    finally:
+        del os.environ["MUSTER_NODE_TIMEOUT"]
+    doomed = cluster.agent("doomed", "--address", "127.0.0.1", "--cpus", "2", "--heartbeat", "0.5")
+    await asyncio.sleep(1.5)  # the only node at first: the job lands there
+    marker = tmp_path / "attempt"
+    config = {
+        "jobName": "survivor",
+        "image": "img",
+        "retryCount": 0,
+        "taskRoles": [
+            role("main", 2, f"echo $MUSTER_ATTEMPT >> {marker}; test $MUSTER_ATTEMPT -gt 1 || sleep 600")
+        ],
+    }
+    _, verdict = await client.submit(nc, json.dumps(config).encode())
+    assert verdict and verdict.accepted
+    deadline = time.monotonic() + 30
+    while not marker.exists() or len(marker.read_text().split()) < 2:
+        assert time.monotonic() < deadline, cluster.logs()
+        await asyncio.sleep(0.2)
+    doomed.send_signal(signal.SIGSTOP)  # the machine stops answering: no heartbeat, no reports
+    cluster.agent("spare", "--address", "127.0.0.1", "--cpus", "2", "--ports", "30000-30999")
+    try:
+        record = await wait_final(nc, verdict.job_id, timeout=60)
+        assert record.state == JobState.SUCCEEDED, cluster.logs()
+        assert (record.attempt, record.retries, record.platform_retries) == (2, 0, 1)
+        first, second = await attempt(nc, record.job_id, 1), await attempt(nc, record.job_id, 2)
+        assert first.failure is not None and first.failure.kind == FailureKind.PLATFORM
+        assert "node doomed lost" in first.failure.reason and first.charged is False
+        assert {t.node for t in second.tasks} == {"spare"}
+    finally:
+        doomed.send_signal(signal.SIGCONT)
+    # The lost agent comes back: it stops what belongs to the dead attempt.
+    deadline = time.monotonic() + 20
+    while "obsolete_task" not in doomed.log_path.read_text():
+        assert time.monotonic() < deadline, doomed.log_path.read_text()[-2000:]
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(1)
+    pgrep = subprocess.run(["pgrep", "-f", "sleep 600"], capture_output=True, text=True)  # noqa: ASYNC221
+    leftover = pgrep.stdout.split()
+    assert not [p for p in leftover if _task_of(p, record.job_id)]
+
+
+async def _until_gone(nc, job_id: str, n: int, timeout: float = 20) -> None:  # noqa: F811
+    """The job is final as soon as the policy says so; the rest of its gang is stopped right after."""
+    deadline = time.monotonic() + timeout
+    while not all(t.state.ended for t in (await attempt(nc, job_id, n)).tasks):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.2)
+
+
+def _task_of(pid: str, job_id: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"MUSTER_JOB_ID={job_id}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+async def test_kill_stops_a_running_job_and_it_is_not_retried(cluster, nc, tmp_path):  # noqa: F811
+    cluster.core()
+    cluster.agent("n1", "--address", "127.0.0.1", "--cpus", "4")
+    config = {
+        "jobName": "to-kill",
+        "image": "img",
+        "retryCount": -2,
+        "taskRoles": [role("main", 2, "echo up; sleep 600")],
+    }
+    _, verdict = await client.submit(nc, json.dumps(config).encode())
+    await _wait_state(nc, verdict.job_id, JobState.RUNNING)
+    r = cluster.cli("kill", "to-kill", "--grace", "2")
+    assert r.returncode == 0, r.stderr + cluster.logs()
+    assert "STOPPED: killed by" in r.stdout
+    record = await wait_final(nc, verdict.job_id)
+    assert record.state == JobState.STOPPED and record.attempt == 1
+    a = await attempt(nc, record.job_id)
+    assert all(t.state == TaskState.STOPPED for t in a.tasks) and a.outcome == JobState.STOPPED
+    await asyncio.sleep(2)  # nothing comes back: a killed job is never retried, even with -2
+    assert (
+        JobRecord.from_bytes(
+            (await (await nc.jetstream().key_value(subjects.JOBS_BUCKET)).get(record.job_id)).value
+        ).attempt
+        == 1
+    )
+    # Killing it again, or a finished job, says so and changes nothing.
+    again = cluster.cli("kill", record.job_id)
+    assert again.returncode == 0 and "already ended" in again.stdout
+
+
+async def _wait_state(nc, job_id: str, state: JobState, timeout: float = 30) -> JobRecord:  # noqa: F811
+    kv = await nc.jetstream().key_value(subjects.JOBS_BUCKET)
+    deadline = time.monotonic() + timeout
+    while True:
+        record = JobRecord.from_bytes((await kv.get(job_id)).value)
+        if record.state == state:
+            return record
+        assert time.monotonic() < deadline, record
+        await asyncio.sleep(0.2)
+
+
+@pytest.mark.docker
+async def test_muster_kill_stops_a_4_task_docker_job_within_the_grace_and_frees_its_gpus(
+    base_image,
+    cluster,
+    nc,  # noqa: F811
+):
+    cluster.core()
+    cluster.agent("gpu", "--runtime", "docker", "--gpus", "4xT4", "--cpus", "8", "--address", "127.0.0.1")
+    config = {
+        "jobName": "docker-kill",
+        "image": base_image,
+        "gpuType": "T4",
+        # No TERM trap: the shell is PID 1 and ignores SIGTERM, so this takes the whole grace.
+        "taskRoles": [role("main", 4, "sleep 600", gpu=1)],
+    }
+    _, verdict = await client.submit(nc, json.dumps(config).encode())
+    await _wait_state(nc, verdict.job_id, JobState.RUNNING, timeout=60)
+    a = await attempt(nc, verdict.job_id)
+    assert sorted(g for t in a.tasks for g in t.gpus) == [0, 1, 2, 3]
+    started = time.monotonic()
+    r = cluster.cli("kill", "docker-kill", "--grace", "3")
+    took = time.monotonic() - started
+    assert r.returncode == 0, r.stderr + cluster.logs()
+    assert took < 3 + 8, took  # the grace, plus the CLI's own start and the report
+    engine = docker.from_env()
+    try:
+        running = engine.containers.list(filters={"label": f"muster.job={verdict.job_id}"})
+        assert running == []
+    finally:
+        engine.close()
+    # The GPUs are free again: a job that needs all four runs.
+    config2 = {"jobName": "after-kill", "image": base_image, "taskRoles": [role("m", 1, "true", gpu=4)]}
+    record = await run_job(nc, config2, timeout=60)
+    assert record.state == JobState.SUCCEEDED
+
+
+@pytest.mark.docker
+async def test_an_agent_killed_and_restarted_adopts_its_running_containers(base_image, cluster, nc, tmp_path):  # noqa: F811
+    cluster.core()
+    args = ("--runtime", "docker", "--cpus", "4", "--address", "127.0.0.1")
+    agent = cluster.agent("box", *args)
+    out = tmp_path / "out"
+    out.mkdir()
+    config = {
+        "jobName": "adopted",
+        "image": base_image,
+        "outputDir": str(out),
+        "taskRoles": [
+            role("main", 2, "echo start >> $PAI_OUTPUT_DIR/$PAI_TASK_ROLE_INDEX; sleep 4; echo done")
+        ],
+    }
+    _, verdict = await client.submit(nc, json.dumps(config).encode())
+    await _wait_state(nc, verdict.job_id, JobState.RUNNING, timeout=60)
+    agent.send_signal(signal.SIGKILL)
+    agent.wait(5)
+    cluster.agent("box", *args)
+    record = await wait_final(nc, verdict.job_id, timeout=60)
+    assert record.state == JobState.SUCCEEDED and record.attempt == 1, cluster.logs()
+    assert [(out / str(i)).read_text() for i in range(2)] == ["start\n", "start\n"]  # not restarted
+    assert "agent.adopted" in cluster.logs()
+    a = await attempt(nc, record.job_id)
+    assert all(t.exit_code == 0 and t.last_lines[-1:] == ["done"] for t in a.tasks), a.tasks
