@@ -133,9 +133,14 @@ async def test_memory_limit_in_cgroup(runtime: DockerRuntime, launch: Callable) 
 
 async def test_memory_beyond_limit_is_oom_killed(runtime: DockerRuntime, launch: Callable) -> None:
     hog = "python3 -c \"x = b'x' * (256 << 20); print('survived')\""
-    lines, code = await run_to_end(runtime, launch(hog, memory_mb=64))
-    assert code == 137
+    lines: list[str] = []
+    task = await runtime.start(launch(hog, memory_mb=64), lines.append)
+    assert await asyncio.wait_for(task.wait(), 30) == 137
     assert "survived" not in lines
+    assert task.oom_killed  # reported as "out of memory": a user failure, not the platform's
+    sleeper = await runtime.start(launch("sleep 60"), lines.append)
+    await sleeper.stop(0)
+    assert await sleeper.wait() == 137 and not sleeper.oom_killed
 
 
 async def test_cpu_limit(runtime: DockerRuntime, launch: Callable, engine: docker.DockerClient) -> None:

@@ -63,6 +63,7 @@ class DockerTask:
         self._output = output
         self._logs_done: asyncio.Future[None] = loop.create_future()
         self._wait_task: asyncio.Task[int] | None = None
+        self.oom_killed = False  # known once wait() returned: the kernel killed it for memory
         self._thread = threading.Thread(
             target=self._pump_logs, args=(since,), name=f"logs-{self.name}", daemon=True
         )
@@ -117,6 +118,8 @@ class DockerTask:
         try:
             result = await asyncio.to_thread(self._container.wait)
             code = int(result["StatusCode"])
+            await asyncio.to_thread(self._container.reload)
+            self.oom_killed = bool(self._container.attrs.get("State", {}).get("OOMKilled"))
         except docker.errors.NotFound:
             log.warning("docker.container_vanished", task=self.name)
             code = GONE_EXIT_CODE

@@ -82,6 +82,7 @@ class ProcessRuntime:
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "HOME": os.environ.get("HOME", "/"),
             **launch.env,
+            TASK_ENV: launch.name,
         }
         try:
             proc = await asyncio.create_subprocess_exec(

@@ -102,6 +102,8 @@ class LocalTask:
     handle: RunningTask | None = None
     runner: asyncio.Task[None] | None = None
     kill_reason: str | None = None
+    kill_grace: float = 0.0
+    starting: bool = False  # the runtime is starting it: it must not be cancelled then
 
     @property
     def name(self) -> str:
@@ -422,10 +424,13 @@ class Agent:
     async def _stop_task(self, task: LocalTask, reason: str, grace: float) -> None:
         if task.kill_reason is None:
             task.kill_reason = reason
+        task.kill_grace = grace
         if task.handle is not None:
             await task.handle.stop(grace)
-        elif task.runner is not None:
-            task.runner.cancel()
+        elif task.runner is not None and not task.starting:
+            task.runner.cancel()  # still waiting for the cluster spec: it never starts
+        # While the runtime is starting it, cancelling could orphan the new process or
+        # container: `_run_task` sees kill_reason once start returns and stops it.
         if task.runner is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task.runner
@@ -444,7 +449,10 @@ class Agent:
             if await self._obsolete(key):
                 raise asyncio.CancelledError
             launch = self._launch(task, cluster)
+            task.starting = True
             task.handle = await self.runtime.start(launch, lambda line: self._output(task, line))
+            if task.kill_reason is not None:  # killed while it was being started
+                await task.handle.stop(task.kill_grace)
         except asyncio.CancelledError:
             why = task.kill_reason or "its attempt ended"
             await self._finish(key, task, NOT_STARTED, f"killed before start: {why}")
@@ -465,7 +473,12 @@ class Agent:
         assert task.handle is not None
         try:
             code = await task.handle.wait()
-            reason = f"killed: {task.kill_reason}" if task.kill_reason else ""
+            if task.kill_reason:
+                reason = f"killed: {task.kill_reason}"
+            elif getattr(task.handle, "oom_killed", False):
+                reason = f"out of memory (limit {task.assignment.config.role(task.spec.role).memoryMB} MB)"
+            else:
+                reason = ""
         except Exception as exc:
             code, reason = NOT_STARTED, f"platform: lost track of the task: {exc}"
         await self._finish(key, task, code, reason)

@@ -13,7 +13,8 @@ import asyncio
 import contextlib
 import os
 import uuid
-from datetime import timedelta
+from collections.abc import Iterable
+from datetime import datetime, timedelta
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -43,7 +44,7 @@ from shared.subjects import Headers
 log = structlog.get_logger(service="scheduler")
 PLACED = Counter("muster_scheduler_placements_total", "Attempts placed")
 PENDING = Gauge("muster_scheduler_pending_jobs", "Jobs waiting for resources")
-AVOID_AFTER = int(os.environ.get("MUSTER_AVOID_AFTER", "2"))
+AVOID_AFTER = int(os.environ.get("MUSTER_AVOID_AFTER", "3"))
 AVOID_WINDOW = float(os.environ.get("MUSTER_AVOID_WINDOW", "600"))
 LEADER = Gauge("muster_scheduler_leader", "1 while this replica is the active scheduler")
 
@@ -203,21 +204,12 @@ class Scheduler:
         if not waiting:
             return
         queue = [placement.PendingJob(j.job_id, j.config) for j, _ in waiting]
-        plan = placement.plan(nodes.values(), queue, self.avoided())
+        plan = plan_around(nodes, queue, nodes_to_avoid(self.attempts.values(), now()))
         for job, n in waiting:
             if job.job_id in plan.placements:
                 await self.commit(job, n, plan.placements[job.job_id])
             elif plan.pending.get(job.job_id) and plan.pending[job.job_id] != job.reason:
                 await self.set_reason(job.job_id, job.attempt, plan.pending[job.job_id])
-
-    def avoided(self) -> set[str]:
-        """Nodes that keep failing attempts: AVOID_AFTER platform failures within AVOID_WINDOW."""
-        since = now() - timedelta(seconds=AVOID_WINDOW)
-        counts: dict[str, int] = {}
-        for a in self.attempts.values():
-            if a.failure and a.failure.kind == FailureKind.PLATFORM and a.ended_at and a.ended_at >= since:
-                counts[a.failure.node] = counts.get(a.failure.node, 0) + 1
-        return {node for node, n in counts.items() if n >= AVOID_AFTER}
 
     async def commit(self, job: JobRecord, n: int, tasks: list[TaskSpec]) -> None:
         """Place attempt n. The job record is moved to attempt n first (the fence: a job killed or
@@ -313,3 +305,36 @@ class Scheduler:
 
 def _spec(t: TaskStatus) -> TaskSpec:
     return TaskSpec(role=t.role, role_no=t.role_no, index=t.index, node=t.node, gpus=t.gpus)
+
+
+def nodes_to_avoid(attempts: Iterable[AttemptRecord], at: datetime) -> set[str]:
+    """Nodes that keep failing attempts: platform failures at AVOID_AFTER different moments
+    (10 s apart, so one agent restart that loses several tasks at once counts once) within
+    AVOID_WINDOW seconds before `at`."""
+    since = at - timedelta(seconds=AVOID_WINDOW)
+    moments: dict[str, set[int]] = {}
+    for a in attempts:
+        if a.failure and a.failure.kind == FailureKind.PLATFORM and a.ended_at and a.ended_at >= since:
+            moments.setdefault(a.failure.node, set()).add(int(a.ended_at.timestamp() // 10))
+    return {node for node, seen in moments.items() if len(seen) >= AVOID_AFTER}
+
+
+def plan_around(
+    nodes: dict[str, placement.NodeState], queue: list[placement.PendingJob], avoid: set[str]
+) -> placement.Plan:
+    """Place around the nodes to avoid; a job that fits only on them still runs there: avoiding
+    is a preference, never a reason to wait forever."""
+    plan = placement.plan(nodes.values(), queue, avoid)
+    stuck = [j for j in queue if j.job_id in plan.unschedulable]
+    if not avoid or not stuck:
+        return plan
+    rest = {name: n.copy() for name, n in nodes.items()}
+    configs = {j.job_id: j.config for j in queue}
+    for job_id, tasks in plan.placements.items():
+        placement.allocate(rest, configs[job_id], tasks)
+    second = placement.plan(rest.values(), stuck)
+    plan.placements.update(second.placements)
+    for job_id in second.placements:
+        plan.pending.pop(job_id, None)
+    plan.pending.update(second.pending)
+    return plan
