@@ -181,13 +181,22 @@ class Agent:
         """Rewrite the node record every beat. If the bus lost its state (a new server, a purged
         bucket), set JetStream up again: the node registers again by itself."""
         failing = False
+        loop = asyncio.get_running_loop()
+        last_beat = loop.time()
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.opts.heartbeat)
             if stop.is_set():
                 return
             try:
+                if loop.time() - last_beat > bus.node_timeout():
+                    # Silent for longer than a node may be (frozen, cut off): the attempts of our
+                    # tasks may have been failed and placed elsewhere. Stop what is no longer ours
+                    # before the node looks alive again and gets new work.
+                    self.log.warning("agent.back_after_silence", seconds=round(loop.time() - last_beat, 1))
+                    await self.stop_obsolete(wait=True)
                 await self.nodes.put(self.opts.node, self.info().to_bytes())
+                last_beat = loop.time()
                 if failing:
                     self.log.info("agent.heartbeat_restored")
                 failing = False
@@ -200,8 +209,6 @@ class Agent:
                     with contextlib.suppress(Exception):
                         _, buckets = await bus.ensure_jetstream(self.nc)
                         self.nodes = buckets[subjects.NODES_BUCKET]
-        self.kv_attempts = buckets[subjects.ATTEMPTS_BUCKET]
-        self.kv_jobs = buckets[subjects.JOBS_BUCKET]
 
     async def _subscribe(self):
         return await self.js.pull_subscribe(
@@ -342,9 +349,10 @@ class Agent:
         task.runner = asyncio.create_task(self._watch(key, task))
         self.log.info("agent.adopted", task=found.name)
 
-    async def stop_obsolete(self) -> None:
+    async def stop_obsolete(self, wait: bool = False) -> None:
         """Stop local tasks the bus no longer counts as live (their attempt ended, or they were
-        declared lost while this agent was cut off)."""
+        declared lost while this agent was cut off). With `wait`, return once they are gone."""
+        stops = []
         for key, task in list(self.tasks.items()):
             if task.handle is None:
                 continue
@@ -358,6 +366,9 @@ class Agent:
                 stopping = asyncio.create_task(self._stop_task(task, "obsolete attempt", 0))
                 self._background.add(stopping)
                 stopping.add_done_callback(self._background.discard)
+                stops.append(stopping)
+        if wait and stops:
+            await asyncio.wait(stops)
 
     # ------------------------------------------------------------ orders
 
