@@ -218,12 +218,15 @@ class Supervisor:
             names = await self.nodes.keys()
         except NoKeysError:
             return
+        # Lost, and recently: a node silent for long was handled when it went silent, and gets
+        # no new work since, so its attempts need not be scanned every second forever.
         cutoff = now() - timedelta(seconds=self.node_timeout)
+        forgotten = cutoff - timedelta(seconds=3 * self.node_timeout + 10)
         lost: dict[str, NodeInfo] = {}
         for name in names:
             with contextlib.suppress(KeyNotFoundError):
                 info = NodeInfo.from_bytes((await self.nodes.get(name)).value)
-                if info.heartbeat_at < cutoff:
+                if forgotten <= info.heartbeat_at < cutoff:
                     lost[name] = info
         if not lost:
             return
@@ -232,8 +235,10 @@ class Supervisor:
         except NoKeysError:
             return
         for key in keys:
-            with contextlib.suppress(KeyNotFoundError):
+            try:
                 attempt = AttemptRecord.from_bytes((await self.attempts.get(key)).value)
+            except KeyNotFoundError:
+                continue
             if attempt.ended:
                 continue
             for task in attempt.tasks:
