@@ -186,6 +186,17 @@ async def test_pytorch_gloo_allreduce_on_the_process_runtime(cluster, nc, tmp_pa
     assert lines == [f"rank {r}/3: all_reduce sum 6 ok (master 127.0.0.1)" for r in range(3)]
 
 
+async def _lease_holder(nc, timeout: float = 30) -> str:
+    leases = await nc.jetstream().key_value(subjects.LEASES_BUCKET)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return (await leases.get(subjects.SCHEDULER_LEASE)).value.decode()
+        except Exception:
+            assert time.monotonic() < deadline, "no scheduler took the lease"
+            await asyncio.sleep(0.1)
+
+
 async def test_killing_the_active_scheduler_mid_stream_standby_takes_over(cluster, nc, tmp_path):
     for module in ("services.validator", "services.registry", "services.supervisor"):
         cluster.start(module)
@@ -203,8 +214,7 @@ async def test_killing_the_active_scheduler_mid_stream_standby_takes_over(cluste
         assert verdict and verdict.accepted
         jobs.append(verdict.job_id)
         if i == 3:  # kill whichever scheduler holds the lease, with work in flight
-            leases = await nc.jetstream().key_value(subjects.LEASES_BUCKET)
-            holder = (await leases.get(subjects.SCHEDULER_LEASE)).value.decode()
+            holder = await _lease_holder(nc)
             leader = next(p for p in schedulers if holder in p.log_path.read_text())
             leader.send_signal(signal.SIGKILL)
             leader.wait(5)

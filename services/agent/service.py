@@ -23,7 +23,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
-from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError, ServiceUnavailableError
+from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge
 
@@ -205,7 +205,7 @@ class Agent:
                 if not failing:
                     self.log.warning("agent.heartbeat_failed", error=str(exc) or type(exc).__name__)
                 failing = True
-                if isinstance(exc, NotFoundError | ServiceUnavailableError) and self.nc.is_connected:
+                if self.nc.is_connected:  # connected but failing: the stream may be gone
                     with contextlib.suppress(Exception):
                         _, buckets = await bus.ensure_jetstream(self.nc)
                         self.nodes = buckets[subjects.NODES_BUCKET]
