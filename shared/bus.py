@@ -7,6 +7,7 @@ Every service and the CLI connect through `connect()`; every JetStream resource 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -15,8 +16,12 @@ import nats
 import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
     DiscardPolicy,
     KeyValueConfig,
     RetentionPolicy,
@@ -220,6 +225,36 @@ async def cas_update(
             return updated
         except KeyWrongLastSequenceError:
             continue
+
+
+async def durable(
+    js: JetStreamContext, subject: str, name: str, stream: str, **settings: Any
+) -> JetStreamContext.PullSubscription:
+    """The durable pull consumer `name`, shared by every replica that uses it: explicit acks,
+    redelivery after 30 s without one, never given up on. `settings` add to that."""
+    config = ConsumerConfig(
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=30,
+        max_deliver=-1,
+        **settings,
+    )
+    return await js.pull_subscribe(subject, durable=name, stream=stream, config=config)
+
+
+def acked(handle: Callable[[Msg], Awaitable[None]], logger: Any) -> Callable[[Msg], Awaitable[None]]:
+    """Wrap a handler: ack once it returns; on an error, log it and have the message redelivered."""
+
+    async def run(msg: Msg) -> None:
+        try:
+            await handle(msg)
+            await msg.ack()
+        except Exception:
+            logger.error("handler.failed", subject=msg.subject, exc_info=True)
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=1)
+
+    return run
 
 
 async def consume(

@@ -22,7 +22,6 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge
@@ -211,15 +210,16 @@ class Agent:
                         self.nodes = buckets[subjects.NODES_BUCKET]
 
     async def _subscribe(self):
-        return await self.js.pull_subscribe(
+        return await bus.durable(
+            self.js,
             subjects.node_commands(self.opts.node),
-            durable=subjects.agent_consumer(self.opts.node),
-            stream=subjects.COMMANDS_STREAM,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_deliver=-1),
+            subjects.agent_consumer(self.opts.node),
+            subjects.COMMANDS_STREAM,
         )
 
     async def _consume(self, stop: asyncio.Event) -> None:
         sub = await self._subscribe()
+        handle = bus.acked(self._order, self.log)
         failures = 0
         while not stop.is_set():
             try:
@@ -239,18 +239,13 @@ class Agent:
                         sub = await self._subscribe()
                 continue
             for msg in msgs:
-                await self._handle(msg)
+                await handle(msg)
 
-    async def _handle(self, msg: Msg) -> None:
-        try:
-            if msg.subject.endswith(".assign"):
-                await self.assign(Assignment.from_bytes(msg.data))
-            elif msg.subject.endswith(".kill"):
-                await self.kill(KillOrder.from_bytes(msg.data))
-            await msg.ack()
-        except Exception:
-            self.log.error("agent.order_failed", subject=msg.subject, exc_info=True)
-            await msg.nak(delay=1)
+    async def _order(self, msg: Msg) -> None:
+        if msg.subject.endswith(".assign"):
+            await self.assign(Assignment.from_bytes(msg.data))
+        elif msg.subject.endswith(".kill"):
+            await self.kill(KillOrder.from_bytes(msg.data))
 
     # ------------------------------------------------------------ reconciliation
 

@@ -9,13 +9,11 @@ The spec is published with a message id, so publishing it again after a crash is
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter
@@ -54,24 +52,13 @@ class Registry:
         return cls(nc, js, buckets)
 
     async def run(self, stop: asyncio.Event) -> None:
-        sub = await self.js.pull_subscribe(
-            subjects.ENDPOINTS,
-            durable=subjects.REGISTRY_CONSUMER,
-            stream=subjects.EVENTS_STREAM,
-            config=ConsumerConfig(
-                ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, ack_wait=30, max_deliver=-1
-            ),
+        sub = await bus.durable(
+            self.js, subjects.ENDPOINTS, subjects.REGISTRY_CONSUMER, subjects.EVENTS_STREAM
         )
-        await bus.consume(sub, self.handle, stop, log, 64)
+        await bus.consume(sub, bus.acked(self.handle, log), stop, log, 64)
 
     async def handle(self, msg: Msg) -> None:
-        try:
-            await self.collect(EndpointReported.from_bytes(msg.data))
-            await msg.ack()
-        except Exception:
-            log.error("registry.failed", subject=msg.subject, exc_info=True)
-            with contextlib.suppress(Exception):
-                await msg.nak(delay=1)
+        await self.collect(EndpointReported.from_bytes(msg.data))
 
     async def collect(self, report: EndpointReported) -> None:
         key = f"{report.job_id}.{report.attempt}"

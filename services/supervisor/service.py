@@ -17,7 +17,6 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter
@@ -69,38 +68,24 @@ class Supervisor:
         return cls(nc, js, buckets)
 
     async def run(self, stop: asyncio.Event) -> None:
-        events = await self.js.pull_subscribe(
+        events = await bus.durable(
+            self.js,
             "",
-            durable=subjects.SUPERVISOR_CONSUMER,
-            stream=subjects.EVENTS_STREAM,
-            config=ConsumerConfig(
-                ack_policy=AckPolicy.EXPLICIT,
-                deliver_policy=DeliverPolicy.ALL,
-                ack_wait=30,
-                max_deliver=-1,
-                filter_subjects=subjects.TASK_STATES,
-            ),
+            subjects.SUPERVISOR_CONSUMER,
+            subjects.EVENTS_STREAM,
+            filter_subjects=subjects.TASK_STATES,
         )
-        kills = await self.js.pull_subscribe(
-            subjects.KILL,
-            durable=subjects.SUPERVISOR_KILL_CONSUMER,
-            stream=subjects.SUBMISSIONS_STREAM,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_deliver=-1),
+        kills = await bus.durable(
+            self.js, subjects.KILL, subjects.SUPERVISOR_KILL_CONSUMER, subjects.SUBMISSIONS_STREAM
         )
         await asyncio.gather(
-            bus.consume(events, self.handle, stop, log),
-            bus.consume(kills, self.handle_kill, stop, log, 16),
+            bus.consume(events, bus.acked(self.handle, log), stop, log),
+            bus.consume(kills, bus.acked(self.handle_kill, log), stop, log, 16),
             self.watch_nodes(stop),
         )
 
     async def handle(self, msg: Msg) -> None:
-        try:
-            await self.on_task_event(TaskEvent.from_bytes(msg.data))
-            await msg.ack()
-        except Exception:
-            log.error("supervisor.failed", subject=msg.subject, exc_info=True)
-            with contextlib.suppress(Exception):
-                await msg.nak(delay=1)
+        await self.on_task_event(TaskEvent.from_bytes(msg.data))
 
     async def on_task_event(self, ev: TaskEvent) -> None:
         key = f"{ev.job_id}.{ev.attempt}"
@@ -149,13 +134,7 @@ class Supervisor:
     # ------------------------------------------------------------ kill
 
     async def handle_kill(self, msg: Msg) -> None:
-        try:
-            await self.kill_job(KillRequest.from_bytes(msg.data))
-            await msg.ack()
-        except Exception:
-            log.error("supervisor.kill_failed", exc_info=True)
-            with contextlib.suppress(Exception):
-                await msg.nak(delay=1)
+        await self.kill_job(KillRequest.from_bytes(msg.data))
 
     async def kill_job(self, req: KillRequest) -> None:
         """The job becomes STOPPED (not retried), its current attempt ends, its tasks are told to

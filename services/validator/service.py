@@ -18,7 +18,6 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Histogram
@@ -52,17 +51,12 @@ class Validator:
         return cls(nc, js, buckets)
 
     async def run(self, stop: asyncio.Event) -> None:
-        sub = await self.js.pull_subscribe(
+        sub = await bus.durable(
+            self.js,
             subjects.SUBMIT,
-            durable=subjects.VALIDATOR_CONSUMER,
-            stream=subjects.SUBMISSIONS_STREAM,
-            config=ConsumerConfig(
-                ack_policy=AckPolicy.EXPLICIT,
-                deliver_policy=DeliverPolicy.ALL,
-                ack_wait=30,
-                max_deliver=-1,
-                max_ack_pending=1000,
-            ),
+            subjects.VALIDATOR_CONSUMER,
+            subjects.SUBMISSIONS_STREAM,
+            max_ack_pending=1000,
         )
         await bus.consume(sub, self.handle, stop, log, self.batch)
 
