@@ -73,6 +73,7 @@ class JobRecord(Message):
     submitted_at: datetime
     updated_at: datetime = Field(default_factory=now)
     reason: str = "waiting for a scheduler"
+    unschedulable: bool = False  # the scheduler found no node that could ever fit it
     attempt: int = 0  # the current attempt's number; 0 until first placed
     retries: int = 0  # retries charged to the config's retryCount (user failures, or -2 restarts)
     platform_retries: int = 0  # retries after platform failures: not charged to retryCount
@@ -126,6 +127,9 @@ class NodeInfo(Message):
     agent_id: str
     started_at: datetime = Field(default_factory=now)
     heartbeat_at: datetime = Field(default_factory=now)
+    # Set by an agent stopping for a restart (SIGTERM): its tasks keep running, and the node is
+    # not lost before this time even without heartbeats.
+    restarting_until: datetime | None = None
 
 
 class TaskSpec(BaseModel):
@@ -156,6 +160,23 @@ class Assignment(Message):
     def mine(self) -> list[TaskSpec]:
         return [t for t in self.gang if t.node == self.node]
 
+    @property
+    def key(self) -> str:
+        return attempt_key(self.job_id, self.attempt)
+
+    @classmethod
+    def of(cls, job: JobRecord, attempt: AttemptRecord, node: str) -> Assignment:
+        """The order for `node`'s part of a placed attempt (the scheduler sends it; an agent
+        that adopts a task after a restart rebuilds it the same way)."""
+        return cls(
+            job_id=job.job_id,
+            attempt=attempt.attempt,
+            user=job.user,
+            config=job.config,
+            gang=[t.spec() for t in attempt.tasks],
+            node=node,
+        )
+
 
 class Endpoint(BaseModel):
     """Where one task can be reached: its node's address, its default port, its portList ports."""
@@ -171,6 +192,25 @@ class Endpoint(BaseModel):
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @classmethod
+    def of(cls, spec: TaskSpec, host: str, ports: list[int], port_list: list[Any]) -> Endpoint:
+        """A task's endpoint from the ports reserved for it, in the order they are taken: its
+        default port, then each `portList` entry's ports in config order (so an adopted task's
+        named ports are rebuilt from the list kept on its container)."""
+        named: dict[str, list[int]] = {}
+        rest = ports[1:]
+        for p in port_list:
+            named[p.label], rest = rest[: p.portNumber], rest[p.portNumber :]
+        return cls(
+            role=spec.role,
+            role_no=spec.role_no,
+            index=spec.index,
+            node=spec.node,
+            host=host,
+            port=ports[0] if ports else 0,
+            ports=named,
+        )
 
 
 class EndpointReported(Message):
@@ -191,9 +231,35 @@ class ClusterSpec(Message):
     endpoints: list[Endpoint]
 
 
+class Rendezvous(Message):
+    """What the registry has collected for one attempt: KV bucket `muster_rendezvous`, key
+    `<job_id>.<attempt>`."""
+
+    job_id: str
+    attempt: int
+    gang_size: int
+    endpoints: dict[str, Endpoint] = Field(default_factory=dict)  # "<role>.<index>" -> endpoint
+    published: bool = False
+
+    def spec(self) -> ClusterSpec:
+        ordered = sorted(self.endpoints.values(), key=lambda e: (e.role_no, e.index))
+        return ClusterSpec(job_id=self.job_id, attempt=self.attempt, endpoints=ordered)
+
+
 class TaskEventKind(StrEnum):
     RUNNING = "running"
     EXITED = "exited"
+
+
+class TaskCause(StrEnum):
+    """Why a task ended. The supervisor's policy reads this, never the reason text."""
+
+    EXITED = "exited"  # the command ended by itself: the exit code says how
+    OOM = "oom"  # the kernel killed it for memory (a user failure)
+    KILLED = "killed"  # stopped on purpose: kill order, gang teardown, obsolete attempt
+    NODE_LOST = "node_lost"  # its node stopped heartbeating; it may not have ended cleanly
+    PLATFORM = "platform"  # transient: could not start now, lost track, pull timeout, daemon restart
+    CONFIG = "config"  # will recur on any node: invalid mount, bad image reference, impossible limits
 
 
 class TaskEvent(Message):
@@ -205,6 +271,7 @@ class TaskEvent(Message):
     index: int
     node: str
     kind: TaskEventKind
+    cause: TaskCause | None = None  # set when kind is EXITED
     exit_code: int | None = None
     reason: str = ""
     last_lines: list[str] = Field(default_factory=list)
@@ -232,6 +299,7 @@ class TaskStatus(BaseModel):
     state: TaskState = TaskState.PLACED
     host: str | None = None
     port: int | None = None
+    cause: TaskCause | None = None
     exit_code: int | None = None
     reason: str = ""
     last_lines: list[str] = Field(default_factory=list)
@@ -242,10 +310,16 @@ class TaskStatus(BaseModel):
     def key(self) -> str:
         return f"{self.role}.{self.index}"
 
+    def spec(self) -> TaskSpec:
+        return TaskSpec(
+            role=self.role, role_no=self.role_no, index=self.index, node=self.node, gpus=self.gpus
+        )
+
 
 class FailureKind(StrEnum):
     USER = "user"  # the command exited non-zero, or ran out of memory
     PLATFORM = "platform"  # node lost, image pull failed, could not start, killed by the platform
+    CONFIG = "config"  # the job cannot start anywhere as configured: not retried
 
 
 class Failure(BaseModel):
@@ -254,9 +328,15 @@ class Failure(BaseModel):
     kind: FailureKind
     task: str
     node: str
+    cause: TaskCause | None = None
     exit_code: int | None = None
     reason: str = ""
     last_lines: list[str] = Field(default_factory=list)
+
+
+def attempt_key(job_id: str, attempt: int) -> str:
+    """The key of an attempt record (bucket `muster_attempts`) and of its rendezvous."""
+    return f"{job_id}.{attempt}"
 
 
 class AttemptRecord(Message):
@@ -276,7 +356,7 @@ class AttemptRecord(Message):
 
     @property
     def key(self) -> str:
-        return f"{self.job_id}.{self.attempt}"
+        return attempt_key(self.job_id, self.attempt)
 
     @property
     def ended(self) -> bool:
@@ -294,6 +374,10 @@ class KillOrder(Message):
     attempt: int
     reason: str
     grace: float = 10.0
+
+    @property
+    def key(self) -> str:
+        return attempt_key(self.job_id, self.attempt)
 
 
 class KillRequest(Message):

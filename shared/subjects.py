@@ -23,6 +23,7 @@ from shared.messages import (
     KillOrder,
     KillRequest,
     NodeInfo,
+    Rendezvous,
     TaskEvent,
     Verdict,
 )
@@ -215,6 +216,13 @@ CHANNELS: dict[str, Channel] = {
         message=AttemptRecord,
         action="send",
         description="An attempt: its placement and every task's state (JetStream KV bucket muster_attempts).",
+    ),
+    "rendezvousRecord": Channel(
+        address="$KV." + RENDEZVOUS_BUCKET + ".{jobId}.{attempt}",
+        parameters=("jobId", "attempt"),
+        message=Rendezvous,
+        action="send",
+        description="The endpoints collected so far for an attempt (JetStream KV bucket muster_rendezvous).",
     ),
     "jobRecord": Channel(
         address="$KV." + JOBS_BUCKET + ".{jobId}",

@@ -28,7 +28,16 @@ async def test_pytorch_gloo_allreduce_in_docker_containers(base_image, cluster, 
     assert site == sysconfig.get_paths()["purelib"] or Path(site).is_dir()
     cluster.core()
     cluster.agent(
-        "box", "--runtime", "docker", "--address", "127.0.0.1", "--cpus", "4", "--memory-mb", "16384"
+        "box",
+        "--runtime",
+        "docker",
+        "--address",
+        "127.0.0.1",
+        "--cpus",
+        "4",
+        "--overcommit",
+        "--memory-mb",
+        "16384",
     )
     config = example("pytorch-allreduce")
     config.update(

@@ -158,7 +158,18 @@ async def test_muster_kill_stops_a_4_task_docker_job_within_the_grace_and_frees_
     nc,  # noqa: F811
 ):
     cluster.core()
-    cluster.agent("gpu", "--runtime", "docker", "--gpus", "4xT4", "--cpus", "8", "--address", "127.0.0.1")
+    cluster.agent(
+        "gpu",
+        "--runtime",
+        "docker",
+        "--gpus",
+        "4xT4",
+        "--cpus",
+        "8",
+        "--overcommit",
+        "--address",
+        "127.0.0.1",
+    )
     config = {
         "jobName": "docker-kill",
         "image": base_image,
@@ -190,7 +201,7 @@ async def test_muster_kill_stops_a_4_task_docker_job_within_the_grace_and_frees_
 @pytest.mark.docker
 async def test_an_agent_killed_and_restarted_adopts_its_running_containers(base_image, cluster, nc, tmp_path):  # noqa: F811
     cluster.core()
-    args = ("--runtime", "docker", "--cpus", "4", "--address", "127.0.0.1")
+    args = ("--runtime", "docker", "--cpus", "4", "--overcommit", "--address", "127.0.0.1")
     agent = cluster.agent("box", *args)
     out = tmp_path / "out"
     out.mkdir()

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from services.supervisor.policy import (
     Decision,
     RetryLimits,
+    attempt_to_place,
     backoff,
     classify,
     decide,
@@ -21,11 +22,20 @@ from services.supervisor.policy import (
     task_state_for,
 )
 from shared.jobconfig import JobConfig, check_job
-from shared.messages import Failure, FailureKind, JobState, TaskState, TaskStatus
+from shared.messages import (
+    AttemptRecord,
+    Failure,
+    FailureKind,
+    JobRecord,
+    JobState,
+    TaskCause,
+    TaskState,
+    TaskStatus,
+)
 
 T0 = datetime(2024, 1, 1, tzinfo=UTC)
 S, F, ST = JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED
-USER, PLATFORM = FailureKind.USER, FailureKind.PLATFORM
+USER, PLATFORM, CONFIG = FailureKind.USER, FailureKind.PLATFORM, FailureKind.CONFIG
 
 # One letter per task state in the table rows: P placed, R running, S succeeded, F failed, X stopped.
 LETTERS = {
@@ -79,8 +89,12 @@ def task(
     ended_at: datetime | None = None,
     node: str = "n0",
     last_lines: list[str] | None = None,
+    cause: TaskCause | None = None,
 ) -> TaskStatus:
+    if cause is None and state.ended:
+        cause = TaskCause.KILLED if state == TaskState.STOPPED else TaskCause.EXITED
     return TaskStatus(
+        cause=cause,
         role=role_name,
         role_no=role_no,
         index=index,
@@ -255,37 +269,38 @@ def test_decide_failure_evidence_without_exit_code() -> None:
     """A task that never ran (exit -1) is named by its reason, not by a meaningless exit code."""
     cfg = config([role("w", 2)])
     tasks = [
-        task("w", 0, TaskState.FAILED, exit_code=-1, reason="platform: image pull failed", ended_at=T0),
+        task("w", 0, TaskState.FAILED, -1, reason="image pull failed", ended_at=T0, cause=TaskCause.PLATFORM),
         task("w", 1, TaskState.RUNNING),
     ]
     d = decide(cfg, tasks)
-    assert d.outcome == F and "w[0]: platform: image pull failed" in d.rule
+    assert d.outcome == F and "w[0]: image pull failed" in d.rule
 
 
 # ------------------------------------------------------------------ task_state_for
 
+C = TaskCause
 STATE_ROWS = [
-    ("exit-0", 0, "", TaskState.SUCCEEDED),
-    ("exit-1", 1, "", TaskState.FAILED),
-    ("exit-2", 2, "", TaskState.FAILED),
-    ("oom-137", 137, "out of memory", TaskState.FAILED),
-    ("sigkill-137-no-reason", 137, "", TaskState.FAILED),
-    ("killed-by-order", 137, "killed: minSucceededTaskCount: 1 of role main succeeded", TaskState.STOPPED),
-    ("killed-exit-0", 0, "killed: job killed by alice", TaskState.STOPPED),
-    ("killed-before-start", -1, "killed before start: cancelled", TaskState.STOPPED),
-    ("platform-image-pull", -1, "platform: image pull failed", TaskState.FAILED),
-    ("platform-node-lost", None, "platform: node n1 lost", TaskState.FAILED),
-    ("platform-exit-0-is-not-success", 0, "platform: container could not start", TaskState.FAILED),
-    ("no-exit-code", None, "", TaskState.FAILED),
-    ("not-started", -1, "", TaskState.FAILED),
+    ("exit-0", C.EXITED, 0, TaskState.SUCCEEDED),
+    ("exit-1", C.EXITED, 1, TaskState.FAILED),
+    ("exit-2", C.EXITED, 2, TaskState.FAILED),
+    ("oom-137", C.OOM, 137, TaskState.FAILED),
+    ("oom-exit-0-is-not-success", C.OOM, 0, TaskState.FAILED),
+    ("sigkill-137", C.EXITED, 137, TaskState.FAILED),
+    ("killed-by-order", C.KILLED, 137, TaskState.STOPPED),
+    ("killed-exit-0", C.KILLED, 0, TaskState.STOPPED),
+    ("killed-before-start", C.KILLED, -1, TaskState.STOPPED),
+    ("platform-image-pull", C.PLATFORM, -1, TaskState.FAILED),
+    ("node-lost", C.NODE_LOST, None, TaskState.FAILED),
+    ("platform-exit-0-is-not-success", C.PLATFORM, 0, TaskState.FAILED),
+    ("config-invalid-mount", C.CONFIG, -1, TaskState.FAILED),
+    ("no-exit-code", C.EXITED, None, TaskState.FAILED),
+    ("no-cause-exit-0", None, 0, TaskState.SUCCEEDED),
 ]
 
 
-@pytest.mark.parametrize(
-    "exit_code,reason,state", [r[1:] for r in STATE_ROWS], ids=[r[0] for r in STATE_ROWS]
-)
-def test_task_state_for(exit_code: int | None, reason: str, state: TaskState) -> None:
-    assert task_state_for(exit_code, reason) == state
+@pytest.mark.parametrize("cause,exit_code,state", [r[1:] for r in STATE_ROWS], ids=[r[0] for r in STATE_ROWS])
+def test_task_state_for(cause: TaskCause | None, exit_code: int | None, state: TaskState) -> None:
+    assert task_state_for(cause, exit_code) == state
 
 
 # ------------------------------------------------------------------ classify
@@ -327,16 +342,18 @@ CLASSIFY_ROWS: list[tuple[str, list[TaskStatus], FailureKind | None, str, int | 
     ("no-tasks", [], None, "", None),
     ("none-failed", [ok, running], None, "", None),
     ("user-exit-1", [ok, failed(0, 1), running], USER, "w.0", 1),
-    ("user-oom-137", [failed(0, 137, "out of memory")], USER, "w.0", 137),
+    ("user-oom-137", [failed(0, 137, "out of memory", cause=C.OOM)], USER, "w.0", 137),
     ("user-exit-137-no-reason", [failed(0, 137)], USER, "w.0", 137),
-    ("platform-node-lost", [failed(1, None, "platform: node n1 lost")], PLATFORM, "w.1", None),
-    ("platform-image-pull", [failed(1, -1, "platform: image pull failed")], PLATFORM, "w.1", -1),
-    ("platform-could-not-start", [failed(2, -1, "platform: container could not start")], PLATFORM, "w.2", -1),
+    ("platform-node-lost", [failed(1, None, "node n1 lost", cause=C.NODE_LOST)], PLATFORM, "w.1", None),
+    ("platform-image-pull", [failed(1, -1, "image pull failed", cause=C.PLATFORM)], PLATFORM, "w.1", -1),
+    ("platform-could-not-start", [failed(2, -1, "could not start", cause=C.PLATFORM)], PLATFORM, "w.2", -1),
+    ("config-invalid-mount", [failed(2, -1, "invalid mount", cause=C.CONFIG)], CONFIG, "w.2", -1),
+    ("reason-text-is-not-read", [failed(0, 1, "platform: node n1 lost")], USER, "w.0", 1),
     ("stopped-is-platform", [stopped(3)], PLATFORM, "w.3", 137),
     ("first-by-end-user", [stopped(0, t=5), failed(1, 1, t=2)], USER, "w.1", 1),
     (
         "first-by-end-platform",
-        [failed(0, 1, t=9), failed(1, -1, "platform: node n1 lost", t=3)],
+        [failed(0, 1, t=9), failed(1, -1, "node n1 lost", t=3, cause=C.NODE_LOST)],
         PLATFORM,
         "w.1",
         -1,
@@ -372,7 +389,7 @@ def test_classify_tie_by_role_order() -> None:
 @pytest.mark.parametrize("lines,kept", [(25, 10), (10, 10), (3, 3), (0, 0)])
 def test_classify_copies_evidence(lines: int, kept: int) -> None:
     output = [f"line {i}" for i in range(lines)]
-    t = failed(4, 137, "out of memory", t=3, node="gpu-7", last_lines=output)
+    t = failed(4, 137, "out of memory", t=3, node="gpu-7", last_lines=output, cause=C.OOM)
     f = classify([ok, t])
     assert f is not None
     assert (f.node, f.exit_code, f.reason, f.task) == ("gpu-7", 137, "out of memory", "w.4")
@@ -389,6 +406,8 @@ def failure(kind: FailureKind | None) -> Failure | None:
         return None
     if kind == PLATFORM:
         return Failure(kind=kind, task="w.0", node="n1", exit_code=-1, reason="platform: node n1 lost")
+    if kind == CONFIG:
+        return Failure(kind=kind, task="w.0", node="n1", exit_code=-1, reason="mount path must be absolute")
     return Failure(kind=kind, task="w.0", node="n1", exit_code=1)
 
 
@@ -428,6 +447,10 @@ NEXT_ROWS: list[tuple[str, int, JobState, FailureKind | None, int, int, JobState
     ("platform-rc2-r2-uncharged", 2, F, PLATFORM, 2, 0, W, False, True, 2.0, "not charged"),
     ("platform-rc-1-spent", -1, F, PLATFORM, 9, 3, W, True, False, 60.0, "without limit"),
     ("platform-evidence-in-reason", 0, F, PLATFORM, 0, 3, F, False, False, 0.0, "platform: node n1 lost"),
+    # configuration failures end the job at once, whatever the budgets
+    ("config-rc0", 0, F, CONFIG, 0, 0, F, False, False, 0.0, "configuration error"),
+    ("config-rc-1", -1, F, CONFIG, 0, 0, F, False, False, 0.0, "mount path must be absolute"),
+    ("config-rc-2", -2, F, CONFIG, 3, 1, F, False, False, 0.0, "not retried"),
     # any other outcome (a kill) ends the job as it is
     ("stopped-rc-2", -2, ST, None, 0, 0, ST, False, False, 0.0, "stopped"),
     ("stopped-rc2", 2, ST, USER, 0, 0, ST, False, False, 0.0, "stopped"),
@@ -656,3 +679,49 @@ def test_job_life(rc: int, platform_limit: int, base: float, cap: float, data: s
         assert final is None
     if rc == -1:
         assert final in (None, S)
+
+
+# ------------------------------------------------------------------ attempt_to_place
+
+
+def job_at(attempt: int, settled: int = 0, state: JobState = JobState.WAITING, wait: float = 0) -> JobRecord:
+    return JobRecord(
+        job_id="j1",
+        job_name="policy",
+        submission_id="s1",
+        user="u",
+        config=config([role("w", 2)]),
+        submitted_at=T0,
+        state=state,
+        attempt=attempt,
+        settled=settled,
+        not_before=T0 + timedelta(seconds=wait) if wait else None,
+    )
+
+
+def attempt_of(n: int, letters: str, ended: bool) -> AttemptRecord:
+    cfg = config([role("w", 2)])
+    return AttemptRecord(
+        job_id="j1", attempt=n, tasks=tasks_for(cfg, {"w": letters}), ended_at=T0 if ended else None
+    )
+
+
+# (id, job, current attempt record, seconds after T0, attempt to place)
+PLACE_ROWS: list[tuple[str, JobRecord, AttemptRecord | None, float, int | None]] = [
+    ("never-placed", job_at(0), None, 0, 1),
+    ("moved-but-never-written", job_at(2, settled=1), None, 0, 2),
+    ("running", job_at(1), attempt_of(1, "RR", False), 0, None),
+    ("ended-not-settled", job_at(1), attempt_of(1, "FS", True), 0, None),
+    ("settled-task-still-running", job_at(1, settled=1), attempt_of(1, "FR", True), 0, None),
+    ("settled-task-never-reported", job_at(1, settled=1), attempt_of(1, "FP", True), 0, None),
+    ("settled-all-ended", job_at(1, settled=1), attempt_of(1, "FX", True), 0, 2),
+    ("backoff-not-passed", job_at(1, settled=1, wait=5), attempt_of(1, "FF", True), 4, None),
+    ("backoff-passed", job_at(1, settled=1, wait=5), attempt_of(1, "FF", True), 5, 2),
+    ("final-job", job_at(1, settled=1, state=JobState.FAILED), attempt_of(1, "FF", True), 0, None),
+    ("running-job", job_at(1, state=JobState.RUNNING), attempt_of(1, "RR", False), 0, None),
+]
+
+
+@pytest.mark.parametrize("job,current,after,n", [r[1:] for r in PLACE_ROWS], ids=[r[0] for r in PLACE_ROWS])
+def test_attempt_to_place(job: JobRecord, current: AttemptRecord | None, after: float, n: int | None) -> None:
+    assert attempt_to_place(job, current, T0 + timedelta(seconds=after)) == n

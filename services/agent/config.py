@@ -55,6 +55,12 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--default-fs-uri", default=env("MUSTER_DEFAULT_FS_URI", ""), help="PAI_DEFAULT_FS_URI")
     p.add_argument("--heartbeat", type=float, default=float(env("MUSTER_AGENT_HEARTBEAT", "2")))
+    p.add_argument(
+        "--overcommit",
+        action="store_true",
+        default=env("MUSTER_AGENT_OVERCOMMIT", "") in ("1", "true", "yes"),
+        help="offer more CPUs/memory than the Docker engine has (tasks share them; each gets at most all)",
+    )
 
 
 def _int(value: str | None) -> int | None:
@@ -81,6 +87,7 @@ def options_from_args(args: argparse.Namespace, data_dir: str = "/tmp/muster") -
         output_root=args.output_root or os.path.join(data_dir, "output"),
         default_fs_uri=args.default_fs_uri,
         heartbeat=args.heartbeat,
+        overcommit=args.overcommit,
     )
 
 

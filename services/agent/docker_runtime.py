@@ -23,6 +23,7 @@ from docker.types import DeviceRequest
 from docker.types import Mount as DockerMount
 
 from services.agent.runtime import FoundTask, LaunchError, OutputSink, RegistryAuth, TaskLaunch
+from shared.messages import TaskCause
 
 log = structlog.get_logger()
 
@@ -45,6 +46,18 @@ def _scrub(text: str, auth: RegistryAuth | None) -> str:
 def _explain(err: docker.errors.DockerException) -> str:
     explanation = getattr(err, "explanation", None)
     return str(explanation or err)
+
+
+def _cause(err: docker.errors.DockerException) -> TaskCause:
+    """Whether the engine's refusal would recur on any node: a request it rejects as invalid
+    (4xx: bad mount, bad image reference, impossible limits, no such image) is a configuration
+    error; anything else (5xx, timeouts, a daemon restarting, a name conflict) may pass."""
+    if isinstance(err, docker.errors.InvalidRepository | docker.errors.ImageNotFound):
+        return TaskCause.CONFIG
+    status = getattr(err, "status_code", None)
+    if status is not None and 400 <= status < 500 and status not in (408, 409, 429):
+        return TaskCause.CONFIG
+    return TaskCause.PLATFORM
 
 
 class DockerTask:
@@ -151,6 +164,7 @@ class DockerRuntime:
     def __init__(self, client: docker.DockerClient | None = None):
         # Each running task holds two engine connections (its log stream and its wait).
         self._client = client if client is not None else docker.from_env(max_pool_size=64)
+        self.cpu_cap: int | None = None  # the engine's CPUs, once `capacity` has asked
 
     @classmethod
     def available(cls, timeout: float = 2.0) -> bool:
@@ -172,11 +186,11 @@ class DockerRuntime:
         t0 = time.monotonic()
         try:
             container = await asyncio.to_thread(
-                self._client.containers.create, launch.image, **self._create_kwargs(launch)
+                self._client.containers.create, launch.image, **self._create_kwargs(launch, self.cpu_cap)
             )
         except docker.errors.DockerException as e:
             raise LaunchError(
-                f"cannot create container {launch.name} from {launch.image}: {_explain(e)}"
+                f"cannot create container {launch.name} from {launch.image}: {_explain(e)}", _cause(e)
             ) from None
         try:
             await asyncio.to_thread(container.start)
@@ -184,7 +198,7 @@ class DockerRuntime:
             with contextlib.suppress(docker.errors.DockerException):
                 await asyncio.to_thread(container.remove, force=True)
             raise LaunchError(
-                f"cannot start container {launch.name} from {launch.image}: {_explain(e)}"
+                f"cannot start container {launch.name} from {launch.image}: {_explain(e)}", _cause(e)
             ) from None
         log.info(
             "docker.started", task=launch.name, image=launch.image, seconds=round(time.monotonic() - t0, 3)
@@ -221,6 +235,13 @@ class DockerRuntime:
     async def close(self) -> None:
         await asyncio.to_thread(self._client.close)
 
+    async def capacity(self) -> tuple[int, int]:
+        """CPUs and memory (MB) the engine can give a container: a declaration above them
+        could not be honoured."""
+        info = await asyncio.to_thread(self._client.info)
+        self.cpu_cap = int(info.get("NCPU", 0)) or None
+        return int(info.get("NCPU", 0)), int(info.get("MemTotal", 0)) // MiB
+
     # -- steps of start ----------------------------------------------------------------------------
 
     async def _ensure_image(self, image: str, auth: RegistryAuth | None) -> None:
@@ -230,19 +251,22 @@ class DockerRuntime:
         except docker.errors.ImageNotFound:
             pass
         except docker.errors.DockerException as e:
-            raise LaunchError(f"cannot look up image {image}: {_scrub(_explain(e), auth)}") from None
+            raise LaunchError(
+                f"cannot look up image {image}: {_scrub(_explain(e), auth)}", _cause(e)
+            ) from None
         auth_config = None
         if auth is not None:
             auth_config = {"username": auth.username, "password": auth.password, "serveraddress": auth.server}
         log.info("docker.pulling", image=image, registry=auth.server if auth else None)
         t0 = time.monotonic()
         error: str | None = None
+        cause = TaskCause.PLATFORM
         try:
             await asyncio.to_thread(self._client.images.pull, image, auth_config=auth_config)
         except docker.errors.DockerException as e:
-            error = f"cannot pull image {image}: {_explain(e)}"
+            error, cause = f"cannot pull image {image}: {_explain(e)}", _cause(e)
         if error is not None:  # raised outside the handler: the request's auth header is not chained
-            raise LaunchError(_scrub(error, auth))
+            raise LaunchError(_scrub(error, auth), cause)
         log.info("docker.pulled", image=image, seconds=round(time.monotonic() - t0, 1))
 
     async def _remove_leftover(self, name: str) -> None:
@@ -256,7 +280,7 @@ class DockerRuntime:
             raise LaunchError(f"cannot remove leftover container {name}: {_explain(e)}") from None
 
     @staticmethod
-    def _create_kwargs(launch: TaskLaunch) -> dict[str, Any]:
+    def _create_kwargs(launch: TaskLaunch, cpu_cap: int | None = None) -> dict[str, Any]:
         env = dict(launch.env)
         if launch.gpus:
             # The engine exposes the chosen host devices; inside the container they count from 0,
@@ -279,7 +303,10 @@ class DockerRuntime:
             "shm_size": (launch.shm_mb or DEFAULT_SHM_MB) * MiB,
         }
         if launch.cpus > 0:
-            kwargs["nano_cpus"] = int(launch.cpus * 1e9)
+            # The engine refuses a limit above the CPUs it has: a node declared with more
+            # (--overcommit) gives a task at most all of them.
+            cpus = min(launch.cpus, cpu_cap) if cpu_cap else launch.cpus
+            kwargs["nano_cpus"] = int(cpus * 1e9)
         if launch.memory_mb > 0:
             kwargs["mem_limit"] = launch.memory_mb * MiB
             kwargs["memswap_limit"] = launch.memory_mb * MiB  # no swap beyond the limit

@@ -2,9 +2,15 @@
 engine. The image is ignored (the agent warns), limits are not enforced, mounts are the host
 paths themselves; each task runs in its own process group so stopping it stops its children.
 
-Each running task has a record in `state_dir` (pid, labels). A restarted agent cannot adopt a
-process (its output pipe and exit status went with the old agent), so it finds the leftovers
-through these records and reaps them; the supervisor retries their attempt."""
+Each task has a record in `state_dir` (name, labels), written before it is spawned; its
+processes are found by the `MUSTER_TASK=<name>` variable in their environment, so a task spawned
+just before its agent died is found too. A restarted agent cannot adopt a process (its output
+pipe and exit status went with the old agent), so it finds the leftovers through these records
+and reaps them; the supervisor retries their attempt.
+
+Tasks do not outlive their agent: a small fence process (`services.agent.fence`) holds a pipe
+from the agent and, when the agent dies in any way, SIGKILL included, kills every recorded task,
+so a task whose agent is gone never runs beside its replacement."""
 
 from __future__ import annotations
 
@@ -13,7 +19,10 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -27,7 +36,7 @@ log = structlog.get_logger(service="agent")
 class ProcessTask:
     def __init__(
         self, name: str, proc: asyncio.subprocess.Process, reader: asyncio.Task[None], record: Path | None
-    ):
+    ) -> None:
         self.name, self.proc, self._reader, self._record = name, proc, reader, record
         self._stopping: asyncio.Task[None] | None = None
 
@@ -62,11 +71,18 @@ class ProcessRuntime:
     name = "process"
     can_adopt = False
 
-    def __init__(self, state_dir: str | Path | None = None) -> None:
+    def __init__(self, state_dir: str | Path | None = None, fence: bool = True) -> None:
         self._warned: set[str] = set()
         self.state_dir = Path(state_dir) if state_dir else None
+        self._fence: subprocess.Popen[bytes] | None = None
         if self.state_dir:
             self.state_dir.mkdir(parents=True, exist_ok=True)
+            if fence:
+                self._fence = subprocess.Popen(
+                    [sys.executable, "-m", "services.agent.fence", str(self.state_dir)],
+                    stdin=subprocess.PIPE,
+                    start_new_session=True,  # a signal to the agent's group does not reach it
+                )
 
     async def start(self, launch: TaskLaunch, output: OutputSink) -> ProcessTask:
         if launch.image not in self._warned:
@@ -84,6 +100,10 @@ class ProcessRuntime:
             **launch.env,
             TASK_ENV: launch.name,
         }
+        record = None
+        if self.state_dir:  # before the spawn: a task is never running without its record
+            record = self.state_dir / f"{launch.name}.json"
+            record.write_text(json.dumps({"name": launch.name, "labels": launch.labels}))
         try:
             proc = await asyncio.create_subprocess_exec(
                 "/bin/sh",
@@ -98,52 +118,78 @@ class ProcessRuntime:
                 limit=1 << 20,
             )
         except OSError as exc:
+            if record is not None:
+                record.unlink(missing_ok=True)
             raise LaunchError(f"cannot start {launch.name}: {exc.strerror or exc}") from None
         assert proc.stdout is not None
         reader = asyncio.create_task(_pump(proc.stdout, output))
-        record = None
-        if self.state_dir:
-            record = self.state_dir / f"{launch.name}.json"
-            record.write_text(json.dumps({"name": launch.name, "pid": proc.pid, "labels": launch.labels}))
         return ProcessTask(launch.name, proc, reader, record)
 
     async def find(self, labels: dict[str, str]) -> list[FoundTask]:
-        found = []
-        for path in sorted(self.state_dir.glob("*.json")) if self.state_dir else []:
-            try:
-                rec = json.loads(path.read_text())
-            except (OSError, ValueError):
-                path.unlink(missing_ok=True)
-                continue
-            if all(rec.get("labels", {}).get(k) == v for k, v in labels.items()):
-                alive = _is_task(rec["pid"], rec["name"])
-                found.append(FoundTask(name=rec["name"], labels=rec["labels"], running=alive, exit_code=None))
-        return found
+        return [
+            FoundTask(
+                name=rec["name"], labels=rec["labels"], running=bool(task_pids(rec["name"])), exit_code=None
+            )
+            for rec in records(self.state_dir)
+            if all(rec["labels"].get(k) == v for k, v in labels.items())
+        ]
 
     async def attach(self, name: str, output: OutputSink | None = None) -> ProcessTask:
         raise LaunchError(f"the process runtime cannot adopt {name}")
 
     async def reap(self, found: FoundTask) -> None:
-        path = self.state_dir / f"{found.name}.json" if self.state_dir else None
-        if path is None or not path.exists():
-            return
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            pid = json.loads(path.read_text())["pid"]
-            if _is_task(pid, found.name):
-                os.killpg(pid, signal.SIGKILL)
-        path.unlink(missing_ok=True)
+        kill_task(found.name)
+        if self.state_dir:
+            (self.state_dir / f"{found.name}.json").unlink(missing_ok=True)
+
+    async def capacity(self) -> tuple[int, int] | None:
+        """None: processes take what they use, any declaration can be honoured."""
+        return None
 
     async def close(self) -> None:
-        pass
+        """The agent is stopping cleanly, its tasks stopped: the fence has nothing left to do."""
+        if self._fence is not None and self._fence.stdin is not None:
+            self._fence.stdin.close()
+            self._fence = None
 
 
-def _is_task(pid: int, name: str) -> bool:
-    """Whether `pid` is still the task `name` (and not a recycled pid)."""
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return False
-    return f"{TASK_ENV}={name}".encode() in environ.split(b"\0")
+def records(state_dir: Path | None) -> list[dict[str, Any]]:
+    """The task records in `state_dir`; unreadable ones are removed."""
+    out = []
+    for path in sorted(state_dir.glob("*.json")) if state_dir else []:
+        try:
+            rec = json.loads(path.read_text())
+            if isinstance(rec.get("name"), str) and isinstance(rec.get("labels"), dict):
+                out.append(rec)
+                continue
+        except (OSError, ValueError, AttributeError):
+            pass
+        path.unlink(missing_ok=True)
+    return out
+
+
+def task_pids(name: str) -> list[int]:
+    """The processes of task `name`: those with MUSTER_TASK=<name> in their environment."""
+    mark = f"{TASK_ENV}={name}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                environ = Path(f"/proc/{entry}/environ").read_bytes()
+            except OSError:
+                continue
+            if mark in environ.split(b"\0"):
+                pids.append(int(entry))
+    return pids
+
+
+def kill_task(name: str) -> None:
+    """SIGKILL every process group of task `name` (each task runs in a session of its own)."""
+    for pid in task_pids(name):
+        with contextlib.suppress(OSError):
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 async def _pump(stream: asyncio.StreamReader, output: OutputSink) -> None:

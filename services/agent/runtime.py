@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from shared.messages import TaskCause
+
 # Labels on every container (and recorded for every process) so a restarted agent can find them.
 LABEL_JOB = "muster.job"
 LABEL_ATTEMPT = "muster.attempt"
@@ -94,8 +96,18 @@ class Runtime(Protocol):
         """Stop a found task at once (SIGKILL) and remove what is left of it. Idempotent."""
         ...
 
+    async def capacity(self) -> tuple[int, int] | None:
+        """(CPUs, memory MB) a task may be given at most, or None when there is no such bound."""
+        ...
+
     async def close(self) -> None: ...
 
 
 class LaunchError(Exception):
-    """The task could not be started; the message is safe to show (it never holds a secret)."""
+    """The task could not be started; the message is safe to show (it never holds a secret).
+    `cause` says whether it would recur on any node (CONFIG: invalid mount, bad image
+    reference, impossible limits) or may not (PLATFORM: pull timeout, daemon restarting)."""
+
+    def __init__(self, message: str, cause: TaskCause = TaskCause.PLATFORM):
+        super().__init__(message)
+        self.cause = cause

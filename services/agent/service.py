@@ -4,7 +4,16 @@ arrived (the rendezvous barrier), streams its output, and reports how it ended.
 
 Orders come from the MUSTER_COMMANDS work queue through this node's durable consumer, so an
 order sent while the agent is down waits for it. Handling is idempotent: a task already known
-is not started again."""
+is not started again. Every task of every attempt placed here reaches a final, reported state:
+the ones it runs when they end, the ones it never started when their attempt ends (a kill order
+or a late assignment), and the ones an earlier run of the agent left when it starts
+(`reconcile`). Reports go through an outbox on disk (`reporting`), so none is lost while the bus
+is away. What a task is started with is `launch`.
+
+Stopping: on SIGTERM an agent whose runtime can adopt tasks (docker) leaves them running, says
+its node is restarting (the supervisor then waits MUSTER_RESTART_GRACE seconds, not the node
+timeout, before declaring it lost) and the next agent adopts them; the process runtime cannot
+adopt, so there the agent stops its tasks and reports them first."""
 
 from __future__ import annotations
 
@@ -15,19 +24,22 @@ import os
 import re
 import uuid
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
+from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge
 
-from services.agent import environment
 from services.agent.inventory import PortPool
+from services.agent.launch import Where, build_launch, task_name
+from services.agent.reporting import Reporter
 from services.agent.runtime import (
     LABEL_ATTEMPT,
     LABEL_INDEX,
@@ -37,11 +49,8 @@ from services.agent.runtime import (
     LABEL_ROLE,
     FoundTask,
     LaunchError,
-    Mount,
-    RegistryAuth,
     RunningTask,
     Runtime,
-    TaskLaunch,
 )
 from shared import bus, subjects
 from shared.messages import (
@@ -54,13 +63,16 @@ from shared.messages import (
     JobRecord,
     KillOrder,
     NodeInfo,
+    TaskCause,
     TaskEvent,
     TaskEventKind,
     TaskSpec,
     TaskState,
     TaskStatus,
+    attempt_key,
     now,
 )
+from shared.store import Store
 from shared.subjects import Headers
 
 log = structlog.get_logger(service="agent")
@@ -70,6 +82,7 @@ TASKS_ENDED = Counter("muster_agent_tasks_ended_total", "Tasks ended on this age
 LAST_LINES = 30
 # Exit code reported for a task that never started (launch failure, killed before the barrier).
 NOT_STARTED = -1
+TaskKey = tuple[str, int, str, int]  # job id, attempt, role, index
 
 
 @dataclass
@@ -89,6 +102,13 @@ class AgentOptions:
     # declared: there is no device to hand over, only the indexes the scheduler accounts for.
     gpu_devices: bool = True
     stop_grace: float = 10.0
+    overcommit: bool = False  # offer more CPUs/memory than the runtime has (tasks share them)
+    restart_grace: float = float(os.environ.get("MUSTER_RESTART_GRACE", "60"))
+
+    def __post_init__(self) -> None:
+        # Mount sources must be absolute for Docker; a relative --data-dir works from anywhere.
+        self.work_root = os.path.abspath(self.work_root)
+        self.output_root = os.path.abspath(self.output_root)
 
 
 @dataclass
@@ -107,7 +127,15 @@ class LocalTask:
     @property
     def name(self) -> str:
         a = self.assignment
-        return f"muster-{a.job_id}-{a.attempt}-{self.spec.role}-{self.spec.index}"
+        return task_name(a.job_id, a.attempt, self.spec.role, self.spec.index)
+
+
+def _order(msg: Msg) -> Assignment | KillOrder:
+    if msg.subject.endswith(".assign"):
+        return Assignment.from_bytes(msg.data)
+    if msg.subject.endswith(".kill"):
+        return KillOrder.from_bytes(msg.data)
+    raise ValueError(f"no such order: {msg.subject}")
 
 
 class Agent:
@@ -121,20 +149,31 @@ class Agent:
     ):
         self.nc, self.js, self.opts, self.runtime = nc, js, options, runtime
         self.nodes = buckets[subjects.NODES_BUCKET]
-        self.kv_attempts = buckets[subjects.ATTEMPTS_BUCKET]
-        self.kv_jobs = buckets[subjects.JOBS_BUCKET]
+        self.attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
+        self.jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord)
         self.ports = PortPool(options.port_low, options.port_high)
-        self.tasks: dict[tuple[str, int, str, int], LocalTask] = {}
-        # Tasks that ended here, so a late or repeated order never runs one again.
+        self.tasks: dict[TaskKey, LocalTask] = {}
+        # Tasks that ended here (or were reported as never started), so a late or repeated
+        # order never runs one again.
+        self.finished: collections.OrderedDict[TaskKey, None] = collections.OrderedDict()
         self._background: set[asyncio.Task[None]] = set()
-        self.finished: collections.OrderedDict[tuple[str, int, str, int], None] = collections.OrderedDict()
+        self.reporter = Reporter(js, Path(options.work_root) / "outbox")
+        self.where = Where(
+            node=options.node,
+            work_root=options.work_root,
+            output_root=options.output_root,
+            default_fs_uri=options.default_fs_uri,
+            gpu_devices=options.gpu_devices,
+        )
         self.agent_id = uuid.uuid4().hex[:12]
         self.started_at = now()
+        self.detaching = False  # stopping for a restart: tasks keep running, nothing is reported
         self.log = log.bind(node=options.node)
 
     @classmethod
     def builder(cls, options: AgentOptions, runtime: Runtime):
         async def build(nc: NATS) -> Agent:
+            await check_declaration(options, runtime)
             js, buckets = await bus.ensure_jetstream(nc)
             return cls(nc, js, buckets, options, runtime)
 
@@ -142,7 +181,7 @@ class Agent:
 
     # ------------------------------------------------------------ lifecycle
 
-    def info(self) -> NodeInfo:
+    def info(self, restarting_until=None) -> NodeInfo:
         o = self.opts
         return NodeInfo(
             node=o.node,
@@ -153,11 +192,13 @@ class Agent:
             runtime=self.runtime.name,
             agent_id=self.agent_id,
             started_at=self.started_at,
+            restarting_until=restarting_until,
         )
 
     async def run(self, stop: asyncio.Event) -> None:
         # Reconcile before the node record is (re)written, so nothing new is placed here meanwhile.
         await self.reconcile_at_start()
+        self.reporter.start()
         await self.nodes.put(self.opts.node, self.info().to_bytes())
         await self.js.publish(subjects.node_event(self.opts.node, "registered"), self.info().to_bytes())
         self.log.info(
@@ -173,8 +214,26 @@ class Agent:
             await self._consume(stop)
         finally:
             beat.cancel()
-            await self._stop_all("agent shutting down")
+            if self.runtime.can_adopt:
+                await self._detach()
+            else:
+                await self._stop_all("agent shutting down")
+                await self.reporter.flush(10)
+            await self.reporter.close()
             await self.runtime.close()
+
+    async def _detach(self) -> None:
+        """Stop for a restart: say so, so the node is not declared lost before the restart grace
+        has passed, and leave every task running for the next agent to adopt."""
+        self.detaching = True
+        until = now() + timedelta(seconds=self.opts.restart_grace)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.nodes.put(self.opts.node, self.info(until).to_bytes()), 5)
+        for task in list(self.tasks.values()):
+            if task.runner is not None:
+                task.runner.cancel()
+        await self.reporter.flush(5)
+        self.log.info("agent.detached", tasks=len(self.tasks), restart_grace=self.opts.restart_grace)
 
     async def _heartbeat(self, stop: asyncio.Event) -> None:
         """Rewrite the node record every beat. If the bus lost its state (a new server, a purged
@@ -219,50 +278,47 @@ class Agent:
 
     async def _consume(self, stop: asyncio.Event) -> None:
         sub = await self._subscribe()
-        handle = bus.acked(self._order, self.log)
+        # Orders of one attempt are handled in the order they came; other attempts' meanwhile.
+        handling = bus.Handling(
+            subjects.agent_consumer(self.opts.node), _order, self._on_order, self.log, key=lambda o: o.key
+        )
         failures = 0
-        while not stop.is_set():
-            try:
-                msgs = await sub.fetch(16, timeout=1)
-                failures = 0
-            except (nats.errors.TimeoutError, TimeoutError):
-                continue
-            except Exception as exc:
-                failures += 1
-                if failures == 1:
-                    self.log.warning("agent.fetch_failed", error=str(exc) or type(exc).__name__)
-                await asyncio.sleep(0.5)
-                if failures % 4 == 0 and self.nc.is_connected:
-                    # The consumer (or its stream) is gone: the bus lost its state. Set it up again.
-                    with contextlib.suppress(Exception):
-                        await bus.ensure_jetstream(self.nc)
-                        sub = await self._subscribe()
-                continue
-            for msg in msgs:
-                await handle(msg)
+        try:
+            while not stop.is_set():
+                try:
+                    msgs = await sub.fetch(16, timeout=1)
+                    failures = 0
+                except (nats.errors.TimeoutError, TimeoutError):
+                    continue
+                except Exception as exc:
+                    failures += 1
+                    if failures == 1:
+                        self.log.warning("agent.fetch_failed", error=str(exc) or type(exc).__name__)
+                    await asyncio.sleep(0.5)
+                    if failures % 4 == 0 and self.nc.is_connected:
+                        # The consumer (or its stream) is gone: the bus lost its state. Set it up again.
+                        with contextlib.suppress(Exception):
+                            await bus.ensure_jetstream(self.nc)
+                            sub = await self._subscribe()
+                    continue
+                for msg in msgs:
+                    await handling.take(msg)
+        finally:
+            await handling.drain()
 
-    async def _order(self, msg: Msg) -> None:
-        if msg.subject.endswith(".assign"):
-            await self.assign(Assignment.from_bytes(msg.data))
-        elif msg.subject.endswith(".kill"):
-            await self.kill(KillOrder.from_bytes(msg.data))
+    async def _on_order(self, order: Assignment | KillOrder) -> None:
+        if isinstance(order, Assignment):
+            await self.assign(order)
+        else:
+            await self.kill(order)
 
     # ------------------------------------------------------------ reconciliation
 
-    async def _live_here(self) -> dict[tuple[str, int, str, int], tuple[AttemptRecord, TaskStatus]]:
-        """Tasks the bus says run on this node: in attempts not ended, not ended themselves."""
-        out: dict[tuple[str, int, str, int], tuple[AttemptRecord, TaskStatus]] = {}
-        try:
-            keys = await self.kv_attempts.keys()
-        except NoKeysError:
-            return out
-        for key in keys:
-            try:
-                attempt = AttemptRecord.from_bytes((await self.kv_attempts.get(key)).value)
-            except KeyNotFoundError:
-                continue
-            if attempt.ended:
-                continue
+    async def _placed_here(self) -> dict[TaskKey, tuple[AttemptRecord, TaskStatus]]:
+        """Tasks the bus places on this node and does not count as ended, in any attempt: live
+        ones, and the leftovers of attempts that ended while this agent was away."""
+        out: dict[TaskKey, tuple[AttemptRecord, TaskStatus]] = {}
+        async for _, attempt in self.attempts.items():
             for t in attempt.tasks:
                 if t.node == self.opts.node and not t.state.ended:
                     out[(attempt.job_id, attempt.attempt, t.role, t.index)] = (attempt, t)
@@ -270,33 +326,50 @@ class Agent:
 
     async def reconcile_at_start(self) -> None:
         """Before taking new work: adopt the tasks of live attempts this runtime can take over,
-        reap every other leftover (obsolete attempts, or a runtime that cannot adopt), and report
-        the live tasks that are gone as lost, so their attempt ends and is retried."""
-        live = await self._live_here()
-        adopted: set[tuple[str, int, str, int]] = set()
+        reap every other leftover, and report every task the bus still counts as placed here
+        that is not adopted: with its real exit code when it ended while no agent watched, as
+        lost when it was taken on and is gone, as stopped when its attempt has ended."""
+        placed = await self._placed_here()
+        settled: set[TaskKey] = set()
         for found in await self.runtime.find({LABEL_NODE: self.opts.node}):
-            lb = found.labels
-            try:
-                key = (lb[LABEL_JOB], int(lb[LABEL_ATTEMPT]), lb[LABEL_ROLE], int(lb[LABEL_INDEX]))
-            except (KeyError, ValueError):
+            key = _key_of(found)
+            if key is None:
                 continue
-            if key in live and found.running and self.runtime.can_adopt:
+            entry = placed.get(key)
+            live = entry is not None and not entry[0].ended
+            if live and found.running and self.runtime.can_adopt:
                 try:
-                    await self._adopt(key, found, *live[key])
-                    adopted.add(key)
+                    await self._adopt(key, found, *entry)  # type: ignore[misc]
+                    settled.add(key)
                     continue
                 except Exception as exc:
                     self.log.warning("agent.adopt_failed", task=found.name, error=str(exc))
-            self.log.info("agent.reap", task=found.name, live=key in live)
+            self.log.info("agent.reap", task=found.name, live=live)
             await self.runtime.reap(found)
-        for key, (attempt, t) in live.items():
-            if key not in adopted and await self._was_taken(key, t):
-                spec = TaskSpec(role=t.role, role_no=t.role_no, index=t.index, node=t.node, gpus=t.gpus)
-                reason = "platform: task lost: its agent restarted"
-                await self._report_exit(attempt, spec, NOT_STARTED, reason, [])
-                self.finished[key] = None
+            if entry is None:
+                continue
+            attempt, t = entry
+            if not live:
+                self._report_ended(attempt, t.spec(), TaskCause.KILLED, NOT_STARTED, "its attempt ended")
+            elif found.exit_code is not None and not found.running:
+                why = "ended while its agent was away"
+                self._report_ended(attempt, t.spec(), TaskCause.EXITED, found.exit_code, why)
+            else:
+                why = "task lost: its agent restarted"
+                self._report_ended(attempt, t.spec(), TaskCause.PLATFORM, NOT_STARTED, why)
+            settled.add(key)
+        for key, (attempt, t) in placed.items():
+            if key in settled:
+                continue
+            if attempt.ended:
+                self._report_ended(
+                    attempt, t.spec(), TaskCause.KILLED, NOT_STARTED, "never started: attempt ended"
+                )
+            elif await self._was_taken(key, t):
+                why = "task lost: its agent restarted"
+                self._report_ended(attempt, t.spec(), TaskCause.PLATFORM, NOT_STARTED, why)
 
-    async def _was_taken(self, key: tuple[str, int, str, int], t: TaskStatus) -> bool:
+    async def _was_taken(self, key: TaskKey, t: TaskStatus) -> bool:
         """Whether an earlier run of this agent took the task on: it started it, or it reported
         the task's endpoint (which it does before acknowledging the order). A task whose order
         is still waiting in the queue is neither, and will be run when the order is read."""
@@ -311,33 +384,15 @@ class Agent:
         except NotFoundError:
             return False
 
-    async def _adopt(
-        self, key: tuple[str, int, str, int], found: FoundTask, attempt: AttemptRecord, t: TaskStatus
-    ) -> None:
-        job = JobRecord.from_bytes((await self.kv_jobs.get(attempt.job_id)).value)
-        gang = [
-            TaskSpec(role=x.role, role_no=x.role_no, index=x.index, node=x.node, gpus=x.gpus)
-            for x in attempt.tasks
-        ]
-        order = Assignment(
-            job_id=attempt.job_id,
-            attempt=attempt.attempt,
-            user=job.user,
-            config=job.config,
-            gang=gang,
-            node=self.opts.node,
-        )
-        spec = next(g for g in gang if g.role == t.role and g.index == t.index)
+    async def _adopt(self, key: TaskKey, found: FoundTask, attempt: AttemptRecord, t: TaskStatus) -> None:
+        job = await self.jobs.get(attempt.job_id)
+        if job is None:
+            raise LaunchError(f"no record of job {attempt.job_id}")
+        order = Assignment.of(job, attempt, self.opts.node)
+        spec = t.spec()
         ports = [int(p) for p in found.labels.get(LABEL_PORTS, "").split(",") if p]
         self.ports.take_exact(ports)
-        endpoint = Endpoint(
-            role=t.role,
-            role_no=t.role_no,
-            index=t.index,
-            node=self.opts.node,
-            host=self.opts.address,
-            port=ports[0] if ports else 0,
-        )
+        endpoint = Endpoint.of(spec, self.opts.address, ports, job.config.role(t.role).portList)
         task = LocalTask(assignment=order, spec=spec, endpoint=endpoint, ports=ports)
         task.handle = await self.runtime.attach(found.name, lambda line: self._output(task, line))
         self.tasks[key] = task
@@ -349,81 +404,98 @@ class Agent:
         declared lost while this agent was cut off). With `wait`, return once they are gone."""
         stops = []
         for key, task in list(self.tasks.items()):
-            if task.handle is None:
+            if task.handle is None or not await self._obsolete(key):
                 continue
-            job_id, attempt, role, index = key
-            try:
-                record = AttemptRecord.from_bytes((await self.kv_attempts.get(f"{job_id}.{attempt}")).value)
-            except KeyNotFoundError:
-                continue
-            if record.ended or record.task(role, index).state.ended:
-                self.log.warning("agent.obsolete_task", task=task.name)
-                stopping = asyncio.create_task(self._stop_task(task, "obsolete attempt", 0))
-                self._background.add(stopping)
-                stopping.add_done_callback(self._background.discard)
-                stops.append(stopping)
+            self.log.warning("agent.obsolete_task", task=task.name)
+            stopping = asyncio.create_task(self._stop_task(task, "obsolete attempt", 0))
+            self._background.add(stopping)
+            stopping.add_done_callback(self._background.discard)
+            stops.append(stopping)
         if wait and stops:
             await asyncio.wait(stops)
+
+    async def _obsolete(self, key: TaskKey) -> bool:
+        job_id, n, role, index = key
+        record = await self.attempts.get(attempt_key(job_id, n))
+        if record is None:
+            return False
+        return record.ended or record.task(role, index).state.ended
 
     # ------------------------------------------------------------ orders
 
     async def assign(self, a: Assignment) -> None:
+        record = await self.attempts.get(a.key)
         for spec in a.mine:
             key = (a.job_id, a.attempt, spec.role, spec.index)
             if key in self.tasks or key in self.finished:
                 continue  # a redelivered or repeated order
+            status = next((t for t in record.tasks if t.key == spec.key), None) if record else None
+            if record is not None and (record.ended or (status is not None and status.state.ended)):
+                # Its attempt ended before the order was read: never start it, but say so.
+                if status is not None and not status.state.ended:
+                    self._report_ended(a, spec, TaskCause.KILLED, NOT_STARTED, "never started: attempt ended")
+                self._remember(key)
+                continue
             role = a.config.role(spec.role)
             try:
-                ports, named = self._reserve_ports(role.portList)
+                ports = self._reserve_ports(role.portList)
             except RuntimeError as exc:
-                await self._report_exit(a, spec, NOT_STARTED, f"platform: {exc}", [])
+                self._report_ended(a, spec, TaskCause.PLATFORM, NOT_STARTED, str(exc))
+                self._remember(key)
                 continue
-            endpoint = Endpoint(
-                role=spec.role,
-                role_no=spec.role_no,
-                index=spec.index,
-                node=self.opts.node,
-                host=self.opts.address,
-                port=ports[0],
-                ports=named,
-            )
+            endpoint = Endpoint.of(spec, self.opts.address, ports, role.portList)
+            try:
+                await self.js.publish(
+                    subjects.task_event(a.job_id, a.attempt, spec.role, spec.index, "endpoint"),
+                    EndpointReported(
+                        job_id=a.job_id, attempt=a.attempt, gang_size=len(a.gang), endpoint=endpoint
+                    ).to_bytes(),
+                    headers={Headers.MSG_ID: f"endpoint:{a.job_id}.{a.attempt}.{spec.key}"},
+                )
+            except Exception:
+                self.ports.release(ports)
+                raise  # the order is redelivered
             task = LocalTask(assignment=a, spec=spec, endpoint=endpoint, ports=ports)
             self.tasks[key] = task
             TASKS_LIVE.labels(self.opts.node).set(len(self.tasks))
-            await self.js.publish(
-                subjects.task_event(a.job_id, a.attempt, spec.role, spec.index, "endpoint"),
-                EndpointReported(
-                    job_id=a.job_id, attempt=a.attempt, gang_size=len(a.gang), endpoint=endpoint
-                ).to_bytes(),
-                headers={Headers.MSG_ID: f"endpoint:{a.job_id}.{a.attempt}.{spec.key}"},
-            )
             task.runner = asyncio.create_task(self._run_task(key, task))
         self.log.info("agent.assigned", job_id=a.job_id, attempt=a.attempt, tasks=[t.key for t in a.mine])
 
-    def _reserve_ports(self, port_list) -> tuple[list[int], dict[str, list[int]]]:
+    def _reserve_ports(self, port_list: list[Any]) -> list[int]:
+        """The task's default port, then each portList entry's ports, in config order."""
         taken: list[int] = []
         try:
             taken += self.ports.take(1)
-            named: dict[str, list[int]] = {}
             for p in port_list:
-                got = (
+                taken += (
                     self.ports.take_range(p.beginAt, p.portNumber)
                     if p.beginAt
                     else self.ports.take(p.portNumber)
                 )
-                taken += got
-                named[p.label] = got
-            return taken, named
+            return taken
         except RuntimeError:
             self.ports.release(taken)
             raise
 
     async def kill(self, order: KillOrder) -> None:
+        """Stop the attempt's tasks this agent runs, and report the ones placed here that it
+        never started (their order lost with an earlier run of the agent, or not read yet)."""
         victims = [
-            t
-            for (job, attempt, _, _), t in self.tasks.items()
-            if job == order.job_id and attempt == order.attempt
+            t for (job, n, _, _), t in self.tasks.items() if job == order.job_id and n == order.attempt
         ]
+        record = await self.attempts.get(attempt_key(order.job_id, order.attempt))
+        for t in record.tasks if record else []:
+            key = (order.job_id, order.attempt, t.role, t.index)
+            if (
+                t.node == self.opts.node
+                and not t.state.ended
+                and key not in self.tasks
+                and key not in self.finished
+            ):
+                self._report_ended(
+                    record, t.spec(), TaskCause.KILLED, NOT_STARTED, f"never started: {order.reason}"
+                )
+                self._remember(key)
         self.log.info("agent.kill", job_id=order.job_id, attempt=order.attempt, tasks=len(victims))
         await asyncio.gather(*(self._stop_task(t, order.reason, order.grace) for t in victims))
 
@@ -448,70 +520,70 @@ class Agent:
 
     # ------------------------------------------------------------ one task
 
-    async def _run_task(self, key: tuple[str, int, str, int], task: LocalTask) -> None:
+    async def _run_task(self, key: TaskKey, task: LocalTask) -> None:
         a = task.assignment
         try:
             cluster = await self._wait_spec(a.job_id, a.attempt)
             if await self._obsolete(key):
                 raise asyncio.CancelledError
-            launch = self._launch(task, cluster)
+            launch = build_launch(a, task.spec, task.ports, cluster, self.where)
             task.starting = True
             task.handle = await self.runtime.start(launch, lambda line: self._output(task, line))
             if task.kill_reason is not None:  # killed while it was being started
                 await task.handle.stop(task.kill_grace)
         except asyncio.CancelledError:
+            if self.detaching:
+                raise
             why = task.kill_reason or "its attempt ended"
-            await self._finish(key, task, NOT_STARTED, f"killed before start: {why}")
+            await self._finish(key, task, TaskCause.KILLED, NOT_STARTED, f"killed before start: {why}")
             return
         except LaunchError as exc:
-            await self._finish(key, task, NOT_STARTED, f"platform: {exc}")
+            await self._finish(key, task, exc.cause, NOT_STARTED, str(exc))
             return
         except Exception as exc:
             self.log.error("agent.task_error", task=task.name, exc_info=True)
-            await self._finish(key, task, NOT_STARTED, f"platform: {type(exc).__name__}: {exc}")
+            await self._finish(key, task, TaskCause.PLATFORM, NOT_STARTED, f"{type(exc).__name__}: {exc}")
             return
-        await self._publish_task(a, task.spec, TaskEventKind.RUNNING)
+        self._report(a, task.spec, TaskEventKind.RUNNING)
         self.log.info("agent.task_started", task=task.name)
         await self._watch(key, task)
 
-    async def _watch(self, key: tuple[str, int, str, int], task: LocalTask) -> None:
+    async def _watch(self, key: TaskKey, task: LocalTask) -> None:
         """Wait for a started (or adopted) task to end and report it."""
         assert task.handle is not None
         try:
             code = await task.handle.wait()
             if task.kill_reason:
-                reason = f"killed: {task.kill_reason}"
+                cause, reason = TaskCause.KILLED, f"killed: {task.kill_reason}"
             elif getattr(task.handle, "oom_killed", False):
-                reason = f"out of memory (limit {task.assignment.config.role(task.spec.role).memoryMB} MB)"
+                limit = task.assignment.config.role(task.spec.role).memoryMB
+                cause, reason = TaskCause.OOM, f"out of memory (limit {limit} MB)"
             else:
-                reason = ""
+                cause, reason = TaskCause.EXITED, ""
+        except asyncio.CancelledError:
+            raise  # detaching: the task goes on, the next agent adopts it
         except Exception as exc:
-            code, reason = NOT_STARTED, f"platform: lost track of the task: {exc}"
-        await self._finish(key, task, code, reason)
+            code, cause, reason = NOT_STARTED, TaskCause.PLATFORM, f"lost track of the task: {exc}"
+        await self._finish(key, task, cause, code, reason)
 
-    async def _obsolete(self, key: tuple[str, int, str, int]) -> bool:
-        job_id, attempt, role, index = key
-        try:
-            record = AttemptRecord.from_bytes((await self.kv_attempts.get(f"{job_id}.{attempt}")).value)
-        except KeyNotFoundError:
-            return False
-        return record.ended or record.task(role, index).state.ended
-
-    async def _finish(self, key: tuple[str, int, str, int], task: LocalTask, code: int, reason: str) -> None:
+    async def _finish(self, key: TaskKey, task: LocalTask, cause: TaskCause, code: int, reason: str) -> None:
         self.ports.release(task.ports)
         self.tasks.pop(key, None)
-        self.finished[key] = None
-        while len(self.finished) > 10_000:
-            self.finished.popitem(last=False)
+        self._remember(key)
         TASKS_LIVE.labels(self.opts.node).set(len(self.tasks))
-        outcome = "succeeded" if code == 0 and not reason else "failed"
+        outcome = "succeeded" if cause == TaskCause.EXITED and code == 0 else "failed"
         TASKS_ENDED.labels(self.opts.node, outcome).inc()
-        self.log.info("agent.task_ended", task=task.name, exit_code=code, reason=reason)
-        await self._report_exit(task.assignment, task.spec, code, reason, list(task.lines))
+        self.log.info("agent.task_ended", task=task.name, exit_code=code, cause=cause, reason=reason)
+        self._report_ended(task.assignment, task.spec, cause, code, reason, list(task.lines))
         remove = getattr(task.handle, "remove", None)
         if remove is not None:
             with contextlib.suppress(Exception):
                 await remove()
+
+    def _remember(self, key: TaskKey) -> None:
+        self.finished[key] = None
+        while len(self.finished) > 10_000:
+            self.finished.popitem(last=False)
 
     async def _wait_spec(self, job_id: str, attempt: int) -> ClusterSpec:
         subject = subjects.cluster_spec(job_id, attempt)
@@ -531,59 +603,6 @@ class Agent:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
-    def _launch(self, task: LocalTask, cluster: ClusterSpec) -> TaskLaunch:
-        a, spec = task.assignment, task.spec
-        config, role = a.config, a.config.role(spec.role)
-        attempt_dir = Path(self.opts.work_root) / a.job_id / str(a.attempt)
-        task_dir = attempt_dir / f"{spec.role}-{spec.index}"
-        task_dir.mkdir(parents=True, exist_ok=True)
-        hostfile = attempt_dir / "hostfile"
-        hostfile.write_text(environment.render_hostfile(cluster, config))
-        ctx = environment.TaskContext(
-            job_id=a.job_id,
-            attempt=a.attempt,
-            user=a.user,
-            config=config,
-            spec=cluster,
-            role=spec.role,
-            index=spec.index,
-            gpus=spec.gpus,
-            output_root=self.opts.output_root,
-            default_fs_uri=self.opts.default_fs_uri,
-            hostfile_path=str(hostfile),
-        )
-        env = environment.render_env(ctx)
-        dirs = environment.resolve_dirs(config, a.user, self.opts.default_fs_uri, self.opts.output_root)
-        mounts = [Mount(str(attempt_dir), str(attempt_dir), read_only=False)]
-        workdir = str(task_dir)
-        for path, is_code in ((dirs.data, False), (dirs.code, True), (dirs.output, False)):
-            local = local_path(path)
-            if local:
-                mounts.append(Mount(local, local))
-                if is_code:
-                    workdir = local
-        return TaskLaunch(
-            name=task.name,
-            image=config.image,
-            command=role.command,
-            env=env,
-            cpus=role.cpuNumber,
-            memory_mb=role.memoryMB,
-            shm_mb=role.shmMB,
-            gpus=spec.gpus if self.opts.gpu_devices else [],
-            mounts=mounts,
-            workdir=workdir,
-            auth=read_auth_file(config.authFile),
-            labels={
-                LABEL_JOB: a.job_id,
-                LABEL_ATTEMPT: str(a.attempt),
-                LABEL_ROLE: spec.role,
-                LABEL_INDEX: str(spec.index),
-                LABEL_NODE: self.opts.node,
-                LABEL_PORTS: ",".join(map(str, task.ports)),
-            },
-        )
-
     def _output(self, task: LocalTask, line: str) -> None:
         task.lines.append(line)
         a, spec = task.assignment, task.spec
@@ -591,60 +610,61 @@ class Agent:
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().create_task(self.nc.publish(subject, line.encode()))
 
-    async def _publish_task(
-        self, a: Assignment | AttemptRecord, spec: TaskSpec, kind: TaskEventKind, **fields
+    # ------------------------------------------------------------ reports
+
+    def _report(
+        self, a: Assignment | AttemptRecord, spec: TaskSpec, kind: TaskEventKind, **fields: Any
     ) -> None:
-        event = TaskEvent(
-            job_id=a.job_id,
-            attempt=a.attempt,
-            role=spec.role,
-            index=spec.index,
-            node=self.opts.node,
-            kind=kind,
-            **fields,
-        )
-        await self.js.publish(
-            subjects.task_event(a.job_id, a.attempt, spec.role, spec.index, kind),
-            event.to_bytes(),
-            headers={Headers.MSG_ID: f"{kind}:{a.job_id}.{a.attempt}.{spec.key}"},
+        self.reporter.report(
+            TaskEvent(
+                job_id=a.job_id,
+                attempt=a.attempt,
+                role=spec.role,
+                index=spec.index,
+                node=self.opts.node,
+                kind=kind,
+                **fields,
+            )
         )
 
-    async def _report_exit(
-        self, a: Assignment | AttemptRecord, spec: TaskSpec, code: int, reason: str, lines: list[str]
+    def _report_ended(
+        self,
+        a: Assignment | AttemptRecord,
+        spec: TaskSpec,
+        cause: TaskCause,
+        code: int,
+        reason: str,
+        lines: list[str] | None = None,
     ) -> None:
-        for delay in (0, 0.5, 1, 2, 5, 10):
-            await asyncio.sleep(delay)
-            try:
-                await self._publish_task(
-                    a, spec, TaskEventKind.EXITED, exit_code=code, reason=reason, last_lines=lines
-                )
-                return
-            except Exception as exc:
-                self.log.warning("agent.report_failed", error=str(exc) or type(exc).__name__)
-        self.log.error("agent.report_lost", job_id=a.job_id, attempt=a.attempt, task=spec.key)
+        self._report(
+            a, spec, TaskEventKind.EXITED, cause=cause, exit_code=code, reason=reason, last_lines=lines or []
+        )
 
 
-def local_path(path: str | None) -> str | None:
-    """A dir field usable on this machine: an absolute path or a file:// URI."""
-    if not path:
-        return None
-    if path.startswith("file://"):
-        path = path[len("file://") :]
-    return path if path.startswith("/") else None
-
-
-def read_auth_file(path: str | None) -> RegistryAuth | None:
-    """authFile: three lines — registry server, user name, password. Errors never show the contents."""
-    local = local_path(path)
-    if not local:
-        return None
+def _key_of(found: FoundTask) -> TaskKey | None:
+    lb = found.labels
     try:
-        lines = Path(local).read_text().splitlines()
-    except OSError as exc:
-        raise LaunchError(f"cannot read authFile {local}: {exc.strerror}") from None
-    if len(lines) < 3:
-        raise LaunchError(f"authFile {local}: expected 3 lines (server, user, password)")
-    return RegistryAuth(server=lines[0].strip(), username=lines[1].strip(), password=lines[2].rstrip("\r\n"))
+        return (lb[LABEL_JOB], int(lb[LABEL_ATTEMPT]), lb[LABEL_ROLE], int(lb[LABEL_INDEX]))
+    except (KeyError, ValueError):
+        return None
+
+
+async def check_declaration(options: AgentOptions, runtime: Runtime) -> None:
+    """Refuse, at start, a declaration the runtime cannot honour: every task sized to it would
+    fail to start."""
+    capacity = await runtime.capacity()
+    if capacity is None or options.overcommit:
+        return
+    cpus, memory_mb = capacity
+    for flag, declared, has, unit in (
+        ("--cpus", options.cpus, cpus, "CPUs"),
+        ("--memory-mb", options.memory_mb, memory_mb, "MB"),
+    ):
+        if has and declared > has:
+            raise SystemExit(
+                f"agent: {flag} {declared} is more than the {has} {unit} the {runtime.name} runtime has; "
+                f"declare at most {has}, or add --overcommit to let tasks share them"
+            )
 
 
 def default_node_name() -> str:

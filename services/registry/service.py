@@ -12,39 +12,25 @@ import asyncio
 
 import structlog
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter
-from pydantic import Field
 
 from shared import bus, subjects
-from shared.messages import ClusterSpec, Endpoint, EndpointReported, Message
+from shared.messages import EndpointReported, Rendezvous, attempt_key
+from shared.store import Store
 from shared.subjects import Headers
 
 log = structlog.get_logger(service="registry")
 SPECS = Counter("muster_registry_specs_total", "Cluster specs published")
 
 
-class Rendezvous(Message):
-    """What the registry has collected for one attempt."""
-
-    job_id: str
-    attempt: int
-    gang_size: int
-    endpoints: dict[str, Endpoint] = Field(default_factory=dict)  # "<role>.<index>" -> endpoint
-    published: bool = False
-
-    def spec(self) -> ClusterSpec:
-        ordered = sorted(self.endpoints.values(), key=lambda e: (e.role_no, e.index))
-        return ClusterSpec(job_id=self.job_id, attempt=self.attempt, endpoints=ordered)
-
-
 class Registry:
     def __init__(self, nc: NATS, js: JetStreamContext, buckets: dict[str, KeyValue]):
         self.nc, self.js = nc, js
         self.kv = buckets[subjects.RENDEZVOUS_BUCKET]
+        self.store = Store(self.kv, Rendezvous)
 
     @classmethod
     async def build(cls, nc: NATS) -> Registry:
@@ -55,21 +41,26 @@ class Registry:
         sub = await bus.durable(
             self.js, subjects.ENDPOINTS, subjects.REGISTRY_CONSUMER, subjects.EVENTS_STREAM
         )
-        await bus.consume(sub, bus.acked(self.handle, log), stop, log, 64)
-
-    async def handle(self, msg: Msg) -> None:
-        await self.collect(EndpointReported.from_bytes(msg.data))
+        handling = bus.Handling(
+            subjects.REGISTRY_CONSUMER,
+            bus.payload(EndpointReported),
+            self.collect,
+            log,
+            key=lambda r: attempt_key(r.job_id, r.attempt),
+        )
+        await bus.serve(sub, handling, stop)
 
     async def collect(self, report: EndpointReported) -> None:
-        key = f"{report.job_id}.{report.attempt}"
+        key = attempt_key(report.job_id, report.attempt)
         ep = report.endpoint
         while True:
+            fresh = Rendezvous(job_id=report.job_id, attempt=report.attempt, gang_size=report.gang_size)
             try:
                 entry = await self.kv.get(key)
-                state, revision = Rendezvous.from_bytes(entry.value), entry.revision
+                revision: int | None = entry.revision
+                state = self.store.decode(key, entry.value) or fresh  # garbage is replaced
             except KeyNotFoundError:
-                state = Rendezvous(job_id=report.job_id, attempt=report.attempt, gang_size=report.gang_size)
-                revision = None
+                state, revision = fresh, None
             state.endpoints[f"{ep.role}.{ep.index}"] = ep
             complete = len(state.endpoints) >= state.gang_size
             if complete and not state.published:

@@ -2,33 +2,35 @@
 
 Leadership is a lease in the KV bucket `muster_leases` (its entries expire LEASE_TTL seconds
 after their last write): the leader renews it every second and stops placing the moment a
-renewal fails; a standby creates the key once it has expired. The leader's view (nodes, jobs,
-attempts) is kept by KV watchers, so a new leader rebuilds it from the bus, and every placement
-is fenced: the attempt record `<job>.<n>` is created only if absent, so no attempt is placed
-twice. The placement itself is the pure `placement.plan`."""
+renewal fails; the renewal runs in a task of its own, and planning runs off the event loop, so a
+large queue never costs the lease. A standby creates the key once it has expired. The leader's
+view (nodes, jobs, attempts) is kept by KV watchers (records that do not decode are skipped and
+counted), so a new leader rebuilds it from the bus, and every placement is fenced: the attempt
+record `<job>.<n>` is created only if absent, so no attempt is placed twice. The placement
+itself is the pure `placement.plan`; when a job may be placed is the supervisor policy's
+`attempt_to_place`."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import uuid
-from collections.abc import Iterable
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 import structlog
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge
 
 from services.scheduler import placement
+from services.scheduler.avoid import nodes_to_avoid, plan_around
+from services.supervisor.policy import attempt_to_place
 from shared import bus, subjects
 from shared.messages import (
     Assignment,
     AttemptRecord,
-    FailureKind,
     JobEvent,
     JobEventKind,
     JobRecord,
@@ -37,16 +39,17 @@ from shared.messages import (
     TaskSpec,
     TaskState,
     TaskStatus,
+    attempt_key,
     now,
 )
+from shared.store import Store
 from shared.subjects import Headers
 
 log = structlog.get_logger(service="scheduler")
 PLACED = Counter("muster_scheduler_placements_total", "Attempts placed")
 PENDING = Gauge("muster_scheduler_pending_jobs", "Jobs waiting for resources")
-AVOID_AFTER = int(os.environ.get("MUSTER_AVOID_AFTER", "3"))
-AVOID_WINDOW = float(os.environ.get("MUSTER_AVOID_WINDOW", "600"))
 LEADER = Gauge("muster_scheduler_leader", "1 while this replica is the active scheduler")
+RENEW_EVERY = 1.0  # seconds between lease renewals, whatever a cycle is doing
 
 
 class Scheduler:
@@ -55,9 +58,9 @@ class Scheduler:
     ):
         self.nc, self.js = nc, js
         self.node_timeout = bus.node_timeout() if node_timeout is None else node_timeout
-        self.kv_nodes = buckets[subjects.NODES_BUCKET]
-        self.kv_jobs = buckets[subjects.JOBS_BUCKET]
-        self.kv_attempts = buckets[subjects.ATTEMPTS_BUCKET]
+        self.kv_nodes = Store(buckets[subjects.NODES_BUCKET], NodeInfo)
+        self.kv_jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord)
+        self.kv_attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
         self.leases = buckets[subjects.LEASES_BUCKET]
         self.identity = uuid.uuid4().hex[:12]
         self.nodes: dict[str, NodeInfo] = {}
@@ -71,36 +74,16 @@ class Scheduler:
         js, buckets = await bus.ensure_jetstream(nc)
         return cls(nc, js, buckets)
 
-    # ------------------------------------------------------------ the view
-
-    async def _watch(self, name: str, kv: KeyValue, into: dict, decode) -> None:
-        while True:
-            try:
-                watcher = await kv.watchall()
-                async for entry in watcher:
-                    if entry is None:
-                        self.synced[name].set()
-                        continue
-                    if entry.operation in ("DEL", "PURGE") or not entry.value:
-                        into.pop(entry.key, None)
-                    else:
-                        into[entry.key] = decode(entry.value)
-                    self.wake.set()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("scheduler.watch_restart", bucket=name, error=str(exc) or type(exc).__name__)
-                await asyncio.sleep(1)
-
     # ------------------------------------------------------------ leadership
 
     async def run(self, stop: asyncio.Event) -> None:
+        def changed(_key: str) -> None:
+            self.wake.set()
+
         watchers = [
-            asyncio.create_task(self._watch("nodes", self.kv_nodes, self.nodes, NodeInfo.from_bytes)),
-            asyncio.create_task(self._watch("jobs", self.kv_jobs, self.jobs, JobRecord.from_bytes)),
-            asyncio.create_task(
-                self._watch("attempts", self.kv_attempts, self.attempts, AttemptRecord.from_bytes)
-            ),
+            asyncio.create_task(self.kv_nodes.mirror(self.nodes, self.synced["nodes"], changed)),
+            asyncio.create_task(self.kv_jobs.mirror(self.jobs, self.synced["jobs"], changed)),
+            asyncio.create_task(self.kv_attempts.mirror(self.attempts, self.synced["attempts"], changed)),
         ]
         try:
             while not stop.is_set():
@@ -130,28 +113,39 @@ class Scheduler:
             log.warning("scheduler.lease_error", error=str(exc) or type(exc).__name__)
             return None
 
-    async def _lead(self, stop: asyncio.Event, revision: int) -> None:
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in self.synced.values())), 30)
-        await self._finish_interrupted_commits()
-        renew_at = asyncio.get_running_loop().time() + 1.0
-        while not stop.is_set():
-            loop = asyncio.get_running_loop()
-            if loop.time() >= renew_at:
-                try:
-                    revision = await self.leases.update(
-                        subjects.SCHEDULER_LEASE, self.identity.encode(), last=revision
-                    )
-                except Exception as exc:
-                    log.warning("scheduler.lease_lost", error=str(exc) or type(exc).__name__)
-                    return
-                renew_at = loop.time() + 1.0
-            self.wake.clear()
+    async def _renew(self, revision: int, lost: asyncio.Event) -> None:
+        """Renew the lease every second in a task of its own, so no cycle can delay it; set
+        `lost` the moment a renewal fails."""
+        while True:
+            await asyncio.sleep(RENEW_EVERY)
             try:
-                await self.cycle()
-            except Exception:
-                log.error("scheduler.cycle_failed", exc_info=True)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), max(0.05, renew_at - loop.time()))
+                revision = await self.leases.update(
+                    subjects.SCHEDULER_LEASE, self.identity.encode(), last=revision
+                )
+            except Exception as exc:
+                log.warning("scheduler.lease_lost", error=str(exc) or type(exc).__name__)
+                lost.set()
+                return
+
+    async def _lead(self, stop: asyncio.Event, revision: int) -> None:
+        lost = asyncio.Event()
+        renewing = asyncio.create_task(self._renew(revision, lost))
+        try:
+            synced = asyncio.gather(*(e.wait() for e in self.synced.values()))
+            await asyncio.wait_for(synced, 30)
+            await self._finish_interrupted_commits()
+            while not stop.is_set() and not lost.is_set():
+                self.wake.clear()
+                try:
+                    await self.cycle(lost)
+                except Exception:
+                    log.error("scheduler.cycle_failed", exc_info=True)
+                waits = [asyncio.ensure_future(e.wait()) for e in (self.wake, stop, lost)]
+                await asyncio.wait(waits, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                for w in waits:
+                    w.cancel()
+        finally:
+            renewing.cancel()
 
     # ------------------------------------------------------------ one cycle
 
@@ -160,33 +154,21 @@ class Scheduler:
         return {
             name: placement.NodeState.from_info(info)
             for name, info in self.nodes.items()
-            if info.heartbeat_at >= cutoff
+            if info.heartbeat_at >= cutoff and info.restarting_until is None
         }
 
     def queue(self) -> list[tuple[JobRecord, int]]:
-        """Jobs to place now, with the number of the attempt to place: never placed; moved to an
-        attempt whose record was never written (a leader died mid-commit); or whose last attempt
-        has ended, been settled by the supervisor as a retry, every task of it gone, and whose
-        backoff has passed."""
+        """Jobs to place now, with the number of the attempt to place (the policy's rule)."""
         waiting, at = [], now()
         for job in self.jobs.values():
             if job.state != JobState.WAITING:
                 continue
-            current = self.attempts.get(f"{job.job_id}.{job.attempt}")
-            if job.attempt == 0:
-                waiting.append((job, 1))
-            elif current is None:
-                waiting.append((job, job.attempt))
-            elif (
-                current.ended
-                and job.settled >= job.attempt
-                and all(t.state.ended for t in current.tasks)
-                and (job.not_before is None or job.not_before <= at)
-            ):
-                waiting.append((job, job.attempt + 1))
+            n = attempt_to_place(job, self.attempts.get(attempt_key(job.job_id, job.attempt)), at)
+            if n is not None:
+                waiting.append((job, n))
         return sorted(waiting, key=lambda jn: (jn[0].submitted_at, jn[0].job_id))
 
-    async def cycle(self) -> None:
+    async def cycle(self, lost: asyncio.Event | None = None) -> None:
         nodes = self.live_nodes()
         for attempt in self.attempts.values():
             job = self.jobs.get(attempt.job_id)
@@ -204,12 +186,19 @@ class Scheduler:
         if not waiting:
             return
         queue = [placement.PendingJob(j.job_id, j.config) for j, _ in waiting]
-        plan = plan_around(nodes, queue, nodes_to_avoid(self.attempts.values(), now()))
+        avoid = nodes_to_avoid(self.attempts.values(), now())
+        # The plan is pure CPU work over copies: off the event loop, so heartbeats of the bus
+        # connection and the lease renewal go on while a large queue is planned.
+        plan = await asyncio.to_thread(plan_around, nodes, queue, avoid)
         for job, n in waiting:
+            if lost is not None and lost.is_set():
+                return  # no longer the leader: place nothing more
             if job.job_id in plan.placements:
                 await self.commit(job, n, plan.placements[job.job_id])
-            elif plan.pending.get(job.job_id) and plan.pending[job.job_id] != job.reason:
-                await self.set_reason(job.job_id, job.attempt, plan.pending[job.job_id])
+            elif job.job_id in plan.pending:
+                await self.set_reason(
+                    job.job_id, job.attempt, plan.pending[job.job_id], job.job_id in plan.unschedulable
+                )
 
     async def commit(self, job: JobRecord, n: int, tasks: list[TaskSpec]) -> None:
         """Place attempt n. The job record is moved to attempt n first (the fence: a job killed or
@@ -226,9 +215,11 @@ class Scheduler:
             fenced.append(True)
             if current.attempt == n:
                 return None  # moved already by a commit that did not finish
-            return current.model_copy(update={"attempt": n, "reason": reason, "updated_at": now()})
+            return current.model_copy(
+                update={"attempt": n, "reason": reason, "unschedulable": False, "updated_at": now()}
+            )
 
-        updated = await bus.cas_update(self.kv_jobs, job.job_id, JobRecord.from_bytes, change)
+        updated = await self.kv_jobs.update(job.job_id, change)
         if not fenced:
             return
         if updated is not None:
@@ -241,10 +232,12 @@ class Scheduler:
                 for t in tasks
             ],
         )
-        try:
-            await self.kv_attempts.create(record.key, record.to_bytes())
-        except KeyWrongLastSequenceError:
-            record = AttemptRecord.from_bytes((await self.kv_attempts.get(record.key)).value)
+        if not await self.kv_attempts.create(record.key, record):
+            existing = await self.kv_attempts.get(record.key)  # an earlier leader's: reuse it
+            if existing is None:
+                log.error("scheduler.bad_attempt_record", attempt=record.key)
+                return
+            record = existing
         self.attempts[record.key] = record
         await self._send_assignments(job, record)
         PLACED.inc()
@@ -291,50 +284,20 @@ class Scheduler:
                 log.info("scheduler.resend_orders", attempt=record.key)
                 await self._send_assignments(job, record)
 
-    async def set_reason(self, job_id: str, attempt: int, reason: str) -> None:
+    async def set_reason(self, job_id: str, attempt: int, reason: str, unschedulable: bool = False) -> None:
         def change(current: JobRecord) -> JobRecord | None:
-            if current.attempt != attempt or current.state.final or current.reason == reason:
+            if current.attempt != attempt or current.state.final:
                 return None
-            return current.model_copy(update={"reason": reason, "updated_at": now()})
+            if (current.reason, current.unschedulable) == (reason, unschedulable):
+                return None
+            return current.model_copy(
+                update={"reason": reason, "unschedulable": unschedulable, "updated_at": now()}
+            )
 
-        with contextlib.suppress(KeyNotFoundError):
-            updated = await bus.cas_update(self.kv_jobs, job_id, JobRecord.from_bytes, change)
-            if updated is not None:
-                self.jobs[job_id] = updated
+        updated = await self.kv_jobs.update(job_id, change)
+        if updated is not None:
+            self.jobs[job_id] = updated
 
 
 def _spec(t: TaskStatus) -> TaskSpec:
     return TaskSpec(role=t.role, role_no=t.role_no, index=t.index, node=t.node, gpus=t.gpus)
-
-
-def nodes_to_avoid(attempts: Iterable[AttemptRecord], at: datetime) -> set[str]:
-    """Nodes that keep failing attempts: platform failures at AVOID_AFTER different moments
-    (10 s apart, so one agent restart that loses several tasks at once counts once) within
-    AVOID_WINDOW seconds before `at`."""
-    since = at - timedelta(seconds=AVOID_WINDOW)
-    moments: dict[str, set[int]] = {}
-    for a in attempts:
-        if a.failure and a.failure.kind == FailureKind.PLATFORM and a.ended_at and a.ended_at >= since:
-            moments.setdefault(a.failure.node, set()).add(int(a.ended_at.timestamp() // 10))
-    return {node for node, seen in moments.items() if len(seen) >= AVOID_AFTER}
-
-
-def plan_around(
-    nodes: dict[str, placement.NodeState], queue: list[placement.PendingJob], avoid: set[str]
-) -> placement.Plan:
-    """Place around the nodes to avoid; a job that fits only on them still runs there: avoiding
-    is a preference, never a reason to wait forever."""
-    plan = placement.plan(nodes.values(), queue, avoid)
-    stuck = [j for j in queue if j.job_id in plan.unschedulable]
-    if not avoid or not stuck:
-        return plan
-    rest = {name: n.copy() for name, n in nodes.items()}
-    configs = {j.job_id: j.config for j in queue}
-    for job_id, tasks in plan.placements.items():
-        placement.allocate(rest, configs[job_id], tasks)
-    second = placement.plan(rest.values(), stuck)
-    plan.placements.update(second.placements)
-    for job_id in second.placements:
-        plan.pending.pop(job_id, None)
-    plan.pending.update(second.pending)
-    return plan

@@ -1,9 +1,10 @@
 """Completion and retry policy, a pure core.
 
 `decide`: given a job config and the states of an attempt's tasks, has the attempt ended, how,
-and by which rule? `classify`: what failed it (user or platform, with the evidence).
-`next_step`: after an ended attempt, does the job end or run again, and is that retry charged
-to retryCount?
+and by which rule? `classify`: what failed it (user, platform or configuration, with the
+evidence; read from each task's typed cause). `next_step`: after an ended attempt, does the job
+end or run again, and is that retry charged to retryCount? `attempt_to_place`: may the
+scheduler place the job's next attempt now?
 
 Rules, in the order they are checked after each task state change (OpenPAI v1 semantics):
 1. killAllOnCompletedTaskNumber N > 0: N tasks succeeded -> SUCCEEDED, kill the rest.
@@ -17,12 +18,24 @@ A task stopped by the platform counts as failed unless the attempt had already e
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 from shared.jobconfig import JobConfig
-from shared.messages import Failure, FailureKind, JobState, TaskState, TaskStatus
-
-PLATFORM = "platform:"  # reasons of platform failures start with this
+from shared.messages import (
+    AttemptRecord,
+    Failure,
+    FailureKind,
+    JobRecord,
+    JobState,
+    NodeInfo,
+    TaskCause,
+    TaskEvent,
+    TaskEventKind,
+    TaskState,
+    TaskStatus,
+)
 
 
 @dataclass(frozen=True)
@@ -71,11 +84,11 @@ def decide(config: JobConfig, tasks: list[TaskStatus]) -> Decision:
     return GOES_ON
 
 
-def task_state_for(exit_code: int | None, reason: str) -> TaskState:
-    """How a task that exited is recorded: killed by the platform, succeeded or failed."""
-    if reason.startswith("killed"):
+def task_state_for(cause: TaskCause | None, exit_code: int | None) -> TaskState:
+    """How a task that exited is recorded: stopped by the platform, succeeded or failed."""
+    if cause == TaskCause.KILLED:
         return TaskState.STOPPED
-    if exit_code == 0 and not reason:
+    if cause in (None, TaskCause.EXITED) and exit_code == 0:
         return TaskState.SUCCEEDED
     return TaskState.FAILED
 
@@ -83,19 +96,30 @@ def task_state_for(exit_code: int | None, reason: str) -> TaskState:
 # ------------------------------------------------------------------ failures and retries
 
 
+FAILURE_KIND = {
+    TaskCause.EXITED: FailureKind.USER,
+    TaskCause.OOM: FailureKind.USER,
+    TaskCause.CONFIG: FailureKind.CONFIG,
+    TaskCause.KILLED: FailureKind.PLATFORM,
+    TaskCause.NODE_LOST: FailureKind.PLATFORM,
+    TaskCause.PLATFORM: FailureKind.PLATFORM,
+}
+
+
 def classify(tasks: list[TaskStatus]) -> Failure | None:
-    """The failure behind an attempt: its first failed task (by end time). Platform when the task
-    never ran or was lost or killed by the platform (reason 'platform: ...', or stopped while its
-    attempt was still going); user when its command exited non-zero or ran out of memory."""
+    """The failure behind an attempt: its first failed task (by end time), a user failure when
+    its command exited non-zero or ran out of memory, a configuration failure when it can start
+    nowhere as configured, a platform failure when it was lost, could not start, or was stopped
+    by the platform while its attempt was still going."""
     failed = [t for t in tasks if t.state in (TaskState.FAILED, TaskState.STOPPED)]
     if not failed:
         return None
     first = min(failed, key=lambda t: (t.ended_at is None, t.ended_at, t.role_no, t.index))
-    platform = first.reason.startswith(PLATFORM) or first.state == TaskState.STOPPED
     return Failure(
-        kind=FailureKind.PLATFORM if platform else FailureKind.USER,
+        kind=FAILURE_KIND.get(first.cause or TaskCause.EXITED, FailureKind.USER),
         task=first.key,
         node=first.node,
+        cause=first.cause,
         exit_code=first.exit_code,
         reason=first.reason,
         last_lines=first.last_lines[-10:],
@@ -143,6 +167,10 @@ def next_step(
     if outcome != JobState.FAILED:
         return NextStep(outcome, str(outcome).lower())
     what = _describe(failure)
+    if failure is not None and failure.kind == FailureKind.CONFIG:
+        return NextStep(
+            JobState.FAILED, f"configuration error ({what}); it would fail on any node, not retried"
+        )
     if failure is not None and failure.kind == FailureKind.PLATFORM and platform_retries < limits.platform:
         return NextStep(
             JobState.WAITING,
@@ -169,3 +197,92 @@ def _describe(failure: Failure | None) -> str:
     if failure.exit_code not in (None, -1) and not failure.reason:
         return f"{failure.task} on {failure.node} exited {failure.exit_code}"
     return f"{failure.task} on {failure.node}: {failure.reason or f'exit {failure.exit_code}'}"
+
+
+# ------------------------------------------------------------------ the next attempt
+
+
+def attempt_to_place(job: JobRecord, current: AttemptRecord | None, at: datetime) -> int | None:
+    """Which attempt of a WAITING job may be placed now, or None: the first when never placed;
+    the current one when the job was moved to it but its record was never written (a leader
+    died mid-commit); the next once the current one has ended, the supervisor has settled it as
+    a retry, every one of its tasks has ended (reported by its agent, or declared lost with its
+    node), and the backoff has passed."""
+    if job.state != JobState.WAITING:
+        return None
+    if job.attempt == 0:
+        return 1
+    if current is None:
+        return job.attempt
+    if (
+        current.ended
+        and job.settled >= job.attempt
+        and all(t.state.ended for t in current.tasks)
+        and (job.not_before is None or job.not_before <= at)
+    ):
+        return job.attempt + 1
+    return None
+
+
+# ------------------------------------------------------------------ applying facts to records
+
+
+def apply_task_event(config: JobConfig, attempt: AttemptRecord, ev: TaskEvent, at: datetime) -> bool:
+    """Record a task's start or end on its attempt (in place) and end the attempt when `decide`
+    says so. Returns whether anything changed: a replayed or late event changes nothing."""
+    task = next((t for t in attempt.tasks if t.role == ev.role and t.index == ev.index), None)
+    if task is None:
+        return False
+    if ev.kind == TaskEventKind.RUNNING:
+        if task.state != TaskState.PLACED:
+            return False
+        task.state, task.started_at = TaskState.RUNNING, ev.at
+    else:
+        if task.state.ended:
+            return False
+        task.state = task_state_for(ev.cause, ev.exit_code)
+        task.cause, task.exit_code, task.reason = ev.cause, ev.exit_code, ev.reason
+        task.last_lines, task.ended_at = ev.last_lines, ev.at
+    if not attempt.ended:
+        decision = decide(config, attempt.tasks)
+        if decision.outcome is not None:
+            attempt.ended_at, attempt.outcome, attempt.rule = at, decision.outcome, decision.rule
+            if decision.outcome == JobState.FAILED:
+                attempt.failure = classify(attempt.tasks)
+    return True
+
+
+def settle(
+    job: JobRecord, attempt: AttemptRecord, limits: RetryLimits, at: datetime
+) -> tuple[JobRecord, NextStep] | None:
+    """Apply an ended attempt to its job: the job's next record and the step taken, or None when
+    there is nothing to do (not the job's current attempt, settled already, job final)."""
+    if job.attempt != attempt.attempt or job.settled >= attempt.attempt or job.state.final:
+        return None
+    assert attempt.outcome is not None
+    step = next_step(job.config, attempt.outcome, attempt.failure, job.retries, job.platform_retries, limits)
+    if step.state == JobState.SUCCEEDED:
+        step = NextStep(step.state, attempt.rule)  # which rule ended it
+    update: dict[str, object] = {"state": step.state, "reason": step.reason, "settled": attempt.attempt}
+    if step.state == JobState.WAITING:
+        update["retries"] = job.retries + (1 if step.charged else 0)
+        update["platform_retries"] = job.platform_retries + (1 if step.platform else 0)
+        update["not_before"] = at + timedelta(seconds=step.delay)
+    update["updated_at"] = at
+    return job.model_copy(update=update), step
+
+
+def lost_nodes(nodes: Iterable[NodeInfo], at: datetime, timeout: float) -> dict[str, NodeInfo]:
+    """Nodes whose agent has been silent for longer than `timeout` seconds, or, when it said it
+    was restarting, past the restart grace it announced."""
+    cutoff = at - timedelta(seconds=timeout)
+    return {
+        n.node: n
+        for n in nodes
+        if n.heartbeat_at < cutoff and (n.restarting_until is None or n.restarting_until < at)
+    }
+
+
+def should_prune(job: JobRecord, at: datetime, retention: float) -> bool:
+    """A finished job's records are kept for `retention` seconds after it ended, then deleted."""
+    return job.state.final and job.updated_at < at - timedelta(seconds=retention)

@@ -1,10 +1,18 @@
 """The supervisor: follows task states and enforces the job's completion policy.
 
-It consumes task events (running, exited) through one durable consumer shared by all
-replicas, records each task's state on its attempt (KV `muster_attempts`), moves the job to
-RUNNING, and when `policy.decide` says the attempt has ended: marks it ended, sends kill orders
-for the tasks still alive, and moves the job to its final state. Every write is a
-read-modify-write with the revision read; replaying an event changes nothing."""
+It consumes task events (running, exited) and kill requests through durable consumers shared by
+all replicas, records each task's state on its attempt (KV `muster_attempts`), moves the job to
+RUNNING, and when the policy says the attempt has ended: sends kill orders for the tasks still
+alive and settles the job (final state, or WAITING for its next attempt). Every write is a
+read-modify-write with the revision read; replaying an event changes nothing. The rules are
+the pure `policy` module; this file is only the I/O around them.
+
+Once a second, from watched (not polled) views of nodes, jobs and attempts, it also:
+- declares the tasks of a lost node ended (cause `node_lost`): silent for MUSTER_NODE_TIMEOUT,
+  or past the restart grace its agent announced when it stopped for a restart;
+- fails tasks still not started MUSTER_START_TIMEOUT seconds after placement (cause platform);
+- deletes the records of jobs finished more than MUSTER_JOB_RETENTION seconds ago, and nodes
+  silent for more than MUSTER_NODE_RETENTION seconds."""
 
 from __future__ import annotations
 
@@ -15,13 +23,13 @@ from datetime import timedelta
 
 import structlog
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
-from services.supervisor.policy import NextStep, RetryLimits, classify, decide, next_step, task_state_for
+from services.supervisor import policy
+from services.supervisor.policy import NextStep, RetryLimits
 from shared import bus, subjects
 from shared.messages import (
     AttemptRecord,
@@ -32,15 +40,26 @@ from shared.messages import (
     KillOrder,
     KillRequest,
     NodeInfo,
+    TaskCause,
     TaskEvent,
     TaskEventKind,
     TaskState,
+    TaskStatus,
+    attempt_key,
     now,
 )
+from shared.store import Store
 from shared.subjects import Headers
 
 log = structlog.get_logger(service="supervisor")
 JOBS_ENDED = Counter("muster_jobs_ended_total", "Jobs that reached a final state", ["state"])
+PRUNED = Counter("muster_supervisor_pruned_total", "Records deleted after their retention", ["kind"])
+
+DAY = 24 * 3600.0
+
+
+def _seconds(name: str, default: float) -> float:
+    return float(os.environ.get(name, str(default)))
 
 
 class Supervisor:
@@ -57,10 +76,22 @@ class Supervisor:
             platform=int(os.environ.get("MUSTER_PLATFORM_RETRIES", "10")),
             backoff=float(os.environ.get("MUSTER_RETRY_BACKOFF", "1")),
         )
-        self.jobs = buckets[subjects.JOBS_BUCKET]
-        self.attempts = buckets[subjects.ATTEMPTS_BUCKET]
-        self.nodes = buckets[subjects.NODES_BUCKET]
+        self.jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord)
+        self.attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
+        self.nodes = Store(buckets[subjects.NODES_BUCKET], NodeInfo)
+        self.names = buckets[subjects.JOB_NAMES_BUCKET]
+        self.rendezvous = buckets[subjects.RENDEZVOUS_BUCKET]
         self.node_timeout = bus.node_timeout()
+        self.start_timeout = _seconds("MUSTER_START_TIMEOUT", 600)
+        self.job_retention = _seconds("MUSTER_JOB_RETENTION", 7 * DAY)
+        self.node_retention = _seconds("MUSTER_NODE_RETENTION", DAY)
+        # Watched views: what the once-a-second checks read, without a request per record.
+        self.view_nodes: dict[str, NodeInfo] = {}
+        self.view_jobs: dict[str, JobRecord] = {}
+        self.view_attempts: dict[str, AttemptRecord] = {}
+        self.synced = {name: asyncio.Event() for name in ("nodes", "jobs", "attempts")}
+        self.declared: set[str] = set()  # "<attempt>/<task>" this replica already declared ended
+        self.prunes = 0
 
     @classmethod
     async def build(cls, nc: NATS) -> Supervisor:
@@ -78,63 +109,98 @@ class Supervisor:
         kills = await bus.durable(
             self.js, subjects.KILL, subjects.SUPERVISOR_KILL_CONSUMER, subjects.SUBMISSIONS_STREAM
         )
-        await asyncio.gather(
-            bus.consume(events, bus.acked(self.handle, log), stop, log),
-            bus.consume(kills, bus.acked(self.handle_kill, log), stop, log, 16),
-            self.watch_nodes(stop),
+        on_event = bus.Handling(
+            subjects.SUPERVISOR_CONSUMER,
+            bus.payload(TaskEvent),
+            self.on_task_event,
+            log,
+            key=lambda e: e.job_id,
         )
+        on_kill = bus.Handling(
+            subjects.SUPERVISOR_KILL_CONSUMER,
+            bus.payload(KillRequest),
+            self.kill_job,
+            log,
+            key=lambda r: r.job_id,
+        )
+        mirrors = [
+            asyncio.create_task(self.nodes.mirror(self.view_nodes, self.synced["nodes"])),
+            asyncio.create_task(self.jobs.mirror(self.view_jobs, self.synced["jobs"])),
+            asyncio.create_task(self.attempts.mirror(self.view_attempts, self.synced["attempts"])),
+        ]
+        try:
+            await asyncio.gather(
+                bus.serve(events, on_event, stop),
+                bus.serve(kills, on_kill, stop, 16),
+                self.watch(stop),
+            )
+        finally:
+            for m in mirrors:
+                m.cancel()
 
-    async def handle(self, msg: Msg) -> None:
-        await self.on_task_event(TaskEvent.from_bytes(msg.data))
+    # ------------------------------------------------------------ task events
 
     async def on_task_event(self, ev: TaskEvent) -> None:
-        key = f"{ev.job_id}.{ev.attempt}"
-        try:
-            job = JobRecord.from_bytes((await self.jobs.get(ev.job_id)).value)
-        except KeyNotFoundError:
+        job = await self.jobs.get(ev.job_id)
+        if job is None:
             log.warning("supervisor.unknown_job", job_id=ev.job_id)
             return
-
-        def record(attempt: AttemptRecord) -> AttemptRecord | None:
-            task = attempt.task(ev.role, ev.index)
-            if ev.kind == TaskEventKind.RUNNING:
-                if task.state != TaskState.PLACED:
-                    return None
-                task.state, task.started_at = TaskState.RUNNING, ev.at
-            else:
-                if task.state.ended:
-                    return None
-                task.state = task_state_for(ev.exit_code, ev.reason)
-                task.exit_code, task.reason, task.last_lines, task.ended_at = (
-                    ev.exit_code,
-                    ev.reason,
-                    ev.last_lines,
-                    ev.at,
-                )
-            if not attempt.ended:
-                decision = decide(job.config, attempt.tasks)
-                if decision.outcome is not None:
-                    attempt.ended_at, attempt.outcome, attempt.rule = now(), decision.outcome, decision.rule
-                    if decision.outcome == JobState.FAILED:
-                        attempt.failure = classify(attempt.tasks)
-            return attempt
-
-        try:
-            attempt = await bus.cas_update(self.attempts, key, AttemptRecord.from_bytes, record)
-            if attempt is None:  # a replayed event: nothing new, but finish what may be unfinished
-                attempt = AttemptRecord.from_bytes((await self.attempts.get(key)).value)
-        except KeyNotFoundError:
-            log.warning("supervisor.unknown_attempt", attempt=key)
-            return
+        key = attempt_key(ev.job_id, ev.attempt)
+        at = now()
+        attempt = await self.attempts.update(
+            key, lambda a: a if policy.apply_task_event(job.config, a, ev, at) else None
+        )
+        if attempt is None:  # a replayed event: nothing new, but finish what may be unfinished
+            attempt = await self.attempts.get(key)
+            if attempt is None:
+                log.warning("supervisor.unknown_attempt", attempt=key)
+                return
         if ev.kind == TaskEventKind.RUNNING and not attempt.ended:
             await self.set_running(ev.job_id, ev.attempt)
         if attempt.ended:
             await self.end_attempt(attempt)
 
-    # ------------------------------------------------------------ kill
+    async def set_running(self, job_id: str, attempt: int) -> None:
+        def change(job: JobRecord) -> JobRecord | None:
+            if job.attempt != attempt or job.state != JobState.WAITING or job.settled >= attempt:
+                return None
+            return job.model_copy(
+                update={"state": JobState.RUNNING, "reason": "running", "updated_at": now()}
+            )
 
-    async def handle_kill(self, msg: Msg) -> None:
-        await self.kill_job(KillRequest.from_bytes(msg.data))
+        job = await self.jobs.update(job_id, change)
+        if job is not None:
+            await self.event(job, JobEventKind.RUNNING, "running")
+
+    async def end_attempt(self, attempt: AttemptRecord) -> None:
+        """Apply an ended attempt to its job: kill what is left of the gang, then end the job or
+        make it wait for its next attempt. Idempotent: `JobRecord.settled` records it was done."""
+        await self.kill_rest(attempt)
+        steps: list[NextStep] = []
+
+        def change(job: JobRecord) -> JobRecord | None:
+            steps.clear()
+            settled = policy.settle(job, attempt, self.limits, now())
+            if settled is None:
+                return None
+            steps.append(settled[1])
+            return settled[0]
+
+        job = await self.jobs.update(attempt.job_id, change)
+        if job is None:
+            return
+        step = steps[0]
+        if step.state == JobState.WAITING:
+            await self.attempts.update(
+                attempt.key,
+                lambda a: a.model_copy(update={"charged": step.charged}) if a.charged is None else None,
+            )
+            await self.event(job, JobEventKind.RETRYING, step.reason)
+        else:
+            JOBS_ENDED.labels(step.state).inc()
+            await self.event(job, JobEventKind.ENDED, step.reason)
+
+    # ------------------------------------------------------------ kill
 
     async def kill_job(self, req: KillRequest) -> None:
         """The job becomes STOPPED (not retried), its current attempt ends, its tasks are told to
@@ -153,11 +219,7 @@ class Supervisor:
                 }
             )
 
-        try:
-            job = await bus.cas_update(self.jobs, req.job_id, JobRecord.from_bytes, stop_job)
-        except KeyNotFoundError:
-            log.warning("supervisor.kill_unknown_job", job_id=req.job_id)
-            return
+        job = await self.jobs.update(req.job_id, stop_job)
         if job is None:
             return
         if job.attempt:
@@ -167,80 +229,16 @@ class Supervisor:
                     return None
                 return a.model_copy(update={"ended_at": now(), "outcome": JobState.STOPPED, "rule": reason})
 
-            with contextlib.suppress(KeyNotFoundError):
-                await bus.cas_update(
-                    self.attempts, f"{job.job_id}.{job.attempt}", AttemptRecord.from_bytes, end
-                )
-                attempt = AttemptRecord.from_bytes(
-                    (await self.attempts.get(f"{job.job_id}.{job.attempt}")).value
-                )
+            await self.attempts.update(attempt_key(job.job_id, job.attempt), end)
+            attempt = await self.attempts.get(attempt_key(job.job_id, job.attempt))
+            if attempt is not None:
                 await self.kill_rest(attempt, grace=req.grace)
         JOBS_ENDED.labels(JobState.STOPPED).inc()
         await self.event(job, JobEventKind.KILLED, reason)
 
-    # ------------------------------------------------------------ node loss
-
-    async def watch_nodes(self, stop: asyncio.Event) -> None:
-        """Every second: a node whose heartbeat is older than `node_timeout` is lost. Each of its
-        tasks in a live attempt is reported as exited with a platform failure, which ends (and
-        retries) the attempt through the same path as any other exit."""
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 1.0)
-            try:
-                await self.check_nodes()
-            except Exception as exc:
-                log.warning("supervisor.node_check_failed", error=str(exc) or type(exc).__name__)
-
-    async def check_nodes(self) -> None:
-        try:
-            names = await self.nodes.keys()
-        except NoKeysError:
-            return
-        # Lost, and recently: a node silent for long was handled when it went silent, and gets
-        # no new work since, so its attempts need not be scanned every second forever.
-        cutoff = now() - timedelta(seconds=self.node_timeout)
-        forgotten = cutoff - timedelta(seconds=3 * self.node_timeout + 10)
-        lost: dict[str, NodeInfo] = {}
-        for name in names:
-            with contextlib.suppress(KeyNotFoundError):
-                info = NodeInfo.from_bytes((await self.nodes.get(name)).value)
-                if forgotten <= info.heartbeat_at < cutoff:
-                    lost[name] = info
-        if not lost:
-            return
-        try:
-            keys = await self.attempts.keys()
-        except NoKeysError:
-            return
-        for key in keys:
-            try:
-                attempt = AttemptRecord.from_bytes((await self.attempts.get(key)).value)
-            except KeyNotFoundError:
-                continue
-            if attempt.ended:
-                continue
-            for task in attempt.tasks:
-                if task.node in lost and not task.state.ended:
-                    silent = (now() - lost[task.node].heartbeat_at).total_seconds()
-                    await self.js.publish(
-                        subjects.task_event(attempt.job_id, attempt.attempt, task.role, task.index, "exited"),
-                        TaskEvent(
-                            job_id=attempt.job_id,
-                            attempt=attempt.attempt,
-                            role=task.role,
-                            index=task.index,
-                            node=task.node,
-                            kind=TaskEventKind.EXITED,
-                            reason=f"platform: node {task.node} lost (no heartbeat for {silent:.0f}s)",
-                        ).to_bytes(),
-                        headers={Headers.MSG_ID: f"lost:{attempt.key}.{task.key}"},
-                    )
-                    log.warning("supervisor.task_lost", attempt=attempt.key, task=task.key, node=task.node)
-
-    # ------------------------------------------------------------ shared
-
     async def kill_rest(self, attempt: AttemptRecord, grace: float | None = None) -> None:
+        """Kill orders to every node with a task of the attempt not yet ended. The agent stops the
+        ones it runs and reports the ones it does not know, so every task reaches a final state."""
         nodes = sorted({t.node for t in attempt.tasks if not t.state.ended})
         order = KillOrder(
             job_id=attempt.job_id,
@@ -250,68 +248,115 @@ class Supervisor:
         )
         for node in nodes:
             await self.js.publish(
-                subjects.kill(node),
-                order.to_bytes(),
-                headers={Headers.MSG_ID: f"kill:{attempt.key}:{node}"},
+                subjects.kill(node), order.to_bytes(), headers={Headers.MSG_ID: f"kill:{attempt.key}:{node}"}
             )
 
-    async def set_running(self, job_id: str, attempt: int) -> None:
-        def change(job: JobRecord) -> JobRecord | None:
-            if job.attempt != attempt or job.state != JobState.WAITING or job.settled >= attempt:
-                return None
-            return job.model_copy(
-                update={"state": JobState.RUNNING, "reason": "running", "updated_at": now()}
-            )
+    # ------------------------------------------------------------ once a second
 
-        job = await bus.cas_update(self.jobs, job_id, JobRecord.from_bytes, change)
-        if job is not None:
-            await self.event(job, JobEventKind.RUNNING, "running")
+    async def watch(self, stop: asyncio.Event) -> None:
+        await asyncio.gather(*(e.wait() for e in self.synced.values()))
+        loop = asyncio.get_running_loop()
+        prune_at = loop.time() + 10
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+            try:
+                await self.check_nodes()
+                await self.check_starts()
+                if loop.time() >= prune_at:
+                    prune_at = loop.time() + 60
+                    await self.prune()
+            except Exception as exc:
+                log.warning("supervisor.check_failed", error=str(exc) or type(exc).__name__)
 
-    async def end_attempt(self, attempt: AttemptRecord) -> None:
-        """Apply an ended attempt to its job: kill what is left of the gang, then end the job or
-        make it wait for its next attempt. Idempotent: `JobRecord.settled` records it was done."""
-        await self.kill_rest(attempt)
-        steps: list[NextStep] = []
-
-        def change(job: JobRecord) -> JobRecord | None:
-            steps.clear()
-            if job.attempt != attempt.attempt or job.settled >= attempt.attempt or job.state.final:
-                return None
-            assert attempt.outcome is not None
-            step = next_step(
-                job.config, attempt.outcome, attempt.failure, job.retries, job.platform_retries, self.limits
-            )
-            if step.state == JobState.SUCCEEDED:
-                step = NextStep(step.state, attempt.rule)  # which rule ended it
-            steps.append(step)
-            update: dict = {
-                "state": step.state,
-                "reason": step.reason,
-                "settled": attempt.attempt,
-                "updated_at": now(),
-            }
-            if step.state == JobState.WAITING:
-                update["retries"] = job.retries + (1 if step.charged else 0)
-                update["platform_retries"] = job.platform_retries + (1 if step.platform else 0)
-                update["not_before"] = now() + timedelta(seconds=step.delay)
-            return job.model_copy(update=update)
-
-        job = await bus.cas_update(self.jobs, attempt.job_id, JobRecord.from_bytes, change)
-        if job is None:
+    async def check_nodes(self) -> None:
+        """Every task not ended on a lost node, in any attempt (an ended attempt's leftovers too),
+        is reported ended with cause `node_lost`, through the same path as any other exit."""
+        at = now()
+        lost = policy.lost_nodes(self.view_nodes.values(), at, self.node_timeout)
+        if not lost:
             return
-        step = steps[0]
-        if step.state == JobState.WAITING:
-            with contextlib.suppress(KeyNotFoundError):
-                await bus.cas_update(
-                    self.attempts,
-                    attempt.key,
-                    AttemptRecord.from_bytes,
-                    lambda a: a.model_copy(update={"charged": step.charged}) if a.charged is None else None,
-                )
-            await self.event(job, JobEventKind.RETRYING, step.reason)
-        else:
-            JOBS_ENDED.labels(step.state).inc()
-            await self.event(job, JobEventKind.ENDED, step.reason)
+        for attempt in list(self.view_attempts.values()):
+            for task in attempt.tasks:
+                if task.node in lost and not task.state.ended:
+                    silent = (at - lost[task.node].heartbeat_at).total_seconds()
+                    why = f"node {task.node} lost (no heartbeat for {silent:.0f}s)"
+                    await self.declare_ended(attempt, task, TaskCause.NODE_LOST, why, "lost")
+
+    async def check_starts(self) -> None:
+        """Tasks still not started long after their attempt was placed fail as platform faults."""
+        cutoff = now() - timedelta(seconds=self.start_timeout)
+        for attempt in list(self.view_attempts.values()):
+            if attempt.ended or attempt.placed_at >= cutoff:
+                continue
+            for task in attempt.tasks:
+                if task.state == TaskState.PLACED:
+                    why = f"not started within {self.start_timeout:g}s of placement on {task.node}"
+                    await self.declare_ended(attempt, task, TaskCause.PLATFORM, why, "start-timeout")
+
+    async def declare_ended(
+        self, attempt: AttemptRecord, task: TaskStatus, cause: TaskCause, reason: str, tag: str
+    ) -> None:
+        mark = f"{attempt.key}/{task.key}"
+        if mark in self.declared:
+            return
+        await self.js.publish(
+            subjects.task_event(attempt.job_id, attempt.attempt, task.role, task.index, TaskEventKind.EXITED),
+            TaskEvent(
+                job_id=attempt.job_id,
+                attempt=attempt.attempt,
+                role=task.role,
+                index=task.index,
+                node=task.node,
+                kind=TaskEventKind.EXITED,
+                cause=cause,
+                reason=reason,
+            ).to_bytes(),
+            headers={Headers.MSG_ID: f"{tag}:{mark}"},
+        )
+        self.declared.add(mark)
+        log.warning(
+            "supervisor.task_declared_ended", attempt=attempt.key, task=task.key, cause=cause, reason=reason
+        )
+
+    async def prune(self) -> None:
+        """Delete finished jobs' records after their retention, and nodes long gone."""
+        at = now()
+        for job in list(self.view_jobs.values()):
+            if policy.should_prune(job, at, self.job_retention):
+                await self.forget_job(job)
+        cutoff = at - timedelta(seconds=self.node_retention)
+        for node in list(self.view_nodes.values()):
+            if node.heartbeat_at < cutoff:
+                await self.forget_node(node)
+        self.declared = {m for m in self.declared if m.split("/")[0] in self.view_attempts}
+        self.prunes += 1
+        if self.prunes % 60 == 0:  # hourly: drop the delete markers the deletions left behind
+            for store in (self.jobs, self.attempts, self.nodes):
+                await store.kv.purge_deletes(olderthan=3600)
+            await self.rendezvous.purge_deletes(olderthan=3600)
+
+    async def forget_job(self, job: JobRecord) -> None:
+        for n in range(1, job.attempt + 1):
+            key = attempt_key(job.job_id, n)
+            await self.attempts.delete(key)
+            await self.rendezvous.purge(key)
+        with contextlib.suppress(KeyNotFoundError, KeyWrongLastSequenceError):
+            claim = await self.names.get(job.job_name)
+            if claim.value == job.job_id.encode():
+                await self.names.delete(job.job_name, last=claim.revision)
+        await self.jobs.delete(job.job_id)
+        PRUNED.labels("job").inc()
+        log.info("supervisor.job_pruned", job_id=job.job_id, ended=job.updated_at.isoformat())
+
+    async def forget_node(self, node: NodeInfo) -> None:
+        await self.nodes.delete(node.node)
+        with contextlib.suppress(NotFoundError):
+            await self.js.delete_consumer(subjects.COMMANDS_STREAM, subjects.agent_consumer(node.node))
+        PRUNED.labels("node").inc()
+        log.info("supervisor.node_pruned", node=node.node, last_heartbeat=node.heartbeat_at.isoformat())
+
+    # ------------------------------------------------------------ shared
 
     async def event(self, job: JobRecord, kind: JobEventKind, detail: str) -> None:
         await self.js.publish(

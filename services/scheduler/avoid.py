@@ -1,0 +1,47 @@
+"""Which nodes to place around, a pure core: nodes that keep failing attempts are avoided, but
+never to the point that a job waits for ever."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+
+from services.scheduler import placement
+from shared.messages import AttemptRecord, FailureKind
+
+AVOID_AFTER = int(os.environ.get("MUSTER_AVOID_AFTER", "3"))
+AVOID_WINDOW = float(os.environ.get("MUSTER_AVOID_WINDOW", "600"))
+
+
+def nodes_to_avoid(attempts: Iterable[AttemptRecord], at: datetime) -> set[str]:
+    """Nodes that keep failing attempts: platform failures at AVOID_AFTER different moments
+    (10 s apart, so one agent restart that loses several tasks at once counts once) within
+    AVOID_WINDOW seconds before `at`."""
+    since = at - timedelta(seconds=AVOID_WINDOW)
+    moments: dict[str, set[int]] = {}
+    for a in attempts:
+        if a.failure and a.failure.kind == FailureKind.PLATFORM and a.ended_at and a.ended_at >= since:
+            moments.setdefault(a.failure.node, set()).add(int(a.ended_at.timestamp() // 10))
+    return {node for node, seen in moments.items() if len(seen) >= AVOID_AFTER}
+
+
+def plan_around(
+    nodes: dict[str, placement.NodeState], queue: list[placement.PendingJob], avoid: set[str]
+) -> placement.Plan:
+    """Place around the nodes to avoid; a job that fits only on them still runs there: avoiding
+    is a preference, never a reason to wait forever."""
+    plan = placement.plan(nodes.values(), queue, avoid)
+    stuck = [j for j in queue if j.job_id in plan.unschedulable]
+    if not avoid or not stuck:
+        return plan
+    rest = {name: n.copy() for name, n in nodes.items()}
+    configs = {j.job_id: j.config for j in queue}
+    for job_id, tasks in plan.placements.items():
+        placement.allocate(rest, configs[job_id], tasks)
+    second = placement.plan(rest.values(), stuck)
+    plan.placements.update(second.placements)
+    for job_id in second.placements:
+        plan.pending.pop(job_id, None)
+    plan.pending.update(second.pending)
+    return plan

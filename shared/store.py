@@ -1,0 +1,129 @@
+"""Typed access to Muster's KV buckets: one `Store` per bucket and record type.
+
+Every read decodes through the record's model; a record that does not decode (garbage written
+by a buggy or hostile client, a record of a newer version) is skipped, counted in
+`muster_bad_records_total` and named in the log once — it is never fatal to the reader.
+Writes that must not overwrite another writer go through `update` (read-modify-write with
+the revision read, retried)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Generic, TypeVar
+
+import structlog
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.kv import KeyValue
+from prometheus_client import Counter
+from pydantic import ValidationError
+
+from shared.messages import Message
+
+M = TypeVar("M", bound=Message)
+BAD_RECORDS = Counter("muster_bad_records_total", "KV records skipped because they do not decode", ["bucket"])
+log = structlog.get_logger()
+_named: set[tuple[str, str]] = set()  # (bucket, key) already logged: each bad record is named once
+
+
+class Store(Generic[M]):
+    def __init__(self, kv: KeyValue, model: type[M]):
+        self.kv, self.model = kv, model
+        self.bucket = kv._name
+
+    def decode(self, key: str, data: bytes | None) -> M | None:
+        """The record, or None (counted and named once) when it does not decode."""
+        if not data:
+            return None
+        try:
+            return self.model.model_validate_json(data)
+        except (ValidationError, ValueError) as exc:
+            BAD_RECORDS.labels(self.bucket).inc()
+            if (self.bucket, key) not in _named:
+                _named.add((self.bucket, key))
+                log.warning("store.bad_record", bucket=self.bucket, key=key, error=str(exc)[:200])
+            return None
+
+    async def get(self, key: str) -> M | None:
+        """The record under `key`; None when there is none or it does not decode."""
+        try:
+            entry = await self.kv.get(key)
+        except KeyNotFoundError:
+            return None
+        return self.decode(key, entry.value)
+
+    async def create(self, key: str, record: M) -> bool:
+        """Write `record` only if `key` has none; whether it was written."""
+        try:
+            await self.kv.create(key, record.to_bytes())
+            return True
+        except KeyWrongLastSequenceError:
+            return False
+
+    async def put(self, key: str, record: M) -> None:
+        await self.kv.put(key, record.to_bytes())
+
+    async def update(self, key: str, change: Callable[[M], M | None]) -> M | None:
+        """Read-modify-write with the revision read, retried until no other writer got in
+        between. `change` returns the new record, or None to leave it as it is. Returns the
+        record written, or None (nothing written: no record, a bad one, or no change)."""
+        while True:
+            try:
+                entry = await self.kv.get(key)
+            except KeyNotFoundError:
+                return None
+            current = self.decode(key, entry.value)
+            if current is None:
+                return None
+            updated = change(current)
+            if updated is None:
+                return None
+            try:
+                await self.kv.update(key, updated.to_bytes(), last=entry.revision)
+                return updated
+            except KeyWrongLastSequenceError:
+                continue
+
+    async def delete(self, key: str) -> None:
+        await self.kv.purge(key)
+
+    async def keys(self) -> list[str]:
+        try:
+            return await self.kv.keys()
+        except NoKeysError:
+            return []
+
+    async def items(self) -> AsyncIterator[tuple[str, M]]:
+        """Every record that decodes, with its key."""
+        for key in await self.keys():
+            record = await self.get(key)
+            if record is not None:
+                yield key, record
+
+    async def mirror(
+        self, into: dict[str, M], synced: asyncio.Event, changed: Callable[[str], None] | None = None
+    ) -> None:
+        """Keep `into` equal to the bucket (records that decode) for as long as it runs, with one
+        watcher: no polling, no consumer per read. `synced` is set once the current content is
+        in; `changed(key)` is called after each change. A broken watch is restarted."""
+        while True:
+            try:
+                watcher = await self.kv.watchall()
+                async for entry in watcher:
+                    if entry is None:
+                        synced.set()
+                        continue
+                    record = None
+                    if entry.operation not in ("DEL", "PURGE"):
+                        record = self.decode(entry.key, entry.value)
+                    if record is None:
+                        into.pop(entry.key, None)
+                    else:
+                        into[entry.key] = record
+                    if changed is not None:
+                        changed(entry.key)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("store.watch_restart", bucket=self.bucket, error=str(exc) or type(exc).__name__)
+                await asyncio.sleep(1)
