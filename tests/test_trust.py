@@ -1,0 +1,333 @@
+"""Jobs you can trust (issue 7), end to end against a real nats-server with every service a
+process: every task reaches a reported end even when its agent forgot it, tasks die with their
+agent, configuration errors end a job at once, garbage on the bus or in KV stalls nothing,
+finished jobs are pruned, and reports made while the bus is away are kept."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from services.agent.reporting import Reporter
+from shared import bus, client, subjects
+from shared.messages import FailureKind, JobRecord, JobState, TaskCause, TaskEvent, TaskEventKind
+from shared.natsserver import NatsServer
+from tests.test_jobs import attempt, nc, role, run_job, wait_final  # noqa: F401 - nc is a fixture
+
+
+def _task_processes(job_id: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"MUSTER_JOB_ID={job_id}".encode() in environ:
+            found.append(int(pid))
+    return found
+
+
+async def _until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.2)
+
+
+async def _declared(nc) -> None:  # noqa: F811
+    """Wait until the services have declared every stream and bucket."""
+
+    async def ready():
+        try:
+            await nc.jetstream().stream_info(subjects.COMMANDS_STREAM)
+            await nc.jetstream().stream_info(f"KV_{subjects.LEASES_BUCKET}")
+            return True
+        except Exception:
+            return False
+
+    await _until(ready, 60, "the services never declared their streams")
+
+
+async def _record(nc, job_id: str) -> JobRecord:  # noqa: F811
+    kv = await nc.jetstream().key_value(subjects.JOBS_BUCKET)
+    return JobRecord.from_bytes((await kv.get(job_id)).value)
+
+
+async def _submit(nc, config: dict) -> str:  # noqa: F811
+    _, verdict = await client.submit(nc, json.dumps(config).encode(), timeout=30)
+    assert verdict is not None and verdict.accepted, verdict
+    assert verdict.job_id
+    return verdict.job_id
+
+
+async def test_a_task_its_restarted_agent_never_knew_is_reported_and_the_retry_runs(
+    cluster,
+    nc,  # noqa: F811
+    monkeypatch,
+):
+    """Defect 1: the attempt ends while the agent of one of its tasks is down; the agent that
+    comes back must report that task, or the job waits for it for ever."""
+    monkeypatch.setenv("MUSTER_NODE_TIMEOUT", "60")  # a restart, not a lost node
+    cluster.core()
+    agents = {
+        n: cluster.agent(n, "--address", "127.0.0.1", "--cpus", "1", "--heartbeat", "0.5") for n in "ab"
+    }
+    config = {
+        "jobName": "forgotten",
+        "image": "img",
+        "retryCount": 1,
+        "taskRoles": [role("fails", 1, "sleep 2; exit 1"), role("waits", 1, "sleep 600")],
+    }
+    job_id = await _submit(nc, config)
+    first = await _until(lambda: _started(nc, job_id, "waits"), 60, "the task that waits never started")
+    node = first.task("waits", 0).node
+    agents[node].send_signal(signal.SIGKILL)
+    agents[node].wait(10)
+    # The attempt fails (the other task exits 1) while this agent is down: its kill order waits.
+    await _until(lambda: _ended(nc, job_id, 1), 60, "attempt 1 did not end")
+    cluster.agent(node, "--address", "127.0.0.1", "--cpus", "1", "--heartbeat", "0.5")
+    record = await wait_final(nc, job_id, 90)
+    assert (record.state, record.attempt, record.retries) == (JobState.FAILED, 2, 1), record
+    a1 = await attempt(nc, job_id, 1)
+    waits = a1.task("waits", 0)
+    assert waits.state.ended and waits.cause in (TaskCause.KILLED, TaskCause.PLATFORM), waits
+
+
+async def _started(nc, job_id: str, role_name: str):  # noqa: F811
+    try:
+        a = await attempt(nc, job_id, 1)
+    except Exception:
+        return None
+    return a if a.task(role_name, 0).started_at else None
+
+
+async def _ended(nc, job_id: str, n: int):  # noqa: F811
+    try:
+        return (await attempt(nc, job_id, n)).ended
+    except Exception:
+        return False
+
+
+async def test_a_killed_agent_takes_its_tasks_with_it(cluster, nc):  # noqa: F811
+    """Defect 11: a process task whose agent is SIGKILLed must not run on beside the attempt
+    that replaces it."""
+    cluster.core()
+    agent = cluster.agent("solo", "--address", "127.0.0.1", "--cpus", "2")
+    job_id = await _submit(
+        nc, {"jobName": "orphan", "image": "img", "taskRoles": [role("w", 2, "sleep 600")]}
+    )
+
+    async def running():
+        return (await _record(nc, job_id)).state == JobState.RUNNING and len(_task_processes(job_id)) >= 2
+
+    await _until(running, 60, "the job never ran")
+    agent.send_signal(signal.SIGKILL)
+    agent.wait(10)
+
+    async def gone():
+        return not _task_processes(job_id)
+
+    await _until(gone, 15, f"tasks outlived their agent: {_task_processes(job_id)}")
+
+
+async def test_a_configuration_error_fails_the_job_at_once(cluster, nc, tmp_path):  # noqa: F811
+    """Defect 5: a failure that recurs on any node is not retried as a platform fault."""
+    cluster.core()
+    cluster.agent("n1", "--address", "127.0.0.1", "--cpus", "2")
+    config = {
+        "jobName": "no-auth",
+        "image": "img",
+        "retryCount": 3,
+        "authFile": str(tmp_path / "missing-auth"),
+        "taskRoles": [role("w", 1, "true")],
+    }
+    started = time.monotonic()
+    record = await run_job(nc, config, timeout=60)
+    assert (record.state, record.attempt, record.platform_retries, record.retries) == (
+        JobState.FAILED,
+        1,
+        0,
+        0,
+    )
+    assert "configuration error" in record.reason and "missing-auth" in record.reason, record.reason
+    a = await attempt(nc, record.job_id)
+    assert a.failure is not None and a.failure.kind == FailureKind.CONFIG
+    assert time.monotonic() - started < 30
+
+
+async def test_garbage_on_every_consumer_is_terminated_and_stalls_nothing(cluster, nc):  # noqa: F811
+    """Defect 13: undecodable messages are terminated and counted, not redelivered for ever,
+    and work behind them goes on."""
+    cluster.core()
+    cluster.agent("n1", "--address", "127.0.0.1", "--cpus", "2")
+    await _declared(nc)
+    js = nc.jetstream()
+    garbage = [b"", b"{", b"\xff\xfe", b'{"job_id": 3}', b"[]" * 1000]
+    for i in range(300):
+        body = garbage[i % len(garbage)]
+        await js.publish(subjects.KILL, body)
+        await js.publish(subjects.task_event("jx", 1, "w", i, "exited"), body)
+        await js.publish(subjects.task_event("jx", 1, "w", i, "endpoint"), body)
+        await js.publish(subjects.kill("n1"), body)
+        await js.publish(subjects.assign("n1"), body)
+    started = time.monotonic()
+    record = await run_job(
+        nc, {"jobName": "after-garbage", "image": "img", "taskRoles": [role("w", 1, "true")]}
+    )
+    assert record.state == JobState.SUCCEEDED
+    assert time.monotonic() - started < 30
+
+    async def settled():
+        for stream, consumer in (
+            (subjects.SUBMISSIONS_STREAM, subjects.SUPERVISOR_KILL_CONSUMER),
+            (subjects.EVENTS_STREAM, subjects.SUPERVISOR_CONSUMER),
+            (subjects.EVENTS_STREAM, subjects.REGISTRY_CONSUMER),
+            (subjects.COMMANDS_STREAM, subjects.agent_consumer("n1")),
+        ):
+            info = await js.consumer_info(stream, consumer)
+            if info.num_ack_pending or info.num_pending:
+                return False
+        return True
+
+    await _until(settled, 30, "garbage is still pending or being redelivered")
+    logs = cluster.logs()
+    assert "message.rejected" in logs and "Traceback" not in logs
+
+
+async def test_garbage_records_in_kv_are_skipped_not_fatal(cluster, nc):  # noqa: F811
+    """Defect 14: one garbage entry in the nodes, jobs or attempts bucket stops nothing."""
+    cluster.core()  # the services declare the buckets
+    await _declared(nc)
+    js = nc.jetstream()
+    for bucket, key in (
+        (subjects.NODES_BUCKET, "bogus"),
+        (subjects.JOBS_BUCKET, "jbogus"),
+        (subjects.ATTEMPTS_BUCKET, "jbogus.1"),
+        (subjects.RENDEZVOUS_BUCKET, "jbogus.1"),
+    ):
+        await (await js.key_value(bucket)).put(key, b"\x00 not a record")
+    # Services started after the garbage (as after a restart) come up and work.
+    for p in cluster.procs:
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+    cluster.core()
+    cluster.agent("n1", "--address", "127.0.0.1", "--cpus", "2")
+    record = await run_job(
+        nc, {"jobName": "beside-garbage", "image": "img", "taskRoles": [role("w", 2, "true")]}
+    )
+    assert record.state == JobState.SUCCEEDED
+    assert all(p.poll() is None for p in cluster.procs[-5:]), cluster.logs()
+    assert "store.bad_record" in cluster.logs()
+
+
+async def test_finished_jobs_and_gone_nodes_are_pruned_after_their_retention(cluster, nc, monkeypatch):  # noqa: F811
+    """Defect 8: history is kept for a retention, then deleted; no consumer churn meanwhile."""
+    monkeypatch.setenv("MUSTER_JOB_RETENTION", "2")
+    monkeypatch.setenv("MUSTER_NODE_RETENTION", "4")
+    monkeypatch.setenv("MUSTER_NODE_TIMEOUT", "2")
+    cluster.core()
+    cluster.start("services.supervisor")  # a second replica: neither may churn consumers
+    cluster.agent("keep", "--address", "127.0.0.1", "--cpus", "2", "--heartbeat", "0.5")
+    gone = cluster.agent("gone", "--address", "127.0.0.1", "--cpus", "1", "--heartbeat", "0.5")
+    record = await run_job(nc, {"jobName": "pruned", "image": "img", "taskRoles": [role("w", 1, "true")]})
+    gone.send_signal(signal.SIGTERM)
+    gone.wait(20)
+    js = nc.jetstream()
+    jobs = await js.key_value(subjects.JOBS_BUCKET)
+    attempts = await js.key_value(subjects.ATTEMPTS_BUCKET)
+    nodes = await js.key_value(subjects.NODES_BUCKET)
+
+    async def missing(kv, key):
+        try:
+            await kv.get(key)
+            return False
+        except Exception:
+            return True
+
+    await _until(lambda: missing(jobs, record.job_id), 120, "the job record was never pruned")
+    assert await missing(attempts, f"{record.job_id}.1")
+    await _until(lambda: missing(nodes, "gone"), 120, "the gone node was never pruned")
+    assert not await missing(nodes, "keep")
+    counts = []
+    for _ in range(3):
+        info = await js.stream_info(f"KV_{subjects.NODES_BUCKET}")
+        counts.append(info.state.consumer_count)
+        await asyncio.sleep(1)
+    assert max(counts) <= 6, counts  # the watchers of the services, not one per check
+
+
+async def test_reports_made_while_the_bus_is_away_are_sent_when_it_is_back(tmp_path):
+    """Defect 12: an outcome reached while disconnected is kept (on disk) and reported later."""
+    with NatsServer(tmp_path / "nats") as server:
+        port = server.port
+        nc = await bus.connect("test", server.url)
+        await bus.ensure_jetstream(nc)
+    # The server is down: the report waits in the outbox.
+    reporter = Reporter(nc.jetstream(timeout=1), tmp_path / "outbox")
+    reporter.start()
+    event = TaskEvent(
+        job_id="j1",
+        attempt=1,
+        role="w",
+        index=0,
+        node="n",
+        kind=TaskEventKind.EXITED,
+        cause=TaskCause.EXITED,
+        exit_code=3,
+    )
+    reporter.report(event)
+    await asyncio.sleep(1)
+    assert list((tmp_path / "outbox").glob("*.json")), "the report was not kept"
+    with NatsServer(tmp_path / "nats", port=port):
+        assert await reporter.flush(30), "the report was never sent"
+        stored = await nc.jetstream().get_last_msg(
+            subjects.EVENTS_STREAM, subjects.task_event("j1", 1, "w", 0, "exited")
+        )
+        assert TaskEvent.from_bytes(stored.data).exit_code == 3
+        assert not list((tmp_path / "outbox").glob("*.json"))
+        await reporter.close()
+        await nc.close()
+
+
+@pytest.mark.parametrize("retries", [2])
+async def test_an_agent_restart_shorter_than_the_node_timeout_keeps_retry_counts_exact(
+    cluster,
+    nc,  # noqa: F811
+    tmp_path,
+    retries,
+):
+    """Defect 12: a failing command runs exactly retryCount + 1 times though its agent is
+    SIGKILLed and restarted while the job goes on."""
+    cluster.core()
+    args = ("--address", "127.0.0.1", "--cpus", "2", "--heartbeat", "0.5")
+    agent = cluster.agent("n1", *args)
+    runs = tmp_path / "runs"
+    config = {
+        "jobName": "exact",
+        "image": "img",
+        "retryCount": retries,
+        "taskRoles": [role("w", 1, f"echo run >> {runs}; sleep 1; exit 3")],
+    }
+    job_id = await _submit(nc, config)
+    await asyncio.sleep(2)
+    agent.send_signal(signal.SIGKILL)
+    agent.wait(10)
+    cluster.agent("n1", *args)
+    record = await wait_final(nc, job_id, 120)
+    assert record.state == JobState.FAILED and record.retries == retries, record
+    user_failures = 0
+    for n in range(1, record.attempt + 1):
+        a = await attempt(nc, job_id, n)
+        user_failures += a.failure is not None and a.failure.kind == FailureKind.USER
+    # Every run that exited 3 was charged; runs cut short by the restart were not.
+    assert user_failures == retries + 1, record
+    assert runs.read_text().count("run") == record.attempt
