@@ -224,3 +224,54 @@ async def test_an_agent_killed_and_restarted_adopts_its_running_containers(base_
     assert "agent.adopted" in cluster.logs()
     a = await attempt(nc, record.job_id)
     assert all(t.exit_code == 0 and t.last_lines[-1:] == ["done"] for t in a.tasks), a.tasks
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(240)
+async def test_an_agent_restarted_for_30s_mid_job_loses_nothing(base_image, cluster, nc, tmp_path):  # noqa: F811
+    """Defect 2: SIGTERM leaves the containers running and announces a restart; the supervisor
+    waits the restart grace (not the 5 s node timeout); the new agent adopts the containers
+    and the job finishes in its first attempt, one of its tasks ending while no agent ran."""
+    cluster.core()
+    args = (
+        "--runtime",
+        "docker",
+        "--cpus",
+        "2",
+        "--overcommit",
+        "--address",
+        "127.0.0.1",
+        "--heartbeat",
+        "0.5",
+    )
+    agent = cluster.agent("box", *args)
+    out = tmp_path / "out"
+    out.mkdir()
+    config = {
+        "jobName": "restarted",
+        "image": base_image,
+        "outputDir": str(out),
+        "taskRoles": [
+            role("short", 1, "echo start >> $PAI_OUTPUT_DIR/short; sleep 10; exit 0"),
+            role("long", 1, "echo start >> $PAI_OUTPUT_DIR/long; sleep 40; echo done"),
+        ],
+    }
+    _, verdict = await client.submit(nc, json.dumps(config).encode())
+    await _wait_state(nc, verdict.job_id, JobState.RUNNING, timeout=60)
+    agent.send_signal(signal.SIGTERM)
+    assert agent.wait(30) == 0, cluster.logs()
+    engine = docker.from_env()
+    try:
+        running = engine.containers.list(filters={"label": f"muster.job={verdict.job_id}"})
+        assert len(running) == 2  # left running for the next agent
+    finally:
+        engine.close()
+    await asyncio.sleep(30)  # far longer than the node timeout; "short" ends meanwhile
+    record = await _wait_state(nc, verdict.job_id, JobState.RUNNING, timeout=1)
+    assert record.attempt == 1
+    cluster.agent("box", *args)
+    record = await wait_final(nc, verdict.job_id, timeout=90)
+    assert (record.state, record.attempt) == (JobState.SUCCEEDED, 1), cluster.logs()
+    assert [(out / n).read_text() for n in ("short", "long")] == ["start\n", "start\n"]  # never run twice
+    a = await attempt(nc, record.job_id)
+    assert [(t.key, t.exit_code) for t in a.tasks] == [("short.0", 0), ("long.0", 0)], a.tasks

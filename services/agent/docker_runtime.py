@@ -17,6 +17,7 @@ from typing import Any
 
 import docker
 import docker.errors
+import requests
 import structlog
 from docker.models.containers import Container
 from docker.types import DeviceRequest
@@ -33,6 +34,7 @@ LOG_DRAIN_TIMEOUT = 10.0  # after the container exits, how long its log stream m
 # The engine copies a container's stdout and stderr pipes in two goroutines, so lines written to
 # both lose their relative order in the log. The task's shell sends stderr down stdout's pipe first.
 MERGE_STDERR = "exec 2>&1; "
+WAIT_SLICE = 3  # seconds one blocking wait call may take
 GONE_EXIT_CODE = 137  # reported when the container vanished (docker rm -f) before we read its code
 
 
@@ -129,7 +131,12 @@ class DockerTask:
 
     async def _wait(self) -> int:
         try:
-            result = await asyncio.to_thread(self._container.wait)
+            while True:  # in slices: a thread blocked here must not keep a stopping agent alive
+                try:
+                    result = await asyncio.to_thread(self._container.wait, timeout=WAIT_SLICE)
+                    break
+                except requests.exceptions.RequestException:
+                    continue
             code = int(result["StatusCode"])
             await asyncio.to_thread(self._container.reload)
             self.oom_killed = bool(self._container.attrs.get("State", {}).get("OOMKilled"))
