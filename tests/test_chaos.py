@@ -1,7 +1,9 @@
-"""Chaos: 50 jobs of mixed shapes while a loop SIGKILLs and restarts random services, agents
-included, every couple of seconds. Every job must reach the final state its commands imply, no
-GPU may be held by two live tasks, no two attempts of a job may overlap, and no process of a
-finished job may remain."""
+"""Chaos: jobs of mixed shapes (MUSTER_CHAOS_JOBS, 50 by default; 200 or more on demand) on two
+replicas of every service and three agents with declared GPUs, while a loop SIGKILLs and restarts
+random services and agents every couple of seconds — agents sometimes staying down longer than
+the node timeout. Every job must reach the final state its commands imply with exact retry
+counts, no GPU may be held by two tasks at once (checked from what the tasks themselves record),
+no two attempts of a job may overlap, and no process of a finished job may remain."""
 
 from __future__ import annotations
 
@@ -18,11 +20,13 @@ from pathlib import Path
 import pytest
 
 from shared import bus, client, subjects
-from shared.messages import AttemptRecord, JobRecord, JobState
+from shared.messages import AttemptRecord, FailureKind, JobRecord, JobState
 from tests.conftest import Cluster
 from tests.test_jobs import role
 
 SERVICES = ("services.validator", "services.scheduler", "services.registry", "services.supervisor")
+JOBS = int(os.environ.get("MUSTER_CHAOS_JOBS", "50"))
+NODE_TIMEOUT = 5.0
 AGENTS = {
     f"c{i}": ("--cpus", "4", "--gpus", "2xT4", "--address", "127.0.0.1", "--heartbeat", "0.5")
     for i in range(3)
@@ -32,19 +36,26 @@ AGENTS = {
 class ChaosCluster(Cluster):
     def env(self) -> dict[str, str]:
         # Restarts lose tasks: give platform retries room, and keep their backoff short.
-        return {**super().env(), "MUSTER_PLATFORM_RETRIES": "50", "MUSTER_RETRY_BACKOFF": "0.2"}
+        return {
+            **super().env(),
+            "MUSTER_PLATFORM_RETRIES": "50",
+            "MUSTER_RETRY_BACKOFF": "0.2",
+            "MUSTER_NODE_TIMEOUT": str(NODE_TIMEOUT),
+        }
 
 
-def jobs(rng: random.Random) -> list[tuple[dict, JobState]]:
+def jobs(rng: random.Random, ledger: Path) -> list[tuple[dict, JobState]]:
     out = []
-    for i in range(50):
+    for i in range(JOBS):
         kind = i % 5
         pause = f"sleep {rng.choice(['0.5', '1', '2'])}"
         if kind == 0:  # a plain gang that succeeds
             config = {"taskRoles": [role("w", rng.randint(1, 3), f"{pause}; exit 0")]}
             expected = JobState.SUCCEEDED
-        elif kind == 1:  # GPU tasks, gpuType honoured
-            config = {"gpuType": "T4", "taskRoles": [role("g", rng.randint(1, 2), f"{pause}; exit 0", gpu=1)]}
+        elif kind == 1:  # GPU tasks, gpuType honoured; each records when it held which GPUs where
+            line = '"$(date +%s.%N) $PWD $CUDA_VISIBLE_DEVICES"'
+            command = f"echo + {line} >> {ledger}; {pause}; echo - {line} >> {ledger}"
+            config = {"gpuType": "T4", "taskRoles": [role("g", rng.randint(1, 2), command, gpu=1)]}
             expected = JobState.SUCCEEDED
         elif kind == 2:  # ps/worker ended by killAllOnCompletedTaskNumber
             config = {
@@ -62,27 +73,38 @@ def jobs(rng: random.Random) -> list[tuple[dict, JobState]]:
     return out
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(600 + 6 * JOBS)
 async def test_chaos_every_job_ends_right_while_services_are_killed(nats_url, tmp_path):
     cluster = ChaosCluster(nats_url, tmp_path)
     procs: dict[str, object] = {}
     for module in SERVICES:
         procs[module] = cluster.start(module)
-    procs["services.scheduler#2"] = cluster.start("services.scheduler")
+        procs[f"{module}#2"] = cluster.start(module)
     for node, args in AGENTS.items():
         procs[node] = cluster.agent(node, *args)
+
+    down: dict[str, float] = {}  # agents kept down past the node timeout, and until when
 
     def restart(name: str) -> None:
         proc = procs[name]
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        if name in AGENTS:
+        if name in AGENTS and rng.random() < 0.3:
+            down[name] = time.monotonic() + NODE_TIMEOUT + rng.uniform(1, 3)
+        elif name in AGENTS:
             procs[name] = cluster.agent(name, *AGENTS[name])
         else:
             procs[name] = cluster.start(name.split("#")[0])
 
+    def bring_back() -> None:
+        for name, until in list(down.items()):
+            if time.monotonic() >= until:
+                procs[name] = cluster.agent(name, *AGENTS[name])
+                del down[name]
+
     rng = random.Random(4)
-    plan = jobs(rng)
+    ledger = tmp_path / "gpu-ledger"
+    plan = jobs(rng, ledger)
     nc = await bus.connect("test", nats_url)
     kills: list[str] = []
     try:
@@ -91,12 +113,13 @@ async def test_chaos_every_job_ends_right_while_services_are_killed(nats_url, tm
             _sid, verdict = await client.submit(nc, json.dumps(config).encode(), timeout=60)
             assert verdict is not None and verdict.accepted, verdict
             ids.append(verdict.job_id)
+            bring_back()
             if rng.random() < 0.1:  # kills start while jobs are still being submitted
-                name = rng.choice(list(procs))
+                name = rng.choice([n for n in procs if n not in down])
                 restart(name)
                 kills.append(name)
         kv = await nc.jetstream().key_value(subjects.JOBS_BUCKET)
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 240 + 2 * JOBS
         next_kill = time.monotonic() + 2
         while True:
             records = [JobRecord.from_bytes((await kv.get(j)).value) for j in ids]
@@ -109,8 +132,9 @@ async def test_chaos_every_job_ends_right_while_services_are_killed(nats_url, tm
                 raise AssertionError(
                     f"{[(r.job_name, r.state, r.reason) for r in stuck]}\n" + "\n".join(said)
                 )
-            if time.monotonic() > next_kill and len(kills) < 40:
-                name = rng.choice(list(procs))
+            bring_back()
+            if time.monotonic() > next_kill and len(kills) < 40 * JOBS // 50:
+                name = rng.choice([n for n in procs if n not in down])
                 restart(name)
                 kills.append(name)
                 next_kill = time.monotonic() + rng.uniform(1.5, 3)
@@ -125,7 +149,9 @@ async def test_chaos_every_job_ends_right_while_services_are_killed(nats_url, tm
         assert len(set(kills)) >= 5, kills  # every kind of service was killed at least once
 
         attempts = await _attempts(nc, records)
+        _exact_retries(records, plan, attempts)
         _no_gpu_held_twice(attempts)
+        _no_gpu_held_twice_by_the_tasks(ledger.read_text().splitlines(), attempts)
         _no_overlapping_attempts(attempts)
         assert "inconsistent_view" not in cluster.logs()
         await _no_process_left(ids, "\n".join(p.read_text() for p in sorted(tmp_path.glob("*.log"))))
@@ -161,6 +187,70 @@ def _no_gpu_held_twice(attempts: list[AttemptRecord]) -> None:
         spans.sort()
         for (_s1, e1, who1), (s2, _, who2) in itertools.pairwise(spans):
             assert s2 >= e1 - timedelta(milliseconds=1), f"GPU {gpu} held by {who1} and {who2} at once"
+
+
+def _exact_retries(
+    records: list[JobRecord], plan: list[tuple[dict, JobState]], attempts: list[AttemptRecord]
+) -> None:
+    """Every run whose command failed was charged to retryCount, and nothing else was."""
+    by_job: dict[str, list[AttemptRecord]] = {}
+    for a in attempts:
+        by_job.setdefault(a.job_id, []).append(a)
+    for r, (config, _) in zip(records, plan, strict=True):
+        user = [
+            a
+            for a in by_job.get(r.job_id, [])
+            if a.failure is not None and a.failure.kind == FailureKind.USER
+        ]
+        charged = [a for a in by_job.get(r.job_id, []) if a.charged]
+        assert r.retries == len(charged), (r.job_name, r.retries, [a.key for a in charged])
+        expected = {1: 2} if "exit 3" in json.dumps(config) else {}  # always fails: 2 runs, 1 retry
+        if r.state == JobState.FAILED:
+            assert len(user) == expected.get(config.get("retryCount", 0), 1), (
+                r.job_name,
+                [a.key for a in user],
+            )
+        # A run charged to retryCount is exactly a run whose command failed, and the last one
+        # (which ended the job) is not charged.
+        assert len(user) == r.retries + (r.state == JobState.FAILED), (
+            r.job_name,
+            r.retries,
+            [a.key for a in user],
+        )
+
+
+def _no_gpu_held_twice_by_the_tasks(lines: list[str], attempts: list[AttemptRecord]) -> None:
+    """From the tasks' own records: a GPU of a node is never held by two tasks at once. A task
+    killed with its agent writes no end line: its end is when its attempt record says it ended
+    (later than it really did, so this can only find more overlap, never hide one)."""
+    ended = {
+        (t.node, a.job_id, str(a.attempt), t.role, str(t.index)): (t.ended_at or a.ended_at)
+        for a in attempts
+        for t in a.tasks
+    }
+    spans: dict[str, tuple[float, float | None, tuple[str, ...]]] = {}
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 4:
+            continue
+        sign, stamp, pwd, gpus = parts[0], float(parts[1]), parts[2], parts[3]
+        node, job, attempt_no, task_dir = Path(pwd).parts[-4:]
+        key = (node, job, attempt_no, *task_dir.rsplit("-", 1))
+        start, end, _ = spans.get(pwd, (stamp, None, key))
+        spans[pwd] = (start, stamp, key) if sign == "-" else (stamp, end, key)
+    held: dict[tuple[str, str], list[tuple[float, float, str]]] = {}
+    for pwd, (start, end, key) in spans.items():
+        if end is None:
+            recorded = ended.get(key)
+            assert recorded is not None, f"task {pwd} has no end"
+            end = recorded.timestamp()
+        gpus = next(line.split()[3] for line in lines if pwd in line)
+        for g in gpus.split(","):
+            held.setdefault((key[0], g), []).append((start, end, pwd))
+    for gpu, used in held.items():
+        used.sort()
+        for (_s1, e1, who1), (s2, _, who2) in itertools.pairwise(used):
+            assert s2 >= e1 - 0.001, f"GPU {gpu} held by {who1} and {who2} at once"
 
 
 def _no_overlapping_attempts(attempts: list[AttemptRecord]) -> None:
