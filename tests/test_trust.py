@@ -331,3 +331,14 @@ async def test_an_agent_restart_shorter_than_the_node_timeout_keeps_retry_counts
     # Every run that exited 3 was charged; runs cut short by the restart were not.
     assert user_failures == retries + 1, record
     assert runs.read_text().count("run") == record.attempt
+
+
+async def test_status_lists_jobs_beside_a_garbage_record(cluster, nc):  # noqa: F811
+    """Defect 14: `muster status` skips a record that does not decode instead of crashing."""
+    cluster.core()
+    cluster.agent("n1", "--address", "127.0.0.1", "--cpus", "2")
+    record = await run_job(nc, {"jobName": "listed", "image": "img", "taskRoles": [role("w", 1, "true")]})
+    await (await nc.jetstream().key_value(subjects.JOBS_BUCKET)).put("jgarbage", b"{not json")
+    r = cluster.cli("status")
+    assert r.returncode == 0, r.stderr
+    assert record.job_id in r.stdout and "Traceback" not in r.stderr

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import getpass
 import json
 import os
@@ -26,7 +25,8 @@ from services.agent.config import add_agent_arguments
 from shared import bus, client, logs, subjects
 from shared.jobconfig import FieldError, check_job
 from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
-from shared.messages import AttemptRecord, JobRecord, JobState, KillRequest
+from shared.messages import AttemptRecord, JobRecord, JobState, KillRequest, attempt_key
+from shared.store import Store
 from shared.subjects import Headers
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
@@ -246,9 +246,11 @@ async def attempts_of(nc: NATS, record: JobRecord) -> list[AttemptRecord]:
         kv = await nc.jetstream(timeout=5).key_value(subjects.ATTEMPTS_BUCKET)
     except NotFoundError:
         return out
+    store = Store(kv, AttemptRecord)
     for n in range(1, record.attempt + 1):
-        with contextlib.suppress(KeyNotFoundError):
-            out.append(AttemptRecord.from_bytes((await kv.get(f"{record.job_id}.{n}")).value))
+        attempt = await store.get(attempt_key(record.job_id, n))
+        if attempt is not None:
+            out.append(attempt)
     return out
 
 
@@ -260,11 +262,11 @@ async def all_jobs(nc: NATS) -> list[JobRecord]:
     except (NotFoundError, NoKeysError):
         return []
     records = []
+    store = Store(jobs, JobRecord)  # a record that does not decode is skipped, not fatal
     for key in keys:
-        try:
-            records.append(JobRecord.from_bytes((await jobs.get(key)).value))
-        except KeyNotFoundError:
-            continue
+        record = await store.get(key)
+        if record is not None:
+            records.append(record)
     return sorted(records, key=lambda r: r.submitted_at)
 
 
