@@ -258,6 +258,10 @@ async def test_an_agent_restarted_for_30s_mid_job_loses_nothing(base_image, clus
     }
     _, verdict = await client.submit(nc, json.dumps(config).encode())
     await _wait_state(nc, verdict.job_id, JobState.RUNNING, timeout=60)
+    deadline = time.monotonic() + 60
+    while not all(t.state == TaskState.RUNNING for t in (await attempt(nc, verdict.job_id)).tasks):
+        assert time.monotonic() < deadline, "both tasks never ran"
+        await asyncio.sleep(0.2)
     agent.send_signal(signal.SIGTERM)
     assert agent.wait(30) == 0, cluster.logs()
     engine = docker.from_env()
@@ -275,3 +279,24 @@ async def test_an_agent_restarted_for_30s_mid_job_loses_nothing(base_image, clus
     assert [(out / n).read_text() for n in ("short", "long")] == ["start\n", "start\n"]  # never run twice
     a = await attempt(nc, record.job_id)
     assert [(t.key, t.exit_code) for t in a.tasks] == [("short.0", 0), ("long.0", 0)], a.tasks
+
+
+@pytest.mark.docker
+async def test_containers_of_an_agent_that_died_and_stays_away_are_removed(base_image, cluster, nc):  # noqa: F811
+    """Defect 11: an agent SIGKILLed (no restart announced) that does not come back within the
+    node timeout must not leave its containers running beside the attempt that replaces them."""
+    cluster.core()
+    agent = cluster.agent("gone", "--runtime", "docker", "--cpus", "1", "--address", "127.0.0.1")
+    config = {"jobName": "fenced", "image": base_image, "taskRoles": [role("w", 1, "sleep 600")]}
+    _, verdict = await client.submit(nc, json.dumps(config).encode())
+    await _wait_state(nc, verdict.job_id, JobState.RUNNING, timeout=60)
+    agent.send_signal(signal.SIGKILL)
+    agent.wait(10)
+    engine = docker.from_env()
+    try:
+        deadline = time.monotonic() + 30
+        while engine.containers.list(all=True, filters={"label": f"muster.job={verdict.job_id}"}):
+            assert time.monotonic() < deadline, "the dead agent's container still runs"
+            await asyncio.sleep(0.5)
+    finally:
+        engine.close()

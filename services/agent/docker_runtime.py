@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import math
 import os
+import subprocess
 import threading
 import time
 from typing import Any
@@ -23,6 +24,7 @@ from docker.models.containers import Container
 from docker.types import DeviceRequest
 from docker.types import Mount as DockerMount
 
+from services.agent import fence
 from services.agent.runtime import FoundTask, LaunchError, OutputSink, RegistryAuth, TaskLaunch
 from shared.messages import TaskCause
 
@@ -172,6 +174,7 @@ class DockerRuntime:
         # Each running task holds two engine connections (its log stream and its wait).
         self._client = client if client is not None else docker.from_env(max_pool_size=64)
         self.cpu_cap: int | None = None  # the engine's CPUs, once `capacity` has asked
+        self._fence: subprocess.Popen[bytes] | None = None
 
     @classmethod
     def available(cls, timeout: float = 2.0) -> bool:
@@ -239,7 +242,18 @@ class DockerRuntime:
         with contextlib.suppress(docker.errors.NotFound):
             await asyncio.to_thread(self._client.api.remove_container, found.name, force=True)
 
+    def start_fence(self, home: str, pidfile: str, wait: float) -> None:
+        """If the agent dies without detaching and no new agent comes within `wait` seconds,
+        its task containers are removed (see `services.agent.fence`)."""
+        if self._fence is None:
+            self._fence = fence.start_fence("docker", home, pidfile, f"{wait:g}")
+
+    def detach(self) -> None:
+        fence.detach(self._fence)
+
     async def close(self) -> None:
+        fence.close(self._fence)
+        self._fence = None
         await asyncio.to_thread(self._client.close)
 
     async def capacity(self) -> tuple[int, int]:

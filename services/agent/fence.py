@@ -1,22 +1,92 @@
-"""The fence of the process runtime: `python -m services.agent.fence STATE_DIR`, started by the
-agent with a pipe on its standard input. When the pipe closes — the agent exited or was killed,
-SIGKILL included — it kills every task recorded in STATE_DIR, so no task outlives its agent and
-runs beside the attempt that replaces it."""
+"""The fence: no task outlives its agent for long enough to run beside its replacement.
+
+The agent starts it (`start_fence`) with a pipe on its standard input and writes nothing to it
+until it stops: `detach` when it stops for a restart on purpose (its tasks are to be adopted),
+nothing otherwise. When the pipe closes without `detach` — the agent crashed or was SIGKILLed —
+the fence acts before the node can be declared lost (MUSTER_NODE_TIMEOUT):
+- process runtime: it kills every recorded task at once (a process cannot be adopted);
+- docker runtime: it waits a little for a new agent (a quick restart adopts the containers),
+  and removes the node's task containers if none has come, so the new agent, whenever it comes,
+  reports them lost rather than finding them killed by no one.
+
+    python -m services.agent.fence process STATE_DIR
+    python -m services.agent.fence docker HOME PIDFILE WAIT_SECONDS
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
-from services.agent.process_runtime import kill_task, records
+DETACH = b"detach\n"
 
 
-def main(state_dir: str) -> None:
-    while sys.stdin.buffer.read(4096):
-        pass  # nothing is ever written: only the end of the pipe matters
-    for rec in records(Path(state_dir)):
-        kill_task(rec["name"])
+def start_fence(*args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.agent.fence", *args],
+        stdin=subprocess.PIPE,
+        start_new_session=True,  # a signal to the agent's process group does not reach it
+    )
+
+
+def detach(fence: subprocess.Popen[bytes] | None) -> None:
+    """The agent stops on purpose and its tasks are to be adopted: stand down."""
+    if fence is not None and fence.stdin is not None:
+        with contextlib.suppress(OSError):
+            fence.stdin.write(DETACH)
+            fence.stdin.flush()
+
+
+def close(fence: subprocess.Popen[bytes] | None) -> None:
+    if fence is not None and fence.stdin is not None:
+        with contextlib.suppress(OSError):
+            fence.stdin.close()
+
+
+def _new_agent(pidfile: Path, old: int) -> bool:
+    """Whether an agent other than `old` has started on this node and runs."""
+    try:
+        pid = int(pidfile.read_text().strip())
+    except (OSError, ValueError):
+        return False
+    return pid != old and Path(f"/proc/{pid}").exists()
+
+
+def _remove_containers(home: str) -> None:
+    """The task containers of the agent whose work root is `home` (label muster.home)."""
+    import docker
+
+    client = docker.from_env(timeout=10)
+    try:
+        for c in client.containers.list(all=True, filters={"label": f"muster.home={home}"}):
+            with contextlib.suppress(docker.errors.DockerException):
+                c.remove(force=True)
+    finally:
+        client.close()
+
+
+def main(argv: list[str]) -> None:
+    agent = os.getppid()
+    said = b""
+    while chunk := sys.stdin.buffer.read(64):
+        said += chunk
+    if DETACH in said:
+        return
+    if argv[0] == "process":
+        from services.agent.process_runtime import kill_task, records
+
+        for rec in records(Path(argv[1])):
+            kill_task(rec["name"])
+    elif argv[0] == "docker":
+        home, pidfile, wait = argv[1], Path(argv[2]), float(argv[3])
+        time.sleep(wait)
+        if not _new_agent(pidfile, agent):
+            _remove_containers(home)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])

@@ -13,6 +13,7 @@ from pathlib import Path
 from services.agent import environment
 from services.agent.runtime import (
     LABEL_ATTEMPT,
+    LABEL_HOME,
     LABEL_INDEX,
     LABEL_JOB,
     LABEL_NODE,
@@ -94,6 +95,7 @@ def build_launch(
             LABEL_INDEX: str(spec.index),
             LABEL_NODE: where.node,
             LABEL_PORTS: ",".join(map(str, ports)),
+            LABEL_HOME: where.work_root,
         },
     )
 

@@ -20,12 +20,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import structlog
 
+from services.agent import fence
 from services.agent.runtime import FoundTask, LaunchError, OutputSink, TaskLaunch
 
 TASK_ENV = "MUSTER_TASK"  # in every task's environment: how a leftover is recognised
@@ -71,18 +71,20 @@ class ProcessRuntime:
     name = "process"
     can_adopt = False
 
-    def __init__(self, state_dir: str | Path | None = None, fence: bool = True) -> None:
+    def __init__(self, state_dir: str | Path | None = None) -> None:
         self._warned: set[str] = set()
         self.state_dir = Path(state_dir) if state_dir else None
         self._fence: subprocess.Popen[bytes] | None = None
         if self.state_dir:
             self.state_dir.mkdir(parents=True, exist_ok=True)
-            if fence:
-                self._fence = subprocess.Popen(
-                    [sys.executable, "-m", "services.agent.fence", str(self.state_dir)],
-                    stdin=subprocess.PIPE,
-                    start_new_session=True,  # a signal to the agent's group does not reach it
-                )
+
+    def start_fence(self, home: str, pidfile: str, wait: float) -> None:
+        """Tasks die with the agent, at once: a process cannot be adopted."""
+        if self.state_dir and self._fence is None:
+            self._fence = fence.start_fence("process", str(self.state_dir))
+
+    def detach(self) -> None:
+        fence.detach(self._fence)
 
     async def start(self, launch: TaskLaunch, output: OutputSink) -> ProcessTask:
         if launch.image not in self._warned:
@@ -148,9 +150,8 @@ class ProcessRuntime:
 
     async def close(self) -> None:
         """The agent is stopping cleanly, its tasks stopped: the fence has nothing left to do."""
-        if self._fence is not None and self._fence.stdin is not None:
-            self._fence.stdin.close()
-            self._fence = None
+        fence.close(self._fence)
+        self._fence = None
 
 
 def records(state_dir: Path | None) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ LABEL_ROLE = "muster.role"
 LABEL_INDEX = "muster.index"
 LABEL_NODE = "muster.node"
 LABEL_PORTS = "muster.ports"
+LABEL_HOME = "muster.home"  # the agent's work root: which agent installation on the node owns it
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,16 @@ class Runtime(Protocol):
 
     async def reap(self, found: FoundTask) -> None:
         """Stop a found task at once (SIGKILL) and remove what is left of it. Idempotent."""
+        ...
+
+    def start_fence(self, home: str, pidfile: str, wait: float) -> None:
+        """Start the fence that stops the tasks of the agent whose work root is `home` if it
+        dies without detaching (`services.agent.fence`); `wait`: how long a docker fence waits
+        for a new agent."""
+        ...
+
+    def detach(self) -> None:
+        """The agent stops for a restart: its tasks are to be left running and adopted."""
         ...
 
     async def capacity(self) -> tuple[int, int] | None:

@@ -197,7 +197,12 @@ class Agent:
 
     async def run(self, stop: asyncio.Event) -> None:
         # Reconcile before the node record is (re)written, so nothing new is placed here meanwhile.
+        pidfile = Path(self.opts.work_root) / "agent.pid"
+        pidfile.parent.mkdir(parents=True, exist_ok=True)
+        pidfile.write_text(str(os.getpid()))
         await self.reconcile_at_start()
+        # From here on, tasks do not outlive this agent unless it detaches on purpose.
+        self.runtime.start_fence(self.opts.work_root, str(pidfile), 0.6 * bus.node_timeout())
         self.reporter.start()
         await self.nodes.put(self.opts.node, self.info().to_bytes())
         await self.js.publish(subjects.node_event(self.opts.node, "registered"), self.info().to_bytes())
@@ -226,6 +231,7 @@ class Agent:
         """Stop for a restart: say so, so the node is not declared lost before the restart grace
         has passed, and leave every task running for the next agent to adopt."""
         self.detaching = True
+        self.runtime.detach()
         until = now() + timedelta(seconds=self.opts.restart_grace)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.nodes.put(self.opts.node, self.info(until).to_bytes()), 5)
