@@ -15,7 +15,8 @@ import pytest
 from shared.natsserver import NatsServer
 
 ROOT = Path(__file__).resolve().parents[1]
-CORPUS = ROOT.parent / "shared" / "conformance" / "openpai-v1"
+# OpenPAI's example job configs, kept in the repo (tests/data/openpai-v1/README.md).
+CORPUS = ROOT / "tests" / "data" / "openpai-v1"
 
 
 BASE_IMAGE = os.environ.get("MUSTER_BASE_IMAGE", "muster/base:bookworm")

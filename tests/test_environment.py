@@ -15,7 +15,7 @@ from shared.jobconfig import JobConfig, check_job
 from shared.loader import loads
 from shared.messages import ClusterSpec, Endpoint
 
-CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "conformance" / "openpai-v1"
+CORPUS = Path(__file__).resolve().parent / "data" / "openpai-v1"  # copied from OpenPAI: see its README
 CORPUS_FILES = sorted(CORPUS.glob("*.json"))
 IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 PAI_REF = re.compile(r"\$\{?(PAI_[A-Za-z0-9_]*)")

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from shared.jobconfig import FieldError, JobConfig, check_job
 from shared.loader import loads
 
-CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "conformance" / "openpai-v1"
+CORPUS = Path(__file__).resolve().parent / "data" / "openpai-v1"  # copied from OpenPAI: see its README
 CORPUS_FILES = sorted(CORPUS.glob("*.json"))
 
 BASE: dict[str, Any] = {
