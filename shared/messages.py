@@ -130,6 +130,7 @@ class NodeInfo(Message):
     # Set by an agent stopping for a restart (SIGTERM): its tasks keep running, and the node is
     # not lost before this time even without heartbeats.
     restarting_until: datetime | None = None
+    drained: bool = False  # an operator drained it: its tasks were stopped, it takes no new work
 
 
 class TaskSpec(BaseModel):
@@ -378,6 +379,22 @@ class KillOrder(Message):
     @property
     def key(self) -> str:
         return attempt_key(self.job_id, self.attempt)
+
+
+class DrainOrder(Message):
+    """Operator -> agent, on `muster.node.<node>.drain`: stop every task on the node on purpose
+    (they end as stopped by the platform, so their jobs are retried elsewhere, uncharged) and
+    take no new work until `undo` or the agent restarts."""
+
+    node: str
+    undo: bool = False
+    grace: float = 10.0
+    by: str = "operator"
+    at: datetime = Field(default_factory=now)
+
+    @property
+    def key(self) -> str:
+        return f"drain.{self.node}"
 
 
 class KillRequest(Message):

@@ -16,6 +16,7 @@ from shared.messages import (
     Assignment,
     AttemptRecord,
     ClusterSpec,
+    DrainOrder,
     EndpointReported,
     JobEvent,
     JobEventKind,
@@ -40,6 +41,10 @@ def assign(node: str) -> str:
 
 def kill(node: str) -> str:
     return f"{NODE_COMMANDS_PREFIX}.{node}.kill"
+
+
+def drain(node: str) -> str:
+    return f"{NODE_COMMANDS_PREFIX}.{node}.drain"
 
 
 def node_commands(node: str) -> str:
@@ -181,6 +186,16 @@ CHANNELS: dict[str, Channel] = {
         message=KillOrder,
         action="send",
         description="Stop every task of an attempt on this node: SIGTERM, then SIGKILL after the grace.",
+    ),
+    "nodeDrain": Channel(
+        address=NODE_COMMANDS_PREFIX + ".{node}.drain",
+        parameters=("node",),
+        message=DrainOrder,
+        action="send",
+        description=(
+            "An operator drains a node: every task on it is stopped (and retried elsewhere), and the node "
+            "takes no new work until undone or its agent restarts (stream MUSTER_COMMANDS)."
+        ),
     ),
     "taskEndpoint": Channel(
         address=EVENTS_PREFIX + ".task.{jobId}.{attempt}.{role}.{index}.endpoint",

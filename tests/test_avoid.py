@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from services.scheduler.placement import NodeState, PendingJob
 from services.scheduler.avoid import nodes_to_avoid, plan_around
+from services.scheduler.placement import NodeState, PendingJob
 from shared.jobconfig import JobConfig
 from shared.messages import AttemptRecord, Failure, FailureKind, GpuDevice, JobState, TaskStatus, now
 

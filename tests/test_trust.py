@@ -344,3 +344,32 @@ async def test_status_lists_jobs_beside_a_garbage_record(cluster, nc):  # noqa: 
     r = cluster.cli("status")
     assert r.returncode == 0, r.stderr
     assert record.job_id in r.stdout and "Traceback" not in r.stderr
+
+
+async def test_drain_stops_a_nodes_tasks_on_purpose_and_they_run_elsewhere(cluster, nc, tmp_path):  # noqa: F811
+    """Defect 2: SIGTERM no longer stops tasks; `muster drain` does, on purpose: the job is retried
+    on another node without spending retryCount, and the drained node gets no new work."""
+    cluster.core()
+    args = ("--address", "127.0.0.1", "--cpus", "1", "--heartbeat", "0.5")
+    cluster.agent("first", *args)
+    await _declared(nc)
+    marker = tmp_path / "where"
+    config = {
+        "jobName": "drained",
+        "image": "img",
+        "taskRoles": [
+            role("w", 1, f'echo "$MUSTER_ATTEMPT" >> {marker}; test "$MUSTER_ATTEMPT" -gt 1 || sleep 600')
+        ],
+    }
+    job_id = await _submit(nc, config)
+    await _until(lambda: _started(nc, job_id, "w"), 60, "the task never started")
+    cluster.agent("second", *args)
+    r = cluster.cli("drain", "first", "--grace", "1")
+    assert r.returncode == 0 and "drained" in r.stdout, r.stdout + r.stderr
+    record = await wait_final(nc, job_id, 90)
+    assert (record.state, record.retries, record.platform_retries) == (JobState.SUCCEEDED, 0, 1), record
+    a1, a2 = await attempt(nc, job_id, 1), await attempt(nc, job_id, 2)
+    assert a1.task("w", 0).node == "first" and a1.task("w", 0).cause == TaskCause.KILLED
+    assert a2.task("w", 0).node == "second"
+    r = cluster.cli("drain", "nowhere")
+    assert r.returncode == 2 and "no node 'nowhere'" in r.stderr, r.stderr

@@ -57,6 +57,7 @@ from shared.messages import (
     Assignment,
     AttemptRecord,
     ClusterSpec,
+    DrainOrder,
     Endpoint,
     EndpointReported,
     GpuDevice,
@@ -130,11 +131,13 @@ class LocalTask:
         return task_name(a.job_id, a.attempt, self.spec.role, self.spec.index)
 
 
-def _order(msg: Msg) -> Assignment | KillOrder:
+def _order(msg: Msg) -> Assignment | KillOrder | DrainOrder:
     if msg.subject.endswith(".assign"):
         return Assignment.from_bytes(msg.data)
     if msg.subject.endswith(".kill"):
         return KillOrder.from_bytes(msg.data)
+    if msg.subject.endswith(".drain"):
+        return DrainOrder.from_bytes(msg.data)
     raise ValueError(f"no such order: {msg.subject}")
 
 
@@ -168,6 +171,7 @@ class Agent:
         self.agent_id = uuid.uuid4().hex[:12]
         self.started_at = now()
         self.detaching = False  # stopping for a restart: tasks keep running, nothing is reported
+        self.drained = False  # an operator drained the node: no new work until undone
         self.log = log.bind(node=options.node)
 
     @classmethod
@@ -193,6 +197,7 @@ class Agent:
             agent_id=self.agent_id,
             started_at=self.started_at,
             restarting_until=restarting_until,
+            drained=self.drained,
         )
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -312,11 +317,13 @@ class Agent:
         finally:
             await handling.drain()
 
-    async def _on_order(self, order: Assignment | KillOrder) -> None:
+    async def _on_order(self, order: Assignment | KillOrder | DrainOrder) -> None:
         if isinstance(order, Assignment):
             await self.assign(order)
-        else:
+        elif isinstance(order, KillOrder):
             await self.kill(order)
+        else:
+            await self.drain(order)
 
     # ------------------------------------------------------------ reconciliation
 
@@ -442,6 +449,12 @@ class Agent:
                     self._report_ended(a, spec, TaskCause.KILLED, NOT_STARTED, "never started: attempt ended")
                 self._remember(key)
                 continue
+            if self.drained:  # placed before the drain was known: it runs elsewhere
+                self._report_ended(
+                    a, spec, TaskCause.PLATFORM, NOT_STARTED, f"node {self.opts.node} is drained"
+                )
+                self._remember(key)
+                continue
             role = a.config.role(spec.role)
             try:
                 ports = self._reserve_ports(role.portList)
@@ -505,6 +518,15 @@ class Agent:
         self.log.info("agent.kill", job_id=order.job_id, attempt=order.attempt, tasks=len(victims))
         await asyncio.gather(*(self._stop_task(t, order.reason, order.grace) for t in victims))
 
+    async def drain(self, order: DrainOrder) -> None:
+        """Stop every task here on purpose and take no new work (or, with `undo`, take it again).
+        The node record says so at once, so the scheduler places nothing here meanwhile."""
+        self.drained = not order.undo
+        await self.nodes.put(self.opts.node, self.info().to_bytes())
+        self.log.warning("agent.drain", undo=order.undo, by=order.by, tasks=len(self.tasks))
+        if self.drained:
+            await self._stop_all(f"node {self.opts.node} drained by {order.by}", order.grace)
+
     async def _stop_task(self, task: LocalTask, reason: str, grace: float) -> None:
         if task.kill_reason is None:
             task.kill_reason = reason
@@ -519,10 +541,9 @@ class Agent:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task.runner
 
-    async def _stop_all(self, reason: str) -> None:
-        await asyncio.gather(
-            *(self._stop_task(t, reason, self.opts.stop_grace) for t in list(self.tasks.values()))
-        )
+    async def _stop_all(self, reason: str, grace: float | None = None) -> None:
+        grace = self.opts.stop_grace if grace is None else grace
+        await asyncio.gather(*(self._stop_task(t, reason, grace) for t in list(self.tasks.values())))
 
     # ------------------------------------------------------------ one task
 

@@ -25,7 +25,7 @@ from services.agent.config import add_agent_arguments
 from shared import bus, client, logs, subjects
 from shared.jobconfig import FieldError, check_job
 from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
-from shared.messages import AttemptRecord, JobRecord, JobState, KillRequest, attempt_key
+from shared.messages import AttemptRecord, DrainOrder, JobRecord, JobState, KillRequest, NodeInfo, attempt_key
 from shared.store import Store
 from shared.subjects import Headers
 
@@ -385,6 +385,36 @@ async def kill(args: argparse.Namespace) -> int:
         await nc.close()
 
 
+# ---------------------------------------------------------------- drain
+
+
+async def drain(args: argparse.Namespace) -> int:
+    """Stop every task on a node on purpose (they are retried elsewhere) and keep new work off
+    it, or with --undo let it take work again; waits until the node's agent has done it."""
+    nc = await connect(args.connect_timeout)
+    try:
+        js = nc.jetstream(timeout=10)
+        try:
+            nodes = Store(await js.key_value(subjects.NODES_BUCKET), NodeInfo)
+        except NotFoundError:
+            raise CliError("no nodes yet") from None
+        if not _safe_key(args.node) or await nodes.get(args.node) is None:
+            raise CliError(f"no node {args.node!r}", EXIT_INVALID)
+        order = DrainOrder(node=args.node, undo=args.undo, grace=args.grace, by=_user())
+        await js.publish(subjects.drain(args.node), order.to_bytes())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + args.grace + 30
+        while loop.time() < deadline:
+            info = await nodes.get(args.node)
+            if info is not None and info.drained == (not args.undo):
+                out(f"{args.node}  {'drained' if info.drained else 'takes work again'}")
+                return EXIT_OK
+            await asyncio.sleep(0.2)
+        raise CliError(f"{args.node}: its agent did not answer (is it running?); the order waits for it")
+    finally:
+        await nc.close()
+
+
 # ---------------------------------------------------------------- logs
 
 
@@ -487,6 +517,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--no-wait", action="store_true", help="do not wait for the tasks to stop")
     s.set_defaults(func=lambda a: asyncio.run(kill(a)))
 
+    s = sub.add_parser("drain", help="stop every task on a node (retried elsewhere) and keep new work off it")
+    s.add_argument("node")
+    s.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    s.add_argument("--undo", action="store_true", help="let the node take work again")
+    s.set_defaults(func=lambda a: asyncio.run(drain(a)))
+
     s = sub.add_parser("logs", help="print the output of a job's tasks (kept after they end)")
     s.add_argument("job")
     s.add_argument("--task", help="one task, as ROLE.INDEX (or ROLE)")
@@ -498,7 +534,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("file")
     s.set_defaults(func=cmd_validate)
 
-    for name in ("submit", "status", "logs", "kill"):
+    for name in ("submit", "status", "logs", "kill", "drain"):
         sub.choices[name].add_argument(
             "--connect-timeout", type=float, default=10.0, help="seconds to keep trying to reach NATS"
         )

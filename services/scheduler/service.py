@@ -154,7 +154,7 @@ class Scheduler:
         return {
             name: placement.NodeState.from_info(info)
             for name, info in self.nodes.items()
-            if info.heartbeat_at >= cutoff and info.restarting_until is None
+            if info.heartbeat_at >= cutoff and info.restarting_until is None and not info.drained
         }
 
     def queue(self) -> list[tuple[JobRecord, int]]:
