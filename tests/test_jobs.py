@@ -20,12 +20,19 @@ from tests.conftest import ROOT
 PY = sys.executable
 
 
-def dump_env(path: Path) -> str:
-    """A command that writes the task's whole environment as JSON to <path>/<role>.<index>.json."""
+def dump_env(path: Path, then_wait_for: tuple[str, ...] = ()) -> str:
+    """A command that first writes the task's whole environment as JSON to
+    <path>/<role>.<index>.json (atomically: a reader never sees half a file), then waits until the
+    files `then_wait_for` exist there too; exits 3 if they do not within 120 s."""
+    wait = [str(path / name) for name in then_wait_for]
     code = (
-        "import json,os;"
-        f"json.dump(dict(os.environ),open(os.path.join({str(path)!r},"
-        "os.environ['PAI_TASK_ROLE_NAME']+'.'+os.environ['PAI_TASK_ROLE_INDEX']+'.json'),'w'))"
+        "import json,os,sys,time;"
+        f"p=os.path.join({str(path)!r},"
+        "os.environ['PAI_TASK_ROLE_NAME']+'.'+os.environ['PAI_TASK_ROLE_INDEX']+'.json');"
+        "f=open(p+'.tmp','w');json.dump(dict(os.environ),f);f.close();os.replace(p+'.tmp',p);"
+        f"w={wait!r};d=time.time()+120;"
+        "[time.sleep(0.05) for _ in iter(lambda:all(map(os.path.exists,w)) or time.time()>d,True)];"
+        "sys.exit(0 if all(map(os.path.exists,w)) else 3)"
     )
     return f'{PY} -c "{code}"'
 
@@ -92,7 +99,9 @@ async def test_seed_tf_example_shape_every_task_sees_the_spec(cluster, nc, tmp_p
         "outputDir": str(tmp_path / "output"),
         "taskRoles": [
             role("ps_server", 2, dump_env(out) + " && sleep 600", cpu=2),
-            role("worker", 2, dump_env(out), cpu=1),
+            # Workers end the job (killAllOnCompletedTaskNumber 2), and so stop the ps tasks: they
+            # must not end before every ps has written its environment, however slow it starts.
+            role("worker", 2, dump_env(out, then_wait_for=("ps_server.0.json", "ps_server.1.json")), cpu=1),
         ],
         "killAllOnCompletedTaskNumber": 2,
         "retryCount": 0,
