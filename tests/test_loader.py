@@ -9,12 +9,10 @@ import pytest
 from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads, strip_json_comments
 
 OK_CASES = [
-    pytest.param('{"jobName": "a", "n": 1}', "job.json", {"jobName": "a", "n": 1},
-                 id="strict-json"),
+    pytest.param('{"jobName": "a", "n": 1}', "job.json", {"jobName": "a", "n": 1}, id="strict-json"),
     pytest.param(b'{"jobName": "a"}', "job.json", {"jobName": "a"}, id="strict-json-bytes"),
     pytest.param(b'\xef\xbb\xbf{"a": 1}', "", {"a": 1}, id="utf8-bom"),
-    pytest.param('{"a": "caf\u00e9 \u2265"}'.encode(), "", {"a": "caf\u00e9 \u2265"},
-                 id="utf8-bytes"),
+    pytest.param('{"a": "caf\u00e9 \u2265"}'.encode(), "", {"a": "caf\u00e9 \u2265"}, id="utf8-bytes"),
     pytest.param(
         '{\n  // a comment line\n  "a": 1,\n    // indented comment\n  "b": 2\n}',
         "job.json",
@@ -31,9 +29,7 @@ OK_CASES = [
     pytest.param('{"a": 1, "b": 2,}', "job.json", {"a": 1, "b": 2}, id="trailing-comma-object"),
     pytest.param('{"a": [1, 2, ],\n}', "job.json", {"a": [1, 2]}, id="trailing-comma-list"),
     pytest.param('{\n  "a": 1,\n  \t\n}', "", {"a": 1}, id="trailing-comma-then-whitespace"),
-    pytest.param(
-        '{\n  "a": 1, // last field\n}', "", {"a": 1}, id="trailing-comma-then-comment"
-    ),
+    pytest.param('{\n  "a": 1, // last field\n}', "", {"a": 1}, id="trailing-comma-then-comment"),
     pytest.param('{"a": [1, /* c */ ]}', "", {"a": [1]}, id="trailing-comma-then-block-comment"),
     pytest.param(
         '{\n  // see below\n  "url": "http://x/y", "glob": "/*.py", "c": "a, }"\n}',
@@ -53,8 +49,9 @@ OK_CASES = [
         {"jobName": "yaml-job", "taskRoles": [{"name": "worker", "taskNumber": 2}]},
         id="yaml-file",
     ),
-    pytest.param("jobName: a\nretryCount: -1\n", "job.yml", {"jobName": "a", "retryCount": -1},
-                 id="yml-file"),
+    pytest.param(
+        "jobName: a\nretryCount: -1\n", "job.yml", {"jobName": "a", "retryCount": -1}, id="yml-file"
+    ),
     pytest.param(
         "# a YAML config\njobName: x\nimage: 'ubuntu:22.04'\n",
         "",
@@ -76,16 +73,21 @@ def test_loads_decodes(text: str | bytes, filename: str, expected: Any) -> None:
 ERROR_CASES = [
     pytest.param('{\n  "a": 1,\n  "b" 2\n}', "job.json", "line 3", id="json-missing-colon"),
     pytest.param('{\n  // c\n  "a": 1\n  "b": 2\n}', "", "line 4", id="json-with-comments"),
-    pytest.param('{\n  /* two\n  lines */ "a": 1\n  "b": 2\n}', "", "line 4",
-                 id="json-block-comment-keeps-lines"),
+    pytest.param(
+        '{\n  /* two\n  lines */ "a": 1\n  "b": 2\n}', "", "line 4", id="json-block-comment-keeps-lines"
+    ),
     pytest.param("[1, 2", "", "line 1", id="json-unclosed-list"),
     pytest.param('{"a": "unterminated}', "", "invalid JSON", id="json-unterminated-string"),
     pytest.param('{"a": 1, /* unterminated', "", "invalid JSON", id="json-unterminated-comment"),
     pytest.param("a: 1\nb: [1, 2\nc: 3\n", "job.yaml", "line 3", id="yaml-unclosed-flow"),
     pytest.param("a: 1\n  b: 2\n", "job.yml", "line 2", id="yaml-bad-indent"),
     pytest.param("a: 1\n\tb: 2\n", "", "invalid YAML", id="yaml-tab"),
-    pytest.param("a: !!python/object/apply:os.system ['true']\n", "job.yaml", "invalid YAML",
-                 id="yaml-python-tag-refused"),
+    pytest.param(
+        "a: !!python/object/apply:os.system ['true']\n",
+        "job.yaml",
+        "invalid YAML",
+        id="yaml-python-tag-refused",
+    ),
     pytest.param(b'{"a": "\xff\xfe"}', "job.json", "not UTF-8", id="non-utf8-bytes"),
     pytest.param(b"\xc3\x28", "", "not UTF-8", id="invalid-utf8-sequence"),
     pytest.param("\ud800", "", "not valid Unicode", id="lone-surrogate-text"),
@@ -155,3 +157,109 @@ def test_strip_json_comments_keeps_line_numbers() -> None:
     assert "//x" in out
     assert "one" not in out and "three" not in out
     assert out.rstrip().endswith("\n}")
+
+
+# ------------------------------------------------------------------ bounded expansion (defect 15)
+
+JOB_HEAD = (
+    "jobName: bomb\nimage: python:3.11\n"
+    "taskRoles:\n"
+    "  - {name: w, taskNumber: 1, cpuNumber: 1, memoryMB: 256, gpuNumber: 0, command: 'true'}\n"
+    "extras:\n"
+)
+
+
+def laughs(levels: int, indent: str = "") -> str:
+    """Billion laughs: each level is a list of nine aliases to the level below (9**levels strings)."""
+    lines = [f"{indent}l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    for i in range(1, levels):
+        lines.append(f"{indent}l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]")
+    return "\n".join(lines) + "\n"
+
+
+# A valid job carrying the bomb in `extras`: before the fix, accepted as a 3.7 MB job record.
+SMALL_BOMB = JOB_HEAD + laughs(6, "  ")
+# Two more levels: gigabytes once anything (pydantic, json.dumps) walks the decoded structure.
+BIG_BOMB = JOB_HEAD + laughs(8, "  ")
+# Merge keys expand while PyYAML constructs the mappings: each level merges nine copies
+# (six levels: 4 million key/value pairs, seconds and 100 MB before the fix; 8 levels: gigabytes).
+MERGE_BOMB = "m0: &m0 {a: lol, b: lol, c: lol, d: lol, e: lol, f: lol, g: lol, h: lol}\n" + "".join(
+    f"m{i}: &m{i} {{<<: [" + ", ".join([f"*m{i - 1}"] * 9) + "]}\n" for i in range(1, 7)
+)
+
+
+def test_bomb_payloads_are_tiny() -> None:
+    assert len(SMALL_BOMB) < 500 and len(BIG_BOMB) < 600 and len(MERGE_BOMB) < 500
+
+
+@pytest.mark.parametrize(
+    "text",
+    [SMALL_BOMB, BIG_BOMB, laughs(12), MERGE_BOMB, "a: &a [*a]\n"],
+    ids=["bomb-6-levels", "bomb-8-levels", "bomb-12-levels", "merge-key-bomb", "recursive-alias"],
+)
+@pytest.mark.timeout(30)
+def test_yaml_alias_bombs_are_refused_without_expanding(text: str) -> None:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ConfigSyntaxError, match=r"^invalid YAML at line \d+ column \d+: ") as info:
+            loads(text, "job.yaml")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 20 * 1024 * 1024, f"loading took {peak} bytes"
+    assert "alias" in str(info.value)
+
+
+def test_a_few_aliases_within_the_size_limit_still_work() -> None:
+    text = (
+        "defaults: &d {cpuNumber: 1, memoryMB: 256}\nroles:\n  - {<<: *d, name: a}\n  - {<<: *d, name: b}\n"
+    )
+    assert loads(text, "job.yaml") == {
+        "defaults": {"cpuNumber": 1, "memoryMB": 256},
+        "roles": [
+            {"cpuNumber": 1, "memoryMB": 256, "name": "a"},
+            {"cpuNumber": 1, "memoryMB": 256, "name": "b"},
+        ],
+    }
+
+
+def test_more_aliases_than_the_limit_are_refused_even_when_small() -> None:
+    from shared.loader import MAX_YAML_ALIASES
+
+    text = "a: &a x\nb: [" + ", ".join(["*a"] * (MAX_YAML_ALIASES + 1)) + "]\n"
+    with pytest.raises(ConfigSyntaxError, match=f"more than {MAX_YAML_ALIASES} aliases"):
+        loads(text, "job.yaml")
+    assert loads(text.replace("*a, ", "", 1), "job.yaml")["b"] == ["x"] * MAX_YAML_ALIASES
+
+
+@pytest.mark.parametrize(
+    ("text", "filename", "message"),
+    [
+        ('{"jobName": "a", "jobName": "b"}', "job.json", "duplicate key 'jobName'"),
+        (
+            '{"taskRoles": [{"name": "w"}, {"name": "x", "cpuNumber": 1, "name": "y"}]}',
+            "",
+            "duplicate key 'name' in taskRoles[1]",
+        ),
+        ('{\n  // c\n  "a": {"b": 1, "b": 2,},\n}', "", "duplicate key 'b' in a"),
+        ("jobName: a\nimage: x\njobName: b\n", "job.yaml", "line 3 column 1: duplicate key 'jobName'"),
+        (
+            "taskRoles:\n  - name: w\n    cpuNumber: 1\n    'name': v\n",
+            "job.yaml",
+            "line 4 column 5: duplicate key 'name' in taskRoles[0]",
+        ),
+        ("{a: 1, a: 2}", "job.yaml", "duplicate key 'a'"),
+    ],
+    ids=["json-top", "json-nested", "json-with-comments", "yaml-top", "yaml-nested", "yaml-flow"],
+)
+def test_duplicate_keys_are_refused_with_the_key_and_where(text: str, filename: str, message: str) -> None:
+    with pytest.raises(ConfigSyntaxError) as info:
+        loads(text, filename)
+    assert message in str(info.value)
+
+
+def test_merge_keys_overridden_by_own_keys_are_not_duplicates() -> None:
+    text = "base: &b {a: 1, c: 3}\nx: &x {<<: *b, a: 2}\ny: {<<: *x}\nz: *x\n"
+    assert loads(text, "job.yaml")["z"] == {"a": 2, "c": 3}
