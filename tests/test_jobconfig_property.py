@@ -39,14 +39,20 @@ BASE: dict[str, Any] = {
     "extras": {"k": [1, {"x": None}]},
 }
 
-SEEDS: list[dict[str, Any]] = [BASE] + [
-    loads(p.read_bytes(), p.name) for p in sorted(CORPUS.glob("*.json"))
-]
+SEEDS: list[dict[str, Any]] = [BASE] + [loads(p.read_bytes(), p.name) for p in sorted(CORPUS.glob("*.json"))]
 
 TOP_FIELDS = list(JobConfig.model_fields)
 ROLE_FIELDS = [
-    "name", "taskNumber", "cpuNumber", "memoryMB", "gpuNumber", "command", "shmMB",
-    "minFailedTaskCount", "minSucceededTaskCount", "portList",
+    "name",
+    "taskNumber",
+    "cpuNumber",
+    "memoryMB",
+    "gpuNumber",
+    "command",
+    "shmMB",
+    "minFailedTaskCount",
+    "minSucceededTaskCount",
+    "portList",
 ]
 PORT_FIELDS = ["label", "beginAt", "portNumber"]
 KEYS = st.sampled_from(TOP_FIELDS + ROLE_FIELDS + PORT_FIELDS) | st.text(max_size=8)
@@ -89,9 +95,7 @@ BAD_PATHS = st.sampled_from(["../x", "a/../b", "a\x00b", "x" * 4097])
 
 def mostly(valid: st.SearchStrategy[Any], junk: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     """`valid` four times in five, else `junk` (one_of alone would favour junk's many branches)."""
-    return st.sampled_from([True, True, True, True, False]).flatmap(
-        lambda ok: valid if ok else junk
-    )
+    return st.sampled_from([True, True, True, True, False]).flatmap(lambda ok: valid if ok else junk)
 
 
 SMALL = st.integers(1, 4)
@@ -112,8 +116,9 @@ ROLE = st.fixed_dictionaries(
         "cpuNumber": mostly(SMALL, INTS | JUNK),
         "memoryMB": mostly(st.sampled_from([100, 1024, 4096]), INTS | JUNK),
         "gpuNumber": mostly(st.integers(0, 2), INTS | JUNK),
-        "command": mostly(st.sampled_from(["sleep 1", "python x.py"]), st.sampled_from(
-            ["", " \n", "a\x00"]) | JUNK),
+        "command": mostly(
+            st.sampled_from(["sleep 1", "python x.py"]), st.sampled_from(["", " \n", "a\x00"]) | JUNK
+        ),
     },
     optional={
         "shmMB": mostly(st.sampled_from([64, 100]), INTS | JUNK),
@@ -125,8 +130,9 @@ ROLE = st.fixed_dictionaries(
 CONFIG_SHAPED = st.fixed_dictionaries(
     {
         "jobName": mostly(GOOD_NAMES, NAMES | JUNK),
-        "image": mostly(st.sampled_from(["ubuntu", "openpai/x:1.0"]), st.sampled_from(
-            ["Bad Image", "", "a@b"]) | JUNK),
+        "image": mostly(
+            st.sampled_from(["ubuntu", "openpai/x:1.0"]), st.sampled_from(["Bad Image", "", "a@b"]) | JUNK
+        ),
         "taskRoles": mostly(
             st.lists(ROLE, min_size=1, max_size=3, unique_by=lambda r: repr(r["name"])),
             st.lists(ROLE, max_size=3) | JUNK,
@@ -141,8 +147,10 @@ CONFIG_SHAPED = st.fixed_dictionaries(
         "killAllOnCompletedTaskNumber": mostly(st.integers(0, 2) | st.none(), INTS | JUNK),
         "retryCount": mostly(st.integers(-2, 3), INTS | JUNK),
         "virtualCluster": mostly(st.sampled_from(["", "default", "vc1"]), NAMES | JUNK),
-        "jobEnvs": mostly(st.dictionaries(GOOD_NAMES, SCALAR, max_size=3),
-                          st.dictionaries(NAMES | KEYS, SCALAR | JUNK, max_size=3) | JUNK),
+        "jobEnvs": mostly(
+            st.dictionaries(GOOD_NAMES, SCALAR, max_size=3),
+            st.dictionaries(NAMES | KEYS, SCALAR | JUNK, max_size=3) | JUNK,
+        ),
         "extras": mostly(st.dictionaries(st.text(max_size=5), FINITE_JSON, max_size=3), JUNK),
     },
 )
@@ -177,8 +185,9 @@ def assert_one_verdict(data: Any, *, json_roundtrip: bool = True) -> None:
         assert data == before, "check_job must not modify its input"
 
 
-PROFILE = settings(max_examples=400, deadline=None,
-                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+PROFILE = settings(
+    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 
 
 # (a) arbitrary JSON values -------------------------------------------------------------------
@@ -243,9 +252,7 @@ def _mutate_once(data: st.DataObject, cfg: dict[str, Any]) -> None:
         del parent[last]
     elif op == "retype":
         old = parent[last]
-        parent[last] = (
-            str(old) if not isinstance(old, str) else data.draw(st.sampled_from([old, None, 1]))
-        )
+        parent[last] = str(old) if not isinstance(old, str) else data.draw(st.sampled_from([old, None, 1]))
     else:
         parent[last] = data.draw(FINITE_JSON)
 
@@ -270,11 +277,11 @@ def test_seeds_are_accepted_and_round_trip(seed: dict[str, Any]) -> None:
 # (c) loads -----------------------------------------------------------------------------------
 
 FILENAMES = st.sampled_from(["", "job.json", "job.yaml", "job.yml", "job.txt"])
-JSONISH = st.text(alphabet='{}[],:"/*\\ \n\t0123456789.-eaxtrufnl#!&|>\'', max_size=80)
+JSONISH = st.text(alphabet="{}[],:\"/*\\ \n\t0123456789.-eaxtrufnl#!&|>'", max_size=80)
 # Deep nesting and long digit runs hit limits of the parsers (recursion, int conversion).
 EXTREME = st.builds(
     lambda unit, n, tail: unit * n + tail,
-    st.sampled_from(["[", '{"a":', "- ", "a:\n ", "9", "/*", '"\\'] ),
+    st.sampled_from(["[", '{"a":', "- ", "a:\n ", "9", "/*", '"\\']),
     st.integers(0, 6000),
     st.sampled_from(["", "]", "}", "1"]),
 )
@@ -322,9 +329,7 @@ def commented_json(draw: st.DrawFn) -> tuple[Any, str]:
 
 @PROFILE
 @given(commented_json(), st.sampled_from(["", "job.json"]))
-def test_json_with_comments_decodes_to_the_same_value(
-    case: tuple[Any, str], filename: str
-) -> None:
+def test_json_with_comments_decodes_to_the_same_value(case: tuple[Any, str], filename: str) -> None:
     value, text = case
     assert loads(text, filename) == value
     assert loads(text.encode(), filename) == value
