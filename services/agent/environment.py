@@ -127,10 +127,10 @@ def render_hostfile(spec: ClusterSpec, config: JobConfig) -> str:
 def _ordered(spec: ClusterSpec, config: JobConfig) -> list[Endpoint]:
     """The spec's endpoints in spec order, checked to be exactly the config's tasks."""
     by_key: dict[tuple[str, int], Endpoint] = {}
-    for ep in spec.endpoints:
-        if (ep.role, ep.index) in by_key:
-            raise ValueError(f"spec lists task {ep.role}.{ep.index} twice")
-        by_key[(ep.role, ep.index)] = ep
+    for listed in spec.endpoints:
+        if (listed.role, listed.index) in by_key:
+            raise ValueError(f"spec lists task {listed.role}.{listed.index} twice")
+        by_key[(listed.role, listed.index)] = listed
     gang = []
     for role_no, role in enumerate(config.taskRoles):
         for index in range(role.taskNumber):

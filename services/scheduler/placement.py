@@ -251,7 +251,9 @@ class _Task:
 
 
 Groups = list[tuple[_Shape, list[_Task]]]
-Ranker = Callable[[NodeState, _Shape, Claim | None], tuple]
+# A node's rank for a task shape, smaller first: numbers, then the node's name as a tie-break.
+Rank = tuple[int | str, ...]
+Ranker = Callable[[NodeState, _Shape, Claim | None], Rank]
 
 
 def _demand(config: JobConfig) -> Groups:
@@ -289,7 +291,7 @@ def _fits(node: NodeState, shape: _Shape, claim: Claim | None) -> bool:
     return node.free_gpu_count >= shape.gpus and len(_usable_gpus(node, shape.model, claim)) >= shape.gpus
 
 
-def _best_fit(node: NodeState, shape: _Shape, claim: Claim | None) -> tuple:
+def _best_fit(node: NodeState, shape: _Shape, claim: Claim | None) -> Rank:
     """Smaller is better: leave the fewest free GPUs, then the fewest free CPUs and memory."""
     cpus, memory_mb = (claim.cpus, claim.memory_mb) if claim else (0, 0)
     free_gpus = node.free_gpu_count if claim is None else len(_usable_gpus(node, None, claim))
@@ -334,7 +336,7 @@ def _closest_to_free(live: Mapping[str, NodeState]) -> Ranker:
     """Rank empty copies of nodes by how much of a task is free on the real node now (most first),
     less what the head's earlier tasks already claimed there."""
 
-    def rank(node: NodeState, shape: _Shape, _claim: Claim | None) -> tuple:
+    def rank(node: NodeState, shape: _Shape, _claim: Claim | None) -> Rank:
         real = live[node.name]
         gpus = len(real.free_gpus(shape.model)) - len(node.used_gpus)
         return (
@@ -446,7 +448,7 @@ def _gang_never_fits(
         return None
     n = config.total_tasks
     model = config.gpuType.lower() if config.gpuType else None
-    totals = [
+    totals: list[tuple[int, int, Callable[[int], str]]] = [
         (
             sum(s.gpus * len(t) for s, t in groups),
             sum(len(e.free_gpus(model)) for e in empty),
@@ -568,7 +570,7 @@ class _Capacity:
         self.avoided = sorted(n.name for n in all_nodes if n.name in avoid)
         self.nodes = [n.copy(empty=True) for n in all_nodes if n.name not in avoid]
         self.largest = _Largest.of(self.nodes)
-        self._answers: dict[tuple, str | None] = {}
+        self._answers: dict[tuple[str | None, tuple[tuple[str, int, int, int, int], ...]], str | None] = {}
 
     def never(self, config: JobConfig, groups: Groups) -> str | None:
         """Why the job can never run on the current schedulable nodes; None if it can."""
