@@ -70,6 +70,7 @@ class JobRecord(Message):
     submission_id: str
     user: str
     config: JobConfig
+    digest: str = ""  # sha256 of the accepted config's canonical JSON (to spot a reused submission id)
     submitted_at: datetime
     updated_at: datetime = Field(default_factory=now)
     reason: str = "waiting for a scheduler"

@@ -62,6 +62,7 @@ async def job(nc, job_id: str) -> JobRecord:
 
 
 async def test_submission_published_before_any_validator_is_accepted_when_one_starts(nats_url, nc):
+    await bus.ensure_jetstream(nc)  # set up once (`muster admin init`); clients only look it up
     sid, verdict = await client.submit(nc, config("early"), user="alice", timeout=0.5)
     assert verdict is None  # nobody is validating yet; the submission waits in the stream
     async with validator(nats_url):

@@ -5,12 +5,18 @@ replica, so a submission published while no validator runs waits for one, and ea
 by exactly one replica at a time. Handling is idempotent: the job id is derived from the
 submission id, the name claim and the job record are created only if absent, and every publish
 carries a message id, so a redelivery after a crash converges on the same result.
+
+A submission id names one config: the job record keeps the sha256 of the accepted config's
+canonical JSON (`digest`), so the same id with the same config (a redelivery, a client sending
+again, the same file reformatted) gets the same job, and with another config a rejection that
+names the `Muster-Submission-Id` header.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import hashlib
+import json
 import re
 from datetime import datetime
 
@@ -23,9 +29,10 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter, Histogram
 
 from shared import bus, subjects
-from shared.jobconfig import FieldError, check_job
+from shared.jobconfig import FieldError, JobConfig, check_job
 from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
 from shared.messages import JobEvent, JobEventKind, JobRecord, JobState, Verdict, job_id_for, now
+from shared.store import Store
 from shared.subjects import Headers
 
 VERDICTS = Counter("muster_validator_verdicts_total", "Submissions judged", ["verdict"])
@@ -42,7 +49,7 @@ log = structlog.get_logger(service="validator")
 class Validator:
     def __init__(self, nc: NATS, js: JetStreamContext, buckets: dict[str, KeyValue], batch: int = 32):
         self.nc, self.js, self.batch = nc, js, batch
-        self.jobs = buckets[subjects.JOBS_BUCKET]
+        self.jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord)
         self.names = buckets[subjects.JOB_NAMES_BUCKET]
 
     @classmethod
@@ -82,7 +89,7 @@ class Validator:
                 accepted=False,
                 errors=[FieldError(path="", reason="internal error while validating; see validator logs")],
             )
-            await self.publish_verdict(verdict)
+            await self.publish_verdict(verdict, msg.data)
         VERDICTS.labels("accepted" if verdict.accepted else "rejected").inc()
         log.info(
             "validator.verdict",
@@ -96,18 +103,31 @@ class Validator:
     async def judge(self, sid: str, user: str, data: bytes, received: datetime) -> Verdict:
         if len(data) > MAX_CONFIG_BYTES:
             return await self.reject(
-                sid, None, [FieldError(path="", reason=f"payload is {len(data)} bytes; the limit is 1 MiB")]
+                sid,
+                None,
+                [FieldError(path="", reason=f"payload is {len(data)} bytes; the limit is 1 MiB")],
+                data,
             )
         try:
             raw = loads(data)
         except ConfigSyntaxError as exc:
-            return await self.reject(sid, None, [FieldError(path="", reason=str(exc))])
+            return await self.reject(sid, None, [FieldError(path="", reason=str(exc))], data)
         config, errors = check_job(raw)
         if config is None:
             name = raw.get("jobName") if isinstance(raw, dict) else None
-            return await self.reject(sid, name if isinstance(name, str) else None, errors)
+            return await self.reject(sid, name if isinstance(name, str) else None, errors, data)
+        canonical = canonical_json(config)
+        if len(canonical) > MAX_CONFIG_BYTES:
+            reason = f"config is {len(canonical)} bytes once decoded; the limit is 1 MiB"
+            return await self.reject(sid, config.jobName, [FieldError(path="", reason=reason)], data)
+        digest = hashlib.sha256(canonical).hexdigest()
 
         job_id = job_id_for(sid)
+        existing = await self.jobs.get(job_id)
+        if existing is not None:  # a redelivery, or the submission id used again
+            if record_digest(existing) != digest:
+                return await self.reject(sid, config.jobName, [reused(job_id)], data)
+            return await self.accept(existing, data)
         holder = await self.claim_name(config.jobName, job_id)
         if holder is not None:
             return await self.reject(
@@ -119,6 +139,7 @@ class Validator:
                         reason=f"a job named {config.jobName!r} is not finished yet ({holder})",
                     )
                 ],
+                data,
             )
         record = JobRecord(
             job_id=job_id,
@@ -126,26 +147,45 @@ class Validator:
             submission_id=sid,
             user=user,
             config=config,
+            digest=digest,
             submitted_at=received,
         )
-        with contextlib.suppress(KeyWrongLastSequenceError):  # a redelivery: written before the crash
-            await self.jobs.create(job_id, record.to_bytes())
+        if not await self.jobs.create(job_id, record):
+            # Another replica got there first with this submission id (ack wait passed, or the
+            # same id published twice at once): the same config is the same job.
+            winner = await self.jobs.get(job_id)
+            if winner is None:
+                raise RuntimeError(f"job record {job_id} exists but does not decode")
+            if record_digest(winner) != digest:
+                if winner.job_name != config.jobName:
+                    await self.release_name(config.jobName, job_id)
+                return await self.reject(sid, config.jobName, [reused(job_id)], data)
+            record = winner
+        return await self.accept(record, data)
+
+    async def accept(self, record: JobRecord, data: bytes) -> Verdict:
+        """Announce an accepted job (again, on a redelivery: every publish is deduplicated)."""
         for kind in (JobEventKind.SUBMITTED, JobEventKind.ACCEPTED):
             event = JobEvent(
-                job_id=job_id,
-                job_name=config.jobName,
+                job_id=record.job_id,
+                job_name=record.job_name,
                 kind=kind,
                 state=JobState.WAITING,
-                submission_id=sid,
-                user=user,
+                submission_id=record.submission_id,
+                user=record.user,
             )
             await self.js.publish(
-                subjects.job_event(job_id, kind),
+                subjects.job_event(record.job_id, kind),
                 event.to_bytes(),
-                headers={Headers.MSG_ID: f"{job_id}:{kind}"},
+                headers={Headers.MSG_ID: f"{record.job_id}:{kind}"},
             )
-        verdict = Verdict(submission_id=sid, accepted=True, job_id=job_id, job_name=config.jobName)
-        await self.publish_verdict(verdict)
+        verdict = Verdict(
+            submission_id=record.submission_id,
+            accepted=True,
+            job_id=record.job_id,
+            job_name=record.job_name,
+        )
+        await self.publish_verdict(verdict, data)
         return verdict
 
     async def claim_name(self, name: str, job_id: str) -> str | None:
@@ -176,20 +216,47 @@ class Validator:
                 continue  # someone else moved it: look again
 
     async def job_state(self, job_id: str) -> JobState | None:
-        try:
-            entry = await self.jobs.get(job_id)
-        except KeyNotFoundError:
-            return None
-        return JobRecord.from_bytes(entry.value).state
+        record = await self.jobs.get(job_id)
+        return record.state if record is not None else None
 
-    async def reject(self, sid: str, name: str | None, errors: list[FieldError]) -> Verdict:
+    async def release_name(self, name: str, job_id: str) -> None:
+        """Drop the claim on `name` if it still points at `job_id` (checked by revision)."""
+        try:
+            entry = await self.names.get(name)
+            if entry.value == job_id.encode():
+                await self.names.delete(name, last=entry.revision)
+        except (KeyNotFoundError, KeyWrongLastSequenceError):
+            pass  # gone, or taken by someone else in between
+
+    async def reject(self, sid: str, name: str | None, errors: list[FieldError], data: bytes) -> Verdict:
         verdict = Verdict(submission_id=sid, accepted=False, job_name=name, errors=errors)
-        await self.publish_verdict(verdict)
+        await self.publish_verdict(verdict, data)
         return verdict
 
-    async def publish_verdict(self, verdict: Verdict) -> None:
+    async def publish_verdict(self, verdict: Verdict, data: bytes) -> None:
+        # One verdict per submission id and payload: a redelivery is deduplicated, while another
+        # payload under a used id gets its own (stored) verdict.
+        payload_id = hashlib.sha256(data).hexdigest()[:16]
         await self.js.publish(
             subjects.verdict(verdict.submission_id),
             verdict.to_bytes(),
-            headers={Headers.MSG_ID: f"verdict:{verdict.submission_id}"},
+            headers={Headers.MSG_ID: f"verdict:{verdict.submission_id}:{payload_id}"},
         )
+
+
+def canonical_json(config: JobConfig) -> bytes:
+    """The config as compact JSON with sorted keys: equal for equal configs, however written."""
+    return json.dumps(
+        config.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    ).encode()
+
+
+def record_digest(record: JobRecord) -> str:
+    """A record's config digest (records written before `digest` existed have none stored)."""
+    return record.digest or hashlib.sha256(canonical_json(record.config)).hexdigest()
+
+
+def reused(job_id: str) -> FieldError:
+    return FieldError(
+        path=Headers.SUBMISSION_ID, reason=f"already used by job {job_id} with a different config"
+    )
