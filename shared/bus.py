@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
@@ -28,7 +29,12 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, KeyWrongLastSequenceError
+from nats.js.errors import (
+    BadRequestError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
@@ -42,7 +48,13 @@ log = structlog.get_logger()
 
 
 def nats_url() -> str:
-    return os.environ.get("MUSTER_NATS_URL", DEFAULT_URL)
+    """MUSTER_NATS_URL: one URL or a comma-separated list of a cluster's servers."""
+    return os.environ.get("MUSTER_NATS_URL") or DEFAULT_URL
+
+
+def shown(url: str) -> str:
+    """A URL (or list) fit for a message: credentials replaced by ***."""
+    return ", ".join(re.sub(r"//[^/@]*@", "//***@", s.strip()) for s in url.split(",") if s.strip())
 
 
 def node_timeout() -> float:
@@ -62,12 +74,15 @@ async def connect(
     connect_timeout: float | None = None,
     quiet: bool = False,
 ) -> NATS:
-    """Connect, retrying the first connection for up to `connect_timeout` seconds, then reconnect
-    forever. Each disconnect and reconnect is logged; raises `ConnectionError` if never connected."""
+    """Connect to `url`, a comma-separated list of servers (any one will do), retrying the first
+    connection for up to `connect_timeout` seconds (default MUSTER_CONNECT_TIMEOUT, 30: services
+    wait for NATS to come up), then reconnect forever. Each disconnect and reconnect is logged;
+    raises `ConnectionError` naming the URLs tried if never connected."""
     url = url or nats_url()
+    servers = [s.strip() for s in url.split(",") if s.strip()]
     if connect_timeout is None:
         connect_timeout = float(os.environ.get("MUSTER_CONNECT_TIMEOUT", "30"))
-    logger = log.bind(component=name, url=url)
+    logger = log.bind(component=name, url=shown(url))
 
     client: list[NATS] = []
 
@@ -88,11 +103,11 @@ async def connect(
     try:
         nc = await asyncio.wait_for(
             nats.connect(
-                servers=url.split(","),
+                servers=servers,
                 name=name,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
-                connect_timeout=2,
+                connect_timeout=min(2.0, connect_timeout / max(1, len(servers))),  # each server gets a turn
                 ping_interval=5,
                 max_outstanding_pings=3,
                 disconnected_cb=disconnected,
@@ -103,7 +118,10 @@ async def connect(
             connect_timeout,
         )
     except TimeoutError:
-        raise ConnectionError(f"cannot reach NATS at {url} within {connect_timeout:g}s") from None
+        raise ConnectionError(f"cannot reach NATS at {shown(url)} within {connect_timeout:g}s") from None
+    except nats.errors.Error as exc:  # a URL nats-py cannot use
+        why = str(exc).removeprefix("nats: ")
+        raise ConnectionError(f"cannot use NATS URL {shown(url)!r}: {why}") from None
     client.append(nc)
     return nc
 
@@ -205,6 +223,53 @@ async def _ensure_bucket(js: JetStreamContext, bucket: str, history: int, r: int
         )
     except BadRequestError:
         return await js.key_value(bucket)  # another replica created it first
+
+
+class NotSetUp(LookupError):
+    """Muster's streams or buckets are not on this NATS: no service has declared them yet."""
+
+
+async def open_jetstream(nc: NATS, wait: float = 0.0) -> tuple[JetStreamContext, dict[str, KeyValue]]:
+    """The client side of `ensure_jetstream`: look every stream and bucket up, never create or
+    change one (a client's environment must not reshape a cluster's settings). Waits up to
+    `wait` seconds for services that are starting; then raises `NotSetUp` naming what is missing."""
+    js = nc.jetstream(timeout=5)
+    streams = (
+        subjects.SUBMISSIONS_STREAM,
+        subjects.EVENTS_STREAM,
+        subjects.COMMANDS_STREAM,
+        subjects.LOGS_STREAM,
+    )
+    buckets = (
+        subjects.JOBS_BUCKET,
+        subjects.JOB_NAMES_BUCKET,
+        subjects.NODES_BUCKET,
+        subjects.ATTEMPTS_BUCKET,
+        subjects.RENDEZVOUS_BUCKET,
+        subjects.LEASES_BUCKET,
+    )  # the same as ensure_jetstream declares
+    u = nc.connected_url
+    server = f"{u.scheme}://{u.hostname}:{u.port}" if u else "NATS"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    while True:
+        what = ""
+        try:
+            for name in streams:
+                what = f"stream {name}"
+                await js.stream_info(name)
+            found = {}
+            for name in buckets:
+                what = f"bucket {name}"
+                found[name] = await js.key_value(name)
+            return js, found
+        except NotFoundError:
+            missing = f"{what} is missing; start the services (`muster up`) or run `muster admin init`"
+        except ServiceUnavailableError:
+            missing = "JetStream is not enabled (start nats-server with -js)"
+        if loop.time() >= deadline:
+            raise NotSetUp(f"Muster is not set up on {server}: {missing}")
+        await asyncio.sleep(0.25)
 
 
 def header(msg: Any, name: str) -> str | None:

@@ -20,19 +20,22 @@ async def submit(
 ) -> tuple[str, Verdict | None]:
     """Submit one config; returns (submission id, verdict or None if none came within `timeout`).
 
+    Raises `bus.NotSetUp` if Muster's streams are still missing after `timeout` (services
+    starting): a client never creates or changes them.
     The verdict subscription is made before publishing, so another client's verdict is never
     taken for ours and ours cannot be missed; the MUSTER_EVENTS stream is the fallback if it was
     published while the connection was down."""
     sid = sid or uuid.uuid4().hex
+    deadline = asyncio.get_running_loop().time() + timeout
     sub = await nc.subscribe(subjects.verdict(sid))
     try:
-        await bus.ensure_jetstream(nc)
+        await bus.open_jetstream(nc, wait=timeout)
         await nc.jetstream(timeout=10).publish(
             subjects.SUBMIT,
             data,
             headers={Headers.SUBMISSION_ID: sid, Headers.USER: user, Headers.MSG_ID: sid},
         )
-        return sid, await wait_verdict(nc, sub, sid, timeout)
+        return sid, await wait_verdict(nc, sub, sid, deadline - asyncio.get_running_loop().time())
     finally:
         await sub.unsubscribe()
 
