@@ -10,6 +10,13 @@ A submission id names one config: the job record keeps the sha256 of the accepte
 canonical JSON (`digest`), so the same id with the same config (a redelivery, a client sending
 again, the same file reformatted) gets the same job, and with another config a rejection that
 names the `Muster-Submission-Id` header.
+
+Job names are unique among unfinished jobs through claims in bucket `muster_job_names` (name ->
+job id), made before the job record is written. A claim never outlives a submission that was not
+accepted: it is released (only while it still points at that job, checked by revision) when a
+submission is given up on after MAX_DELIVERIES crashed deliveries, and a claim whose job has no
+record is taken over once it is MUSTER_NAME_CLAIM_TIMEOUT seconds old (default 300: far longer
+than judging plus every redelivery takes), should a release ever be missed.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import re
 from datetime import datetime
 
@@ -24,12 +32,12 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import InvalidKeyError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Histogram
 
 from shared import bus, subjects
-from shared.jobconfig import FieldError, JobConfig, check_job
+from shared.jobconfig import NAME_RE, FieldError, JobConfig, check_job
 from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
 from shared.messages import JobEvent, JobEventKind, JobRecord, JobState, Verdict, job_id_for, now
 from shared.store import Store
@@ -51,6 +59,7 @@ class Validator:
         self.nc, self.js, self.batch = nc, js, batch
         self.jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord)
         self.names = buckets[subjects.JOB_NAMES_BUCKET]
+        self.claim_timeout = float(os.environ.get("MUSTER_NAME_CLAIM_TIMEOUT") or 300)
 
     @classmethod
     async def build(cls, nc: NATS) -> Validator:
@@ -84,12 +93,12 @@ class Validator:
                 await msg.nak(delay=1)
                 return
             log.error("validator.gave_up", submission=sid, exc_info=True)
-            verdict = Verdict(
-                submission_id=sid,
-                accepted=False,
-                errors=[FieldError(path="", reason="internal error while validating; see validator logs")],
-            )
-            await self.publish_verdict(verdict, msg.data)
+            try:
+                verdict = await self.give_up(sid, msg.data)
+            except Exception as exc:  # the bus is away: the next delivery gives up again
+                log.warning("validator.give_up_failed", submission=sid, error=str(exc) or type(exc).__name__)
+                await msg.nak(delay=1)
+                return
         VERDICTS.labels("accepted" if verdict.accepted else "rejected").inc()
         log.info(
             "validator.verdict",
@@ -99,6 +108,16 @@ class Validator:
             errors=len(verdict.errors),
         )
         await msg.ack_sync()
+
+    async def give_up(self, sid: str, data: bytes) -> Verdict:
+        """Reject a submission whose judging kept crashing, first releasing the name it may have
+        claimed, unless its job record was written (then the claim is that job's)."""
+        name = job_name_in(data)
+        job_id = job_id_for(sid)
+        if name is not None and await self.jobs.get(job_id) is None:
+            await self.release_name(name, job_id)
+        reason = "internal error while validating; see validator logs"
+        return await self.reject(sid, name, [FieldError(path="", reason=reason)], data)
 
     async def judge(self, sid: str, user: str, data: bytes, received: datetime) -> Verdict:
         if len(data) > MAX_CONFIG_BYTES:
@@ -200,23 +219,41 @@ class Validator:
                 entry = await self.names.get(name)
             except KeyNotFoundError:
                 continue  # released in between: try again
-            holder = (entry.value or b"").decode()
+            holder = (entry.value or b"").decode(errors="replace")
             if holder == job_id:
                 return None  # our own claim, from an earlier delivery
             state = await self.job_state(holder)
             if state is not None and not state.final:
                 return f"job {holder} is {state}"
             if state is None:
-                # Claimed by a submission being handled right now (or redelivered soon).
-                return f"job {holder} is being accepted"
+                age = await self.claim_age(entry.revision)
+                if age is None:
+                    continue  # the claim moved on in between: look again
+                if age < self.claim_timeout:
+                    # Claimed by a submission being handled right now (or redelivered soon).
+                    return f"job {holder} is being accepted"
+                log.warning("validator.stale_claim_taken", name=name, holder=holder, age=round(age))
             try:
                 await self.names.update(name, job_id.encode(), last=entry.revision)
                 return None
             except KeyWrongLastSequenceError:
                 continue  # someone else moved it: look again
 
+    async def claim_age(self, revision: int | None) -> float | None:
+        """Seconds since the claim at `revision` was written (the server's timestamp); None when
+        that revision is gone (replaced since)."""
+        try:
+            stored = await self.js.get_msg(f"KV_{subjects.JOB_NAMES_BUCKET}", seq=revision)
+        except NotFoundError:
+            return None
+        return (now() - stored.time).total_seconds() if stored.time else 0.0
+
     async def job_state(self, job_id: str) -> JobState | None:
-        record = await self.jobs.get(job_id)
+        """The job's state; None when it has no record (or one that does not decode)."""
+        try:
+            record = await self.jobs.get(job_id)
+        except InvalidKeyError:  # a claim holding garbage
+            return None
         return record.state if record is not None else None
 
     async def release_name(self, name: str, job_id: str) -> None:
@@ -254,6 +291,16 @@ def canonical_json(config: JobConfig) -> bytes:
 def record_digest(record: JobRecord) -> str:
     """A record's config digest (records written before `digest` existed have none stored)."""
     return record.digest or hashlib.sha256(canonical_json(record.config)).hexdigest()
+
+
+def job_name_in(data: bytes) -> str | None:
+    """The jobName a payload asks for, if it has a valid one; never raises."""
+    try:
+        raw = loads(data)
+    except Exception:
+        return None
+    name = raw.get("jobName") if isinstance(raw, dict) else None
+    return name if isinstance(name, str) and re.fullmatch(NAME_RE, name) and len(name) <= 64 else None
 
 
 def reused(job_id: str) -> FieldError:
