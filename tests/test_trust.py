@@ -14,7 +14,8 @@ from pathlib import Path
 
 from services.agent.reporting import Reporter
 from shared import bus, client, subjects
-from shared.messages import FailureKind, JobRecord, JobState, TaskCause, TaskEvent, TaskEventKind
+from shared.jobconfig import check_job
+from shared.messages import FailureKind, JobRecord, JobState, TaskCause, TaskEvent, TaskEventKind, now
 from shared.natsserver import NatsServer
 from tests.test_jobs import attempt, nc, role, run_job, wait_final  # noqa: F401 - nc is a fixture
 
@@ -373,3 +374,54 @@ async def test_drain_stops_a_nodes_tasks_on_purpose_and_they_run_elsewhere(clust
     assert a2.task("w", 0).node == "second"
     r = cluster.cli("drain", "nowhere")
     assert r.returncode == 2 and "no node 'nowhere'" in r.stderr, r.stderr
+
+
+async def test_a_huge_queued_job_never_costs_the_scheduler_its_lease(cluster, nc):  # noqa: F811
+    """Defect 17: planning a job of 640,000 tasks (written straight to the jobs bucket, as one
+    accepted before the task limits were set) must not block the leader's lease renewal, and a
+    one-task job still runs."""
+    cluster.core()
+    cluster.start("services.scheduler")  # a standby that would take over if the lease lapsed
+    cluster.agent("n1", "--address", "127.0.0.1", "--cpus", "2")
+    await _declared(nc)
+    roles = [role(f"w{r}", 10000, "true") for r in range(64)]
+    huge, errors = check_job({"jobName": "huge", "image": "img", "taskRoles": roles})
+    assert huge is not None, errors
+    record = JobRecord(
+        job_id="jhuge", job_name="huge", submission_id="huge", user="u", config=huge, submitted_at=now()
+    )
+    await (await nc.jetstream().key_value(subjects.JOBS_BUCKET)).put("jhuge", record.to_bytes())
+    await asyncio.sleep(3)
+    small = await run_job(nc, {"jobName": "small", "image": "img", "taskRoles": [role("w", 1, "true")]}, 60)
+    assert small.state == JobState.SUCCEEDED
+    big = await _record(nc, "jhuge")
+    assert big.unschedulable and "640000 tasks" in big.reason, big.reason
+    assert "scheduler.lease_lost" not in cluster.logs()
+
+
+async def test_a_task_that_never_starts_fails_after_the_start_timeout(cluster, nc, monkeypatch):  # noqa: F811
+    """Defect 16: "placed; starting tasks" does not last for ever: after MUSTER_START_TIMEOUT the
+    attempt fails as a platform fault naming the cause."""
+    monkeypatch.setenv("MUSTER_START_TIMEOUT", "3")
+    monkeypatch.setenv("MUSTER_NODE_TIMEOUT", "60")  # the frozen agent's node is not lost meanwhile
+    cluster.core()
+    agent = cluster.agent("frozen", "--address", "127.0.0.1", "--cpus", "1")
+    await _declared(nc)
+    nodes = await nc.jetstream().key_value(subjects.NODES_BUCKET)
+
+    async def registered():
+        try:
+            return await nodes.get("frozen")
+        except Exception:
+            return None
+
+    await _until(registered, 60, "the agent never registered")
+    agent.send_signal(signal.SIGSTOP)
+    try:
+        job_id = await _submit(nc, {"jobName": "stuck", "image": "img", "taskRoles": [role("w", 1, "true")]})
+        await _until(lambda: _ended(nc, job_id, 1), 60, "attempt 1 never timed out")
+        a = await attempt(nc, job_id, 1)
+        assert a.failure is not None and a.failure.kind == FailureKind.PLATFORM, a.failure
+        assert a.failure.cause == TaskCause.PLATFORM and "not started within 3s" in a.failure.reason
+    finally:
+        agent.send_signal(signal.SIGCONT)
