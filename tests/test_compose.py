@@ -2,7 +2,8 @@
 
 Builds muster/muster, brings up the compose project without the agent (3 NATS servers, two
 replicas of every service), submits through nats-1's published port, checks the job waits for
-nodes, then kills a validator and submits again. Needs a Docker engine and Compose (v2's
+nodes, then kills a validator and submits again; and scales the demo agent to 3 (one host network)
+and sees 3 distinct nodes alive, also with nats-1 stopped. Needs a Docker engine and Compose (v2's
 `docker compose` or Debian's `docker-compose`); skipped without them."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from shared import bus, client, subjects
-from shared.messages import JobRecord, JobState, Verdict
+from shared.messages import JobRecord, JobState, NodeInfo, Verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -90,7 +91,8 @@ class Stack:
     compose: list[str]
     project: str
     env: dict[str, str]
-    url: str
+    url: str  # nats-1
+    urls: str  # every NATS server, as a client's MUSTER_NATS_URL
 
     def run(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
         cmd = [*self.compose, "-p", self.project, "-f", str(COMPOSE_FILE), *args]
@@ -140,10 +142,14 @@ class Stack:
 @pytest.fixture
 def stack(compose: list[str], muster_image: str) -> Iterator[Stack]:
     project = f"musterdeploytest{uuid.uuid4().hex[:8]}"
-    port = free_port()
+    ports = [free_port() for _ in range(3)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
-    env.update(MUSTER_IMAGE=muster_image, MUSTER_NATS_PORT=str(port))
-    s = Stack(compose, project, env, f"nats://127.0.0.1:{port}")
+    env.update(MUSTER_IMAGE=muster_image)
+    env.update(
+        MUSTER_NATS_PORT=str(ports[0]), MUSTER_NATS_PORT_2=str(ports[1]), MUSTER_NATS_PORT_3=str(ports[2])
+    )
+    urls = [f"nats://127.0.0.1:{p}" for p in ports]
+    s = Stack(compose, project, env, urls[0], ",".join(urls))
     try:
         up = s.run("up", "-d", *EXPECTED)
         assert up.returncode == 0, f"compose up failed:\n{up.stderr[-4000:]}\n{s.logs()}"
@@ -208,5 +214,78 @@ async def test_compose_stack_accepts_jobs_and_survives_a_dead_validator(
         await waiting_for_nodes(nc, second.job_id, stack)
         states = {c["Id"]: c["State"]["Running"] for c in stack.containers("validator")}
         assert states == {victim["Id"]: False, survivor["Id"]: True}, states
+    finally:
+        await nc.close()
+
+
+async def alive_nodes(nc, names: set[str], timeout: float) -> dict[str, NodeInfo]:
+    """The node records of `names` once each has been rewritten (a heartbeat) since first seen."""
+    kv = await nc.jetstream(timeout=10).key_value(subjects.NODES_BUCKET)
+    first: dict[str, int] = {}
+    latest: dict[str, NodeInfo] = {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for name in names:
+            try:
+                entry = await kv.get(name)
+            except Exception:  # not registered yet, or the bus is electing a leader
+                continue
+            first.setdefault(name, entry.revision)
+            if entry.revision > first[name]:
+                latest[name] = NodeInfo.from_bytes(entry.value)
+        if set(latest) == names:
+            return latest
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"alive: {sorted(latest)}, seen: {sorted(first)}, expected {sorted(names)}")
+
+
+@pytest.mark.timeout(720)
+async def test_scaled_agents_are_distinct_nodes_and_survive_a_dead_nats_server(
+    stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--scale agent=3` on one host network: three node names, three metrics ports, no restarts;
+    clients and agents given every server carry on without nats-1."""
+    monkeypatch.setenv("MUSTER_JS_REPLICAS", "3")
+    node = f"mdt{uuid.uuid4().hex[:6]}"  # unique: agents act on task containers labelled with it
+    low = free_port()
+    stack.env.update(
+        MUSTER_AGENT_NODE=node,
+        MUSTER_DATA_DIR=str(tmp_path / "agents"),
+        MUSTER_AGENT_METRICS_PORT=f"{low}-{min(low + 40, 65535)}",
+    )
+    up = stack.run("up", "-d", "--scale", "agent=3", "agent")
+    assert up.returncode == 0, f"compose up failed:\n{up.stderr[-4000:]}\n{stack.logs()}"
+    names = {node, f"{node}-2", f"{node}-3"}
+
+    nc = await bus.connect("test-compose", stack.urls, connect_timeout=30, quiet=True)
+    try:
+        nodes = await alive_nodes(nc, names, 90)
+        assert len({n.agent_id for n in nodes.values()}) == 3
+
+        # Healthy by their healthchecks, each on a port of its own, never restarted.
+        deadline = time.monotonic() + 90
+        while True:
+            agents = stack.containers("agent")
+            health = [(c["State"].get("Health") or {}).get("Status") for c in agents]
+            if health == ["healthy"] * 3 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert health == ["healthy"] * 3, f"{health}\n{stack.logs()}"
+        assert [c["RestartCount"] for c in agents] == [0, 0, 0], stack.logs()
+        ports = set()
+        for c in agents:
+            out = _run(["docker", "exec", c["Id"], "cat", "/tmp/muster-agent-metrics-port"])
+            ports.add(int(out.stdout))
+        assert len(ports) == 3 and all(low <= p <= low + 40 for p in ports), ports
+
+        # nats-1 down: the agents (given all three servers) keep beating, and a client given all
+        # three connects.
+        (nats1,) = stack.containers("nats-1")
+        assert _run(["docker", "stop", "-t", "5", nats1["Id"]]).returncode == 0
+        await nc.close()
+        nc = await bus.connect("test-compose-2", stack.urls, connect_timeout=30, quiet=True)
+        assert nc.connected_url.port != int(stack.env["MUSTER_NATS_PORT"])
+        await alive_nodes(nc, names, 90)
+        assert [c["RestartCount"] for c in stack.containers("agent")] == [0, 0, 0], stack.logs()
     finally:
         await nc.close()

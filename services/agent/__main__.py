@@ -1,17 +1,47 @@
 import os
 
-from services.agent.config import add_agent_arguments, make_runtime, options_from_args
+from nats.aio.client import Client as NATS
+
+from services.agent.config import (
+    WithHealth,
+    add_agent_arguments,
+    clear_port_file,
+    make_runtime,
+    metrics_ports,
+    options_from_args,
+    serve_health_in_range,
+)
 from services.agent.service import Agent
-from shared.service import base_parser, run_main
+from shared.service import Service, base_parser, run_main
 
 if __name__ == "__main__":
     parser = base_parser("Muster node agent: runs the tasks placed on this machine.")
     add_agent_arguments(parser)
+    # Unset, the port comes from MUSTER_AGENT_METRICS_PORT (a port or a range), see metrics_ports.
+    parser.set_defaults(metrics_port=None)
     args = parser.parse_args()
+    low, high = metrics_ports(args.metrics_port)
+    args.metrics_port = 0  # served below, on the first free port of low-high
+    port_file = os.environ.get("MUSTER_AGENT_METRICS_PORT_FILE") or None
+    clear_port_file(port_file)
     data_dir = os.environ.get("MUSTER_DATA_DIR", "/tmp/muster")
 
     def build():
         options = options_from_args(args, data_dir)
-        return Agent.builder(options, make_runtime(args.runtime, os.path.join(options.work_root, "tasks")))
+        build_agent = Agent.builder(
+            options, make_runtime(args.runtime, os.path.join(options.work_root, "tasks"))
+        )
+
+        async def build_with_health(nc: NATS) -> Service:
+            if not low:
+                return await build_agent(nc)
+            server, _ = await serve_health_in_range(nc, low, high, port_file)
+            try:
+                return WithHealth(await build_agent(nc), server)
+            except BaseException:
+                server.close()
+                raise
+
+        return build_with_health
 
     run_main("agent", build, args)

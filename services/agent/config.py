@@ -4,10 +4,14 @@ and the local agent of `muster up`, and the choice of runtime."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import os
 import re
+from pathlib import Path
 
 import structlog
+from nats.aio.client import Client as NATS
 
 from services.agent.inventory import (
     discover_gpus,
@@ -19,13 +23,18 @@ from services.agent.inventory import (
 )
 from services.agent.runtime import Runtime
 from services.agent.service import AgentOptions, default_node_name
+from shared.service import Service, serve_health
 
 log = structlog.get_logger(service="agent")
 
 
 def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     env = os.environ.get
-    p.add_argument("--node", default=env("MUSTER_AGENT_NODE"), help="node name (default: host name)")
+    p.add_argument(
+        "--node",
+        default=env("MUSTER_AGENT_NODE"),
+        help="node name (default: host name); replica N > 1 of a Compose service appends -N",
+    )
     p.add_argument("--address", default=env("MUSTER_AGENT_ADDRESS"), help="address peers reach tasks at")
     p.add_argument(
         "--gpus",
@@ -67,8 +76,117 @@ def _int(value: str | None) -> int | None:
     return int(value) if value else None
 
 
+# ------------------------------------------------------------------ node name
+
+
+def compose_replica() -> int | None:
+    """This process's replica number when it runs in a container that Compose created (its
+    `com.docker.compose.container-number` label, read through the Docker socket); else None."""
+    try:
+        mounts = Path("/proc/self/mountinfo").read_text()
+    except OSError:
+        return None
+    # A container's /etc/hostname, /etc/hosts and /etc/resolv.conf come from the engine's
+    # containers/<id>/ directory, on the host network too (where the host name is the host's).
+    found = re.search(r"/containers/([0-9a-f]{64})/(?:hostname|hosts|resolv\.conf)\s", mounts)
+    if not found:
+        return None
+    try:
+        import docker
+
+        client = docker.from_env(timeout=5)
+        try:
+            labels = client.containers.get(found.group(1)).labels
+        finally:
+            client.close()
+    except Exception as exc:  # no socket, no permission: not a replica we can tell apart
+        log.warning("agent.compose_replica_unknown", error=str(exc) or type(exc).__name__)
+        return None
+    number = str(labels.get("com.docker.compose.container-number", ""))
+    return int(number) if number.isdigit() else None
+
+
+def node_name(given: str | None) -> str:
+    """The node name: `given` (--node / MUSTER_AGENT_NODE), else the host name. Replica N > 1 of
+    a Compose service gets `-N` appended: `--scale agent=3` on one host (host network, so one
+    host name) registers <name>, <name>-2 and <name>-3, and each keeps its name across restarts
+    and re-creations, so a restarted replica adopts its own tasks."""
+    name = given or default_node_name()
+    replica = compose_replica()
+    return f"{name}-{replica}" if replica and replica > 1 else name
+
+
+# ------------------------------------------------------------------ metrics port
+
+
+def metrics_ports(flag: int | None) -> tuple[int, int]:
+    """The agent's /healthz and /metrics port(s), (0, 0) for none: --metrics-port N, else
+    MUSTER_AGENT_METRICS_PORT (N, or LOW-HIGH: the first port of the range free to bind, so
+    agents scaled on one host network each take their own), else MUSTER_METRICS_PORT."""
+    if flag is not None:
+        text = str(flag)
+    else:
+        text = os.environ.get("MUSTER_AGENT_METRICS_PORT") or os.environ.get("MUSTER_METRICS_PORT") or "0"
+    try:
+        low, high = parse_port_range(text.strip())
+    except ValueError:
+        raise SystemExit(f"metrics port {text!r}: use N, LOW-HIGH, or 0 for none") from None
+    if low == 0 and high == 0:
+        return 0, 0
+    if not 0 < low <= high < 65536:
+        raise SystemExit(f"metrics port {text!r}: use N, LOW-HIGH, or 0 for none")
+    return low, high
+
+
+async def serve_health_in_range(
+    nc: NATS, low: int, high: int, port_file: str | None = None
+) -> tuple[asyncio.base_events.Server, int]:
+    """Serve /healthz and /metrics on the first port of [low, high] that binds; write the port to
+    `port_file` (for a healthcheck that must find it). Binding is the test, so agents starting
+    together never pick the same port."""
+    for port in range(low, high + 1):
+        try:
+            server = await serve_health("agent", nc, port)
+        except OSError:
+            continue
+        if port_file:
+            _write_port_file(port_file, port)
+        log.info("agent.metrics", port=port)
+        return server, port
+    raise RuntimeError(f"no free metrics port in {low}-{high}")
+
+
+class WithHealth:
+    """A service plus the health endpoint it owns: closed when the service ends."""
+
+    def __init__(self, service: Service, server: asyncio.base_events.Server) -> None:
+        self.service, self.server = service, server
+
+    async def run(self, stop: asyncio.Event) -> None:
+        try:
+            await self.service.run(stop)
+        finally:
+            self.server.close()
+
+
+def _write_port_file(port_file: str, port: int) -> None:
+    tmp = f"{port_file}.tmp"
+    Path(tmp).write_text(f"{port}\n")
+    os.replace(tmp, port_file)
+
+
+def clear_port_file(port_file: str | None) -> None:
+    """A restarted container must not report the port its previous process had."""
+    if port_file:
+        with contextlib.suppress(OSError):
+            os.unlink(port_file)
+
+
+# ------------------------------------------------------------------ options
+
+
 def options_from_args(args: argparse.Namespace, data_dir: str = "/tmp/muster") -> AgentOptions:
-    node = args.node or default_node_name()
+    node = node_name(args.node)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", node):
         raise SystemExit(f"--node {node!r}: use letters, digits, '_' and '-'")
     declared = args.gpus is not None
