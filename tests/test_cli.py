@@ -187,9 +187,11 @@ def test_submit_rejection_prints_each_error_and_json_verdict(mesh, tmp_path):
 async def test_submit_wait_follows_the_job_to_its_final_state(mesh, tmp_path):
     _, env = mesh
     path = write(tmp_path, "ok.json", json.dumps(VALID))
+    # No agent: the scheduler calls the job unschedulable ("no nodes registered"); --wait gives
+    # an agent MUSTER_NODE_TIMEOUT to join before it says so, here longer than this test takes.
     waiter = subprocess.Popen(
         [sys.executable, "-m", "services.cli.main", "submit", path, "--wait"],
-        env=env,
+        env={**env, "MUSTER_NODE_TIMEOUT": "300"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -1,7 +1,12 @@
-"""The `muster` command: up, submit, status, validate.
+"""The `muster` command: up, submit, status, kill, drain, logs, validate, admin init.
 
 Exit codes: 0 success; 1 the job did not succeed (`submit --wait`) or an operational failure
-(bus unreachable); 2 the config was rejected or the command line is wrong.
+(bus unreachable, Muster not set up on it); 2 the config was rejected, the job can never run
+(`submit --wait`), or the command line is wrong (a bad argument, no such job or task);
+141 the reader of the output went away (`muster status | head`).
+
+Only services (and `muster admin init`) declare streams and buckets; every other command only
+looks them up, so one user's environment can never reshape the cluster's settings.
 """
 
 from __future__ import annotations
@@ -10,12 +15,14 @@ import argparse
 import asyncio
 import getpass
 import json
+import math
 import os
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import DeliverPolicy
@@ -85,10 +92,19 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 async def connect(timeout: float) -> NATS:
+    """Connect to MUSTER_NATS_URL and check that Muster is set up there, within `timeout`
+    seconds in all (a `muster up` started a moment ago gets that long)."""
+    deadline = asyncio.get_running_loop().time() + timeout
     try:
-        return await bus.connect("muster-cli", connect_timeout=timeout, quiet=True)
+        nc = await bus.connect("muster-cli", connect_timeout=timeout, quiet=True)
     except ConnectionError as exc:
         raise CliError(f"{exc} (is `muster up` running? set MUSTER_NATS_URL to join another)") from None
+    try:
+        await bus.open_jetstream(nc, wait=deadline - asyncio.get_running_loop().time())
+    except bus.NotSetUp as exc:
+        await nc.close()
+        raise CliError(str(exc)) from None
+    return nc
 
 
 async def resolve(nc: NATS, ref: str) -> JobRecord:
@@ -101,7 +117,7 @@ async def resolve(nc: NATS, ref: str) -> JobRecord:
         raise CliError("no jobs yet") from None
     job_id = ref
     if not _safe_key(ref):
-        raise CliError(f"no job {ref!r}")
+        raise CliError(f"no job {ref!r}", EXIT_INVALID)
     try:
         return JobRecord.from_bytes((await jobs.get(job_id)).value)
     except KeyNotFoundError:
@@ -110,7 +126,7 @@ async def resolve(nc: NATS, ref: str) -> JobRecord:
         job_id = (await names.get(ref)).value.decode()
         return JobRecord.from_bytes((await jobs.get(job_id)).value)
     except KeyNotFoundError:
-        raise CliError(f"no job with id or name {ref!r}") from None
+        raise CliError(f"no job with id or name {ref!r}", EXIT_INVALID) from None
 
 
 def _safe_key(key: str) -> bool:
@@ -143,12 +159,15 @@ async def submit(args: argparse.Namespace) -> int:
         data = json.dumps(raw).encode()
     if len(data) > MAX_CONFIG_BYTES:
         raise CliError(f"{args.file}: {len(data)} bytes; the limit is 1 MiB", EXIT_INVALID)
+    loop = asyncio.get_running_loop()
+    give_up = math.inf if args.timeout is None else loop.time() + args.timeout
     nc = await connect(args.connect_timeout)
     try:
-        sid, verdict = await client.submit(nc, data, user=_user(), timeout=args.timeout)
+        verdict_wait = min(args.verdict_timeout, max(0.0, give_up - loop.time()))
+        sid, verdict = await client.submit(nc, data, user=_user(), timeout=verdict_wait)
         if verdict is None:
             err(
-                f"submitted (submission {sid}) but no validator answered within {args.timeout:g}s; "
+                f"submitted (submission {sid}) but no validator answered within {verdict_wait:g}s; "
                 "it stays queued until one runs"
             )
             return EXIT_FAIL
@@ -163,21 +182,22 @@ async def submit(args: argparse.Namespace) -> int:
         if not args.wait:
             return EXIT_OK
         assert verdict.job_id
-        return await follow(nc, verdict.job_id, quiet=args.json)
+        return await follow(nc, verdict.job_id, quiet=args.json, give_up=give_up)
     finally:
         await nc.close()
 
 
-async def follow(nc: NATS, job_id: str, quiet: bool = False) -> int:
-    """Print each change of the job's state until it is final; exit 0 only if it SUCCEEDED."""
-    js = nc.jetstream(timeout=5)
-    jobs = await js.key_value(subjects.JOBS_BUCKET)
-    watcher = await jobs.watch(job_id)
-    last = None
+async def follow(nc: NATS, job_id: str, quiet: bool = False, give_up: float = math.inf) -> int:
+    """Print each change of the job's state until it is final: exit 0 only if it SUCCEEDED.
+    Exit 2 once the scheduler has said for MUSTER_NODE_TIMEOUT that no node can ever fit it
+    (an agent that is just starting gets that long to join); give up at loop time `give_up`."""
+    loop = asyncio.get_running_loop()
+    watcher = await (await nc.jetstream(timeout=5).key_value(subjects.JOBS_BUCKET)).watch(job_id)
+    record, last, never = None, None, math.inf  # never: when "unschedulable" becomes the answer
     try:
-        while True:
+        while (now := loop.time()) < min(give_up, never):
             try:
-                entry = await watcher.updates(timeout=30)
+                entry = await watcher.updates(timeout=min(30.0, max(0.05, min(give_up, never) - now)))
             except NatsTimeout:
                 continue
             if entry is None or entry.value is None:
@@ -191,8 +211,19 @@ async def follow(nc: NATS, job_id: str, quiet: bool = False) -> int:
                 if quiet:
                     out(record.model_dump_json(indent=2))
                 return EXIT_OK if record.state == JobState.SUCCEEDED else EXIT_FAIL
+            never = min(never, loop.time() + bus.node_timeout()) if record.unschedulable else math.inf
     finally:
         await watcher.stop()
+    if quiet and record:
+        out(record.model_dump_json(indent=2))
+    if record and loop.time() >= never:
+        raise CliError(
+            f"{job_id} is unschedulable: {record.reason} (it stays WAITING for a node that fits; "
+            f"`muster kill {job_id}` drops it)",
+            EXIT_INVALID,
+        )
+    state = record.state if record else "unknown"
+    raise CliError(f"{job_id}: still {state} when --timeout ran out; it goes on (`muster status {job_id}`)")
 
 
 def _user() -> str:
@@ -361,7 +392,6 @@ async def kill(args: argparse.Namespace) -> int:
         if record.state.final:
             out(f"{record.job_id}  {record.state}: already ended ({record.reason})")
             return EXIT_OK
-        await bus.ensure_jetstream(nc)
         request = KillRequest(job_id=record.job_id, user=_user(), grace=args.grace)
         await nc.jetstream(timeout=10).publish(
             subjects.KILL, request.to_bytes(), headers={Headers.MSG_ID: f"kill:{record.job_id}"}
@@ -422,10 +452,17 @@ async def show_logs(args: argparse.Namespace) -> int:
     nc = await connect(args.connect_timeout)
     try:
         record = await resolve(nc, args.job)
+        role, _, index = (args.task or "*.*").partition(".")
+        sizes = {r.name: r.taskNumber for r in record.config.taskRoles}
+        if args.task and (role not in sizes or (index and int(index) >= sizes[role])):
+            tasks = ", ".join(f"{r}.0-{n - 1}" if n > 1 else f"{r}.0" for r, n in sizes.items())
+            raise CliError(f"job {record.job_id} has no task {args.task}; its tasks: {tasks}", EXIT_INVALID)
+        if args.attempt and args.attempt > record.attempt:
+            has = f"its attempts: 1-{record.attempt}" if record.attempt else "it has not started yet"
+            raise CliError(f"job {record.job_id} has no attempt {args.attempt}; {has}", EXIT_INVALID)
         attempt = args.attempt or record.attempt
         if attempt == 0:
             raise CliError(f"job {record.job_id} has not started yet: {record.reason}")
-        role, _, index = (args.task or "*.*").partition(".")
         subject = subjects.task_logs(record.job_id, attempt, role or "*", index or "*")
         js = nc.jetstream(timeout=5)
         sub = await js.subscribe(subject, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
@@ -449,7 +486,54 @@ async def show_logs(args: argparse.Namespace) -> int:
         await nc.close()
 
 
+# ---------------------------------------------------------------- admin
+
+
+async def admin_init(args: argparse.Namespace) -> int:
+    """Declare or update every stream and bucket from this shell's settings (MUSTER_JS_REPLICAS,
+    MUSTER_LOGS_MAX_BYTES): the one client path that shapes them; services do it at start."""
+    try:
+        nc = await bus.connect("muster-admin", connect_timeout=args.connect_timeout, quiet=True)
+    except ConnectionError as exc:
+        raise CliError(str(exc)) from None
+    try:
+        js, _ = await bus.ensure_jetstream(nc)
+        rows = [("STREAM", "REPLICAS", "MAX BYTES")]
+        for info in sorted(await js.streams_info(), key=lambda i: i.config.name):
+            c = info.config
+            if c.name.startswith(("MUSTER_", "KV_muster_")):
+                rows.append(
+                    (c.name, str(c.num_replicas), str(c.max_bytes) if (c.max_bytes or -1) > 0 else "-")
+                )
+        out(columns(rows))
+        return EXIT_OK
+    finally:
+        await nc.close()
+
+
 # ---------------------------------------------------------------- up
+
+
+def check_agent_flags(args: argparse.Namespace) -> None:
+    """The local agent's flags, refused before anything starts."""
+    from services.agent.inventory import parse_gpus, parse_port_range
+
+    if args.gpus is not None:
+        try:
+            parse_gpus(args.gpus)
+        except ValueError as exc:
+            raise CliError(f"--gpus {args.gpus!r}: {exc}", EXIT_INVALID) from None
+    try:
+        low, high = parse_port_range(args.ports)
+    except ValueError:
+        low = high = 0
+    if not 1 <= low <= high <= 65535:
+        raise CliError(
+            f"--ports {args.ports!r}: expected LOW-HIGH within 1-65535, e.g. 5000-10000", EXIT_INVALID
+        )
+    for flag, value in (("--cpus", args.cpus), ("--memory-mb", args.memory_mb)):
+        if value is not None and value < 1:
+            raise CliError(f"{flag} {value}: must be ≥ 1", EXIT_INVALID)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -457,6 +541,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from services.agent.service import Agent
     from services.cli.mesh import default_data_dir, up
 
+    check_agent_flags(args)
     logs.configure("muster")
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
 
@@ -488,13 +573,48 @@ def _gpu_text(gpus) -> str:
 # ---------------------------------------------------------------- entry point
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """A bad argument: one line naming it (not the whole usage), exit 2."""
+        self.exit(EXIT_INVALID, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def checked(kind: type, ok: Any, wanted: str) -> Any:
+    """An argparse `type=`: `kind(text)`, refused with "`wanted`, got TEXT" unless `ok(value)`."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"{wanted}, got {text!r}")
+        return value
+
+    return parse
+
+
+SECONDS = checked(float, lambda v: 0 <= v < math.inf, "must be seconds ≥ 0")
+TIMEOUT = checked(float, lambda v: 0 < v < math.inf, "must be seconds > 0")
+COUNT = checked(int, lambda v: v >= 1, "must be a whole number ≥ 1")
+PORT = checked(int, lambda v: 1 <= v <= 65535, "must be a port, 1-65535")
+
+
+def task_ref(text: str) -> str:
+    """--task: ROLE or ROLE.INDEX (never a subject wildcard)."""
+    m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9_-]*)(?:\.(\d+))?", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected ROLE or ROLE.INDEX (e.g. worker.0), got {text!r}")
+    return m[1] if m[2] is None else f"{m[1]}.{int(m[2])}"
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="muster", description="Distributed training jobs on your GPU machines.")
+    p = Parser(prog="muster", description="Distributed training jobs on your GPU machines.")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("up", help="start an embedded NATS and every Muster service on this machine")
     s.add_argument("--data-dir", help="where NATS keeps JetStream data (default ~/.local/share/muster)")
-    s.add_argument("--port", type=int, help="NATS port (default 4222, or a free one if taken)")
+    s.add_argument("--port", type=PORT, help="NATS port (default 4222, or a free one if taken)")
     s.add_argument("--no-agent", action="store_true", help="start no local agent")
     add_agent_arguments(s)
     s.set_defaults(func=cmd_up)
@@ -503,7 +623,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("file", help="config file, or - for standard input")
     s.add_argument("--wait", action="store_true", help="follow the job to its final state")
     s.add_argument("--json", action="store_true", help="print the verdict (and final record) as JSON")
-    s.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for a verdict")
+    s.add_argument(
+        "--timeout",
+        type=TIMEOUT,
+        help="give up after S seconds in all: waiting for the verdict and, with --wait, for the job (exit 1)",
+    )
+    s.add_argument(
+        "--verdict-timeout", type=TIMEOUT, default=30.0, help="seconds to wait for the validator's verdict"
+    )
     s.set_defaults(func=lambda a: asyncio.run(submit(a)))
 
     s = sub.add_parser("status", help="list jobs, or show one job by id or name")
@@ -513,20 +640,20 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("kill", help="stop a job: SIGTERM, SIGKILL after the grace; it is not retried")
     s.add_argument("job")
-    s.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    s.add_argument("--grace", type=SECONDS, default=10.0, help="seconds between SIGTERM and SIGKILL")
     s.add_argument("--no-wait", action="store_true", help="do not wait for the tasks to stop")
     s.set_defaults(func=lambda a: asyncio.run(kill(a)))
 
     s = sub.add_parser("drain", help="stop every task on a node (retried elsewhere) and keep new work off it")
     s.add_argument("node")
-    s.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    s.add_argument("--grace", type=SECONDS, default=10.0, help="seconds between SIGTERM and SIGKILL")
     s.add_argument("--undo", action="store_true", help="let the node take work again")
     s.set_defaults(func=lambda a: asyncio.run(drain(a)))
 
     s = sub.add_parser("logs", help="print the output of a job's tasks (kept after they end)")
     s.add_argument("job")
-    s.add_argument("--task", help="one task, as ROLE.INDEX (or ROLE)")
-    s.add_argument("--attempt", type=int, help="which attempt (default: the current one)")
+    s.add_argument("--task", type=task_ref, help="one task, as ROLE.INDEX (or ROLE)")
+    s.add_argument("--attempt", type=COUNT, help="which attempt (default: the current one)")
     s.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
     s.set_defaults(func=lambda a: asyncio.run(show_logs(a)))
 
@@ -534,9 +661,17 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("file")
     s.set_defaults(func=cmd_validate)
 
-    for name in ("submit", "status", "logs", "kill", "drain"):
-        sub.choices[name].add_argument(
-            "--connect-timeout", type=float, default=10.0, help="seconds to keep trying to reach NATS"
+    s = sub.add_parser("admin", help="set up a NATS for Muster")
+    admin = s.add_subparsers(dest="admin_command", metavar="{init}", required=True)
+    s = admin.add_parser("init", help="declare or update every stream and bucket from this shell's settings")
+    s.set_defaults(func=lambda a: asyncio.run(admin_init(a)))
+
+    for s in (
+        *(sub.choices[n] for n in ("submit", "status", "logs", "kill", "drain")),
+        admin.choices["init"],
+    ):
+        s.add_argument(
+            "--connect-timeout", type=TIMEOUT, default=2.0, help="seconds to keep trying to reach NATS"
         )
     return p
 
@@ -548,6 +683,14 @@ def main(argv: list[str] | None = None) -> None:
     except CliError as exc:
         err(f"muster: {exc}")
         code = exc.code
+    except BrokenPipeError:
+        # The reader went away (`muster status | head -1`): stop quietly, as other tools do;
+        # what is still buffered goes to /dev/null rather than fail again at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 141
+    except (nats.errors.Error, ConnectionError, TimeoutError) as exc:  # the bus went away mid-command
+        err(f"muster: {str(exc) or type(exc).__name__}")
+        code = EXIT_FAIL
     except KeyboardInterrupt:
         code = 130
     sys.exit(code)

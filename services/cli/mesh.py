@@ -70,7 +70,7 @@ async def up(
     server = None
     url = os.environ.get("MUSTER_NATS_URL")
     if url:
-        announce(f"joining NATS at {url}")
+        announce(f"joining NATS at {bus.shown(url)}")
     else:
         server = NatsServer(data_dir / "nats", port=port or free_port(4222))
         server.start()  # from the main thread: the server dies with us (see NatsServer)
