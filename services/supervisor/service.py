@@ -257,11 +257,19 @@ class Supervisor:
         await asyncio.gather(*(e.wait() for e in self.synced.values()))
         loop = asyncio.get_running_loop()
         prune_at = loop.time() + 10
+        # Silence is only evidence once this replica has itself been listening for a node
+        # timeout: after it starts, and after each reconnect (heartbeats sent while it was cut
+        # off reached the bucket, but its view of them may lag).
+        reconnects = self.nc.stats["reconnects"]
+        listening_since = loop.time()
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
+            if self.nc.stats["reconnects"] != reconnects or not self.nc.is_connected:
+                reconnects, listening_since = self.nc.stats["reconnects"], loop.time()
             try:
-                await self.check_nodes()
+                if loop.time() - listening_since > self.node_timeout:
+                    await self.check_nodes()
                 await self.check_starts()
                 if loop.time() >= prune_at:
                     prune_at = loop.time() + 60
