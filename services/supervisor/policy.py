@@ -72,9 +72,9 @@ def decide(config: JobConfig, tasks: list[TaskStatus]) -> Decision:
             )
 
     for role in config.taskRoles:
-        threshold = role.minSucceededTaskCount
+        wanted = role.minSucceededTaskCount
         count = sum(1 for t in succeeded if t.role == role.name)
-        if threshold and count >= threshold:
+        if wanted and count >= wanted:
             return Decision(
                 JobState.SUCCEEDED, f"minSucceededTaskCount: {count} of role {role.name} succeeded", True
             )
