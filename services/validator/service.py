@@ -17,6 +17,11 @@ accepted: it is released (only while it still points at that job, checked by rev
 submission is given up on after MAX_DELIVERIES crashed deliveries, and a claim whose job has no
 record is taken over once it is MUSTER_NAME_CLAIM_TIMEOUT seconds old (default 300: far longer
 than judging plus every redelivery takes), should a release ever be missed.
+
+Limits on tasks per job and live tasks per user are in `limits.py`; each user's live tasks are
+counted from a view of the jobs bucket kept by a KV watcher (records that do not decode are
+skipped), so judging a submission scans nothing. Replicas each keep their own view, so
+submissions judged at the same moment by two replicas may pass the per-user limit by one job.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from nats.js.errors import InvalidKeyError, KeyNotFoundError, KeyWrongLastSequen
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Histogram
 
+from services.validator import limits
 from shared import bus, subjects
 from shared.jobconfig import NAME_RE, FieldError, JobConfig, check_job
 from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
@@ -60,6 +66,10 @@ class Validator:
         self.jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord)
         self.names = buckets[subjects.JOB_NAMES_BUCKET]
         self.claim_timeout = float(os.environ.get("MUSTER_NAME_CLAIM_TIMEOUT") or 300)
+        self.limits = limits.Limits.from_env()
+        self.view: dict[str, JobRecord] = {}  # the jobs bucket, kept by a watcher while running
+        self.live = limits.LiveTasks()
+        self.synced = asyncio.Event()
 
     @classmethod
     async def build(cls, nc: NATS) -> Validator:
@@ -67,14 +77,26 @@ class Validator:
         return cls(nc, js, buckets)
 
     async def run(self, stop: asyncio.Event) -> None:
-        sub = await bus.durable(
-            self.js,
-            subjects.SUBMIT,
-            subjects.VALIDATOR_CONSUMER,
-            subjects.SUBMISSIONS_STREAM,
-            max_ack_pending=1000,
-        )
-        await bus.consume(sub, self.handle, stop, log, self.batch)
+        watching = asyncio.create_task(self.jobs.mirror(self.view, self.synced, self.job_changed))
+        try:
+            # Judge nothing before every user's live tasks are known.
+            waits = [asyncio.ensure_future(e.wait()) for e in (self.synced, stop)]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+            sub = await bus.durable(
+                self.js,
+                subjects.SUBMIT,
+                subjects.VALIDATOR_CONSUMER,
+                subjects.SUBMISSIONS_STREAM,
+                max_ack_pending=1000,
+            )
+            await bus.consume(sub, self.handle, stop, log, self.batch)
+        finally:
+            watching.cancel()
+
+    def job_changed(self, job_id: str) -> None:
+        self.live.update(job_id, self.view.get(job_id))
 
     async def handle(self, msg: Msg) -> None:
         meta = msg.metadata
@@ -147,6 +169,9 @@ class Validator:
             if record_digest(existing) != digest:
                 return await self.reject(sid, config.jobName, [reused(job_id)], data)
             return await self.accept(existing, data)
+        errors = limits.check(config.total_tasks, user, self.live.of(user), self.limits)
+        if errors:
+            return await self.reject(sid, config.jobName, errors, data)
         holder = await self.claim_name(config.jobName, job_id)
         if holder is not None:
             return await self.reject(
@@ -169,7 +194,10 @@ class Validator:
             digest=digest,
             submitted_at=received,
         )
-        if not await self.jobs.create(job_id, record):
+        if await self.jobs.create(job_id, record):
+            if job_id not in self.view:  # count it now, not only once the watcher sees it
+                self.live.update(job_id, record)
+        else:
             # Another replica got there first with this submission id (ack wait passed, or the
             # same id published twice at once): the same config is the same job.
             winner = await self.jobs.get(job_id)
