@@ -17,6 +17,7 @@ from shared import bus, client, subjects
 from shared.messages import JobEvent, JobRecord, JobState, job_id_for, now
 from shared.service import run_service
 from shared.subjects import Headers
+from tests.test_loader import SMALL_BOMB
 
 
 def config(name: str = "demo", **extra: object) -> bytes:
@@ -97,8 +98,10 @@ async def test_invalid_config_is_rejected_with_every_error(nats_url, nc):
         (b"\xff\xfe\x00garbage", "not UTF-8"),
         (b"", "must be a JSON object, got null"),
         (b'{"jobName": "x", "pad": "' + b"a" * (1024 * 1024) + b'"}', "the limit is 1 MiB"),
+        (SMALL_BOMB.encode(), "aliases expand the config past 1048576 bytes (1 MiB)"),
+        (config("dup")[:-1] + b', "jobName": "other"}', "duplicate key 'jobName'"),
     ],
-    ids=["not-json", "list", "string", "binary", "empty", "too-large"],
+    ids=["not-json", "list", "string", "binary", "empty", "too-large", "yaml-alias-bomb", "duplicate-key"],
 )
 async def test_bad_payloads_get_a_clear_rejection_and_the_validator_keeps_going(
     nats_url, nc, payload, reason
