@@ -85,3 +85,15 @@ async def test_a_claim_is_released_only_while_it_points_at_the_job_given_up_on(n
     accepted = await v.judge("mine", "bob", config("real"), now())
     await v.give_up("mine", config("real"))
     assert await claim_of(nc, "real") == accepted.job_id
+
+
+def test_claim_timeout_setting(monkeypatch):
+    from services.validator.service import claim_timeout
+
+    assert claim_timeout() == 300.0
+    monkeypatch.setenv("MUSTER_NAME_CLAIM_TIMEOUT", "0.5")
+    assert claim_timeout() == 0.5
+    for bad in ("-1", "soon", "inf"):
+        monkeypatch.setenv("MUSTER_NAME_CLAIM_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="MUSTER_NAME_CLAIM_TIMEOUT must be a number of seconds"):
+            claim_timeout()

@@ -65,7 +65,7 @@ class Validator:
         self.nc, self.js, self.batch = nc, js, batch
         self.jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord)
         self.names = buckets[subjects.JOB_NAMES_BUCKET]
-        self.claim_timeout = float(os.environ.get("MUSTER_NAME_CLAIM_TIMEOUT") or 300)
+        self.claim_timeout = claim_timeout()
         self.limits = limits.Limits.from_env()
         self.view: dict[str, JobRecord] = {}  # the jobs bucket, kept by a watcher while running
         self.live = limits.LiveTasks()
@@ -319,6 +319,18 @@ def canonical_json(config: JobConfig) -> bytes:
 def record_digest(record: JobRecord) -> str:
     """A record's config digest (records written before `digest` existed have none stored)."""
     return record.digest or hashlib.sha256(canonical_json(record.config)).hexdigest()
+
+
+def claim_timeout() -> float:
+    """MUSTER_NAME_CLAIM_TIMEOUT: seconds after which a claim whose job has no record is stale."""
+    text = os.environ.get("MUSTER_NAME_CLAIM_TIMEOUT", "").strip() or "300"
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"MUSTER_NAME_CLAIM_TIMEOUT must be a number of seconds ≥ 0, got {text!r}")
+    return value
 
 
 def job_name_in(data: bytes) -> str | None:
