@@ -1,0 +1,143 @@
+"""What an agent does with what it finds: at start, the tasks an earlier run of it left (adopted
+when the runtime can and their attempt is live, reaped otherwise, and every task the bus still
+counts as placed here reported); and while it runs, the tasks the bus no longer counts as live
+(stopped before the node looks alive again after a silence)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from services.agent.runtime import (
+    LABEL_ATTEMPT,
+    LABEL_INDEX,
+    LABEL_JOB,
+    LABEL_NODE,
+    LABEL_PORTS,
+    LABEL_ROLE,
+    FoundTask,
+    LaunchError,
+)
+from services.agent.tasks import NOT_STARTED, LocalTask, TaskKey, Tasks
+from shared import subjects
+from shared.messages import Assignment, AttemptRecord, Endpoint, JobRecord, TaskCause, TaskState, TaskStatus
+from shared.store import Store
+
+log = structlog.get_logger(service="agent")
+LOST = "task lost: its agent restarted"
+
+
+class Reconciler:
+    def __init__(self, tasks: Tasks, jobs: Store[JobRecord], js: JetStreamContext, address: str):
+        self.tasks, self.jobs, self.js, self.address = tasks, jobs, js, address
+        self.runtime = tasks.runtime
+        self.node = tasks.node
+        self.log = log.bind(node=self.node)
+        self._stopping: set[asyncio.Task[None]] = set()
+
+    async def placed_here(self) -> dict[TaskKey, tuple[AttemptRecord, TaskStatus]]:
+        """Tasks the bus places on this node and does not count as ended, in any attempt: live
+        ones, and the leftovers of attempts that ended while this agent was away."""
+        out: dict[TaskKey, tuple[AttemptRecord, TaskStatus]] = {}
+        async for _, attempt in self.tasks.attempts.items():
+            for t in attempt.tasks:
+                if t.node == self.node and not t.state.ended:
+                    out[(attempt.job_id, attempt.attempt, t.role, t.index)] = (attempt, t)
+        return out
+
+    async def at_start(self) -> None:
+        """Before taking new work: adopt the tasks of live attempts this runtime can take over,
+        reap every other leftover, and report every task the bus still counts as placed here
+        that is not adopted: with its real exit code when it ended while no agent watched, as
+        lost when it was taken on and is gone, as stopped when its attempt has ended."""
+        placed = await self.placed_here()
+        report = self.tasks.report_ended
+        settled: set[TaskKey] = set()
+        for found in await self.runtime.find({LABEL_NODE: self.node}):
+            key = key_of(found)
+            if key is None:
+                continue
+            entry = placed.get(key)
+            live = entry is not None and not entry[0].ended
+            if entry is not None and live and found.running and self.runtime.can_adopt:
+                try:
+                    await self.adopt(key, found, *entry)
+                    settled.add(key)
+                    continue
+                except Exception as exc:
+                    self.log.warning("agent.adopt_failed", task=found.name, error=str(exc))
+            self.log.info("agent.reap", task=found.name, live=live)
+            await self.runtime.reap(found)
+            if entry is None:
+                continue
+            attempt, t = entry
+            if not live:
+                report(attempt, t.spec(), TaskCause.KILLED, NOT_STARTED, "its attempt ended")
+            elif found.exit_code is not None and not found.running:
+                report(attempt, t.spec(), TaskCause.EXITED, found.exit_code, "ended while its agent was away")
+            else:
+                report(attempt, t.spec(), TaskCause.PLATFORM, NOT_STARTED, LOST)
+            settled.add(key)
+        for key, (attempt, t) in placed.items():
+            if key in settled:
+                continue
+            if attempt.ended:
+                report(attempt, t.spec(), TaskCause.KILLED, NOT_STARTED, "never started: attempt ended")
+            elif await self.was_taken(key, t):
+                report(attempt, t.spec(), TaskCause.PLATFORM, NOT_STARTED, LOST)
+
+    async def was_taken(self, key: TaskKey, t: TaskStatus) -> bool:
+        """Whether an earlier run of this agent took the task on: it started it, or it reported
+        the task's endpoint (which it does before acknowledging the order). A task whose order
+        is still waiting in the queue is neither, and will be run when the order is read."""
+        if t.state != TaskState.PLACED:
+            return True
+        job_id, attempt, role, index = key
+        try:
+            await self.js.get_last_msg(
+                subjects.EVENTS_STREAM, subjects.task_event(job_id, attempt, role, index, "endpoint")
+            )
+            return True
+        except NotFoundError:
+            return False
+
+    async def adopt(self, key: TaskKey, found: FoundTask, attempt: AttemptRecord, t: TaskStatus) -> None:
+        job = await self.jobs.get(attempt.job_id)
+        if job is None:
+            raise LaunchError(f"no record of job {attempt.job_id}")
+        spec = t.spec()
+        ports = [int(p) for p in found.labels.get(LABEL_PORTS, "").split(",") if p]
+        self.tasks.ports.take_exact(ports)
+        endpoint = Endpoint.of(spec, self.address, ports, job.config.role(t.role).portList)
+        task = LocalTask(
+            assignment=Assignment.of(job, attempt, self.node), spec=spec, endpoint=endpoint, ports=ports
+        )
+        task.handle = await self.runtime.attach(found.name, lambda line: self.tasks.output(task, line))
+        self.tasks.watch(key, task)
+        self.log.info("agent.adopted", task=found.name)
+
+    async def stop_obsolete(self, wait: bool = False) -> None:
+        """Stop local tasks the bus no longer counts as live (their attempt ended, or they were
+        declared lost while this agent was cut off). With `wait`, return once they are gone."""
+        stops = []
+        for key, task in list(self.tasks.live.items()):
+            if task.handle is None or not await self.tasks.obsolete(key):
+                continue
+            self.log.warning("agent.obsolete_task", task=task.name)
+            stopping = asyncio.create_task(self.tasks.stop(task, "obsolete attempt", 0))
+            self._stopping.add(stopping)
+            stopping.add_done_callback(self._stopping.discard)
+            stops.append(stopping)
+        if wait and stops:
+            await asyncio.wait(stops)
+
+
+def key_of(found: FoundTask) -> TaskKey | None:
+    lb = found.labels
+    try:
+        return (lb[LABEL_JOB], int(lb[LABEL_ATTEMPT]), lb[LABEL_ROLE], int(lb[LABEL_INDEX]))
+    except (KeyError, ValueError):
+        return None

@@ -1,0 +1,260 @@
+"""The lifecycle of the tasks on this node: a task taken on waits for its attempt's cluster spec
+(the rendezvous barrier), is started by the runtime, watched until it ends, stopped when told,
+and reported exactly once with a typed cause. Tasks that ended (or were reported as never
+started) are remembered, so a late or repeated order never runs one again."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+import structlog
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+from prometheus_client import Counter, Gauge
+
+from services.agent.inventory import PortPool
+from services.agent.launch import Where, build_launch, task_name
+from services.agent.reporting import Reporter
+from services.agent.runtime import LaunchError, RunningTask, Runtime
+from shared import subjects
+from shared.messages import (
+    Assignment,
+    AttemptRecord,
+    ClusterSpec,
+    Endpoint,
+    TaskCause,
+    TaskEvent,
+    TaskEventKind,
+    TaskSpec,
+    attempt_key,
+)
+from shared.store import Store
+
+log = structlog.get_logger(service="agent")
+
+TASKS_LIVE = Gauge("muster_agent_tasks", "Tasks this agent is running", ["node"])
+TASKS_ENDED = Counter("muster_agent_tasks_ended_total", "Tasks ended on this agent", ["node", "outcome"])
+LAST_LINES = 30
+# Exit code reported for a task that never started (launch failure, killed before the barrier).
+NOT_STARTED = -1
+REMEMBERED = 10_000  # ended tasks remembered against late orders
+TaskKey = tuple[str, int, str, int]  # job id, attempt, role, index
+
+
+@dataclass
+class LocalTask:
+    assignment: Assignment
+    spec: TaskSpec
+    endpoint: Endpoint
+    ports: list[int]
+    lines: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=LAST_LINES))
+    handle: RunningTask | None = None
+    runner: asyncio.Task[None] | None = None
+    kill_reason: str | None = None
+    kill_grace: float = 0.0
+    starting: bool = False  # the runtime is starting it: it must not be cancelled then
+
+    @property
+    def name(self) -> str:
+        a = self.assignment
+        return task_name(a.job_id, a.attempt, self.spec.role, self.spec.index)
+
+
+class Tasks:
+    def __init__(
+        self,
+        nc: NATS,
+        js: JetStreamContext,
+        runtime: Runtime,
+        reporter: Reporter,
+        attempts: Store[AttemptRecord],
+        ports: PortPool,
+        where: Where,
+    ):
+        self.nc, self.js, self.runtime, self.reporter = nc, js, runtime, reporter
+        self.attempts, self.ports, self.where = attempts, ports, where
+        self.node = where.node
+        self.live: dict[TaskKey, LocalTask] = {}
+        self.finished: collections.OrderedDict[TaskKey, None] = collections.OrderedDict()
+        self.detaching = False  # the agent stops for a restart: tasks go on, nothing is reported
+        self.log = log.bind(node=self.node)
+
+    def known(self, key: TaskKey) -> bool:
+        """Whether this agent runs the task, or has already reported its end."""
+        return key in self.live or key in self.finished
+
+    def remember(self, key: TaskKey) -> None:
+        self.finished[key] = None
+        while len(self.finished) > REMEMBERED:
+            self.finished.popitem(last=False)
+
+    def of_attempt(self, job_id: str, attempt: int) -> list[LocalTask]:
+        return [t for (job, n, _, _), t in self.live.items() if job == job_id and n == attempt]
+
+    # ------------------------------------------------------------ starting and watching
+
+    def take(self, key: TaskKey, task: LocalTask) -> None:
+        """Run a task taken on: wait for the spec, start it, watch it, report its end."""
+        self.live[key] = task
+        TASKS_LIVE.labels(self.node).set(len(self.live))
+        task.runner = asyncio.create_task(self._run(key, task))
+
+    def watch(self, key: TaskKey, task: LocalTask) -> None:
+        """Watch a task already running (adopted after a restart) until it ends."""
+        self.live[key] = task
+        TASKS_LIVE.labels(self.node).set(len(self.live))
+        task.runner = asyncio.create_task(self._watch(key, task))
+
+    async def _run(self, key: TaskKey, task: LocalTask) -> None:
+        a = task.assignment
+        try:
+            cluster = await self._wait_spec(a.job_id, a.attempt)
+            if await self.obsolete(key):
+                raise asyncio.CancelledError
+            launch = build_launch(a, task.spec, task.ports, cluster, self.where)
+            task.starting = True
+            task.handle = await self.runtime.start(launch, lambda line: self.output(task, line))
+            if task.kill_reason is not None:  # killed while it was being started
+                await task.handle.stop(task.kill_grace)
+        except asyncio.CancelledError:
+            if self.detaching:
+                raise
+            why = task.kill_reason or "its attempt ended"
+            await self._finish(key, task, TaskCause.KILLED, NOT_STARTED, f"killed before start: {why}")
+            return
+        except LaunchError as exc:
+            await self._finish(key, task, exc.cause, NOT_STARTED, str(exc))
+            return
+        except Exception as exc:
+            self.log.error("agent.task_error", task=task.name, exc_info=True)
+            await self._finish(key, task, TaskCause.PLATFORM, NOT_STARTED, f"{type(exc).__name__}: {exc}")
+            return
+        self.report(a, task.spec, TaskEventKind.RUNNING)
+        self.log.info("agent.task_started", task=task.name)
+        await self._watch(key, task)
+
+    async def _watch(self, key: TaskKey, task: LocalTask) -> None:
+        assert task.handle is not None
+        try:
+            code = await task.handle.wait()
+            if task.kill_reason:
+                cause, reason = TaskCause.KILLED, f"killed: {task.kill_reason}"
+            elif getattr(task.handle, "oom_killed", False):
+                limit = task.assignment.config.role(task.spec.role).memoryMB
+                cause, reason = TaskCause.OOM, f"out of memory (limit {limit} MB)"
+            else:
+                cause, reason = TaskCause.EXITED, ""
+        except asyncio.CancelledError:
+            raise  # detaching: the task goes on, the next agent adopts it
+        except Exception as exc:
+            code, cause, reason = NOT_STARTED, TaskCause.PLATFORM, f"lost track of the task: {exc}"
+        await self._finish(key, task, cause, code, reason)
+
+    async def _finish(self, key: TaskKey, task: LocalTask, cause: TaskCause, code: int, reason: str) -> None:
+        self.ports.release(task.ports)
+        self.live.pop(key, None)
+        self.remember(key)
+        TASKS_LIVE.labels(self.node).set(len(self.live))
+        outcome = "succeeded" if cause == TaskCause.EXITED and code == 0 else "failed"
+        TASKS_ENDED.labels(self.node, outcome).inc()
+        self.log.info("agent.task_ended", task=task.name, exit_code=code, cause=cause, reason=reason)
+        self.report_ended(task.assignment, task.spec, cause, code, reason, list(task.lines))
+        remove = getattr(task.handle, "remove", None)
+        if remove is not None:
+            with contextlib.suppress(Exception):
+                await remove()
+
+    async def obsolete(self, key: TaskKey) -> bool:
+        """Whether the bus no longer counts the task as live: its attempt or itself ended."""
+        job_id, n, role, index = key
+        record = await self.attempts.get(attempt_key(job_id, n))
+        if record is None:
+            return False
+        return record.ended or record.task(role, index).state.ended
+
+    async def _wait_spec(self, job_id: str, attempt: int) -> ClusterSpec:
+        subject = subjects.cluster_spec(job_id, attempt)
+        sub = await self.nc.subscribe(subject)
+        try:
+            while True:
+                try:
+                    stored = await self.js.get_last_msg(subjects.EVENTS_STREAM, subject)
+                    return ClusterSpec.from_bytes(stored.data)
+                except NotFoundError:
+                    pass
+                except Exception:
+                    await asyncio.sleep(0.5)
+                with contextlib.suppress(nats.errors.TimeoutError):
+                    return ClusterSpec.from_bytes((await sub.next_msg(timeout=5)).data)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    def output(self, task: LocalTask, line: str) -> None:
+        task.lines.append(line)
+        a, spec = task.assignment, task.spec
+        subject = subjects.task_logs(a.job_id, a.attempt, spec.role, spec.index)
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().create_task(self.nc.publish(subject, line.encode()))
+
+    # ------------------------------------------------------------ stopping
+
+    async def stop(self, task: LocalTask, reason: str, grace: float) -> None:
+        if task.kill_reason is None:
+            task.kill_reason = reason
+        task.kill_grace = grace
+        if task.handle is not None:
+            await task.handle.stop(grace)
+        elif task.runner is not None and not task.starting:
+            task.runner.cancel()  # still waiting for the cluster spec: it never starts
+        # While the runtime is starting it, cancelling could orphan the new process or
+        # container: `_run` sees kill_reason once start returns and stops it.
+        if task.runner is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task.runner
+
+    async def stop_all(self, reason: str, grace: float) -> None:
+        await asyncio.gather(*(self.stop(t, reason, grace) for t in list(self.live.values())))
+
+    def detach(self) -> None:
+        """Stop watching every task and leave it running (the next agent adopts it)."""
+        self.detaching = True
+        for task in list(self.live.values()):
+            if task.runner is not None:
+                task.runner.cancel()
+
+    # ------------------------------------------------------------ reports
+
+    def report(
+        self, a: Assignment | AttemptRecord, spec: TaskSpec, kind: TaskEventKind, **fields: Any
+    ) -> None:
+        self.reporter.report(
+            TaskEvent(
+                job_id=a.job_id,
+                attempt=a.attempt,
+                role=spec.role,
+                index=spec.index,
+                node=self.node,
+                kind=kind,
+                **fields,
+            )
+        )
+
+    def report_ended(
+        self,
+        a: Assignment | AttemptRecord,
+        spec: TaskSpec,
+        cause: TaskCause,
+        code: int,
+        reason: str,
+        lines: list[str] | None = None,
+    ) -> None:
+        self.report(
+            a, spec, TaskEventKind.EXITED, cause=cause, exit_code=code, reason=reason, last_lines=lines or []
+        )
