@@ -345,7 +345,10 @@ async def consume(
             logger.info("consumer.fetch_restored")
         failing = False
         for msg in msgs:
-            await handle(msg)
+            try:
+                await handle(msg)
+            except Exception:  # a handler that failed to ack or nak must not end the loop
+                logger.error("consumer.handler_failed", subject=msg.subject, exc_info=True)
 
 
 # ------------------------------------------------------------------ typed, concurrent handling

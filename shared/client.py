@@ -4,6 +4,7 @@ submits jobs): publish a config to the submit subject and wait for that submissi
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import uuid
 
 from nats.aio.client import Client as NATS
@@ -33,7 +34,11 @@ async def submit(
         await nc.jetstream(timeout=10).publish(
             subjects.SUBMIT,
             data,
-            headers={Headers.SUBMISSION_ID: sid, Headers.USER: user, Headers.MSG_ID: sid},
+            headers={
+                Headers.SUBMISSION_ID: sid,
+                Headers.USER: user,
+                Headers.MSG_ID: f"{sid}:{hashlib.sha256(data).hexdigest()[:16]}",
+            },
         )
         return sid, await wait_verdict(nc, sub, sid, deadline - asyncio.get_running_loop().time())
     finally:

@@ -41,9 +41,9 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
         default=env("MUSTER_AGENT_GPUS"),
         help="declared GPUs, e.g. 8xV100 or 4xV100,2xT4 (default: discovered through NVML, else none)",
     )
-    p.add_argument("--cpus", type=int, default=_int(env("MUSTER_AGENT_CPUS")), help="CPUs to offer")
+    p.add_argument("--cpus", type=int, default=env("MUSTER_AGENT_CPUS"), help="CPUs to offer")
     p.add_argument(
-        "--memory-mb", type=int, default=_int(env("MUSTER_AGENT_MEMORY_MB")), help="memory (MB) to offer"
+        "--memory-mb", type=int, default=env("MUSTER_AGENT_MEMORY_MB"), help="memory (MB) to offer"
     )
     p.add_argument(
         "--gpu-devices",
@@ -70,10 +70,6 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
         default=env("MUSTER_AGENT_OVERCOMMIT", "") in ("1", "true", "yes"),
         help="offer more CPUs/memory than the Docker engine has (tasks share them; each gets at most all)",
     )
-
-
-def _int(value: str | None) -> int | None:
-    return int(value) if value else None
 
 
 # ------------------------------------------------------------------ node name

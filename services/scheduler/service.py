@@ -197,7 +197,11 @@ class Scheduler:
                 await self.commit(job, n, plan.placements[job.job_id])
             elif job.job_id in plan.pending:
                 await self.set_reason(
-                    job.job_id, job.attempt, plan.pending[job.job_id], job.job_id in plan.unschedulable
+                    # With no node registered at all, the cluster is starting, not too small.
+                    job.job_id,
+                    job.attempt,
+                    plan.pending[job.job_id],
+                    job.job_id in plan.unschedulable and bool(nodes),
                 )
 
     async def commit(self, job: JobRecord, n: int, tasks: list[TaskSpec]) -> None:
