@@ -31,7 +31,6 @@ from nats.js.api import (
 )
 from nats.js.errors import (
     BadRequestError,
-    KeyWrongLastSequenceError,
     NotFoundError,
     ServiceUnavailableError,
 )
@@ -205,6 +204,7 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
         # It exists with another config (an older Muster, or made with other settings): bring
         # its subjects and limits up to date, but never change how many replicas it has, so a
         # client without MUSTER_JS_REPLICAS cannot shrink a cluster's streams.
+        assert config.name is not None
         current = await js.stream_info(config.name)
         config.num_replicas = current.config.num_replicas
         await js.update_stream(config)
@@ -276,23 +276,6 @@ def header(msg: Any, name: str) -> str | None:
     return (msg.headers or {}).get(name)
 
 
-async def cas_update(
-    kv: KeyValue, key: str, decode: Callable[[bytes], M], change: Callable[[M], M | None]
-) -> M | None:
-    """Read-modify-write of one KV record with the revision read, retried until no other writer
-    got in between. `change` returns the new record, or None to leave it as it is."""
-    while True:
-        entry = await kv.get(key)
-        updated = change(decode(entry.value))
-        if updated is None:
-            return None
-        try:
-            await kv.update(key, updated.to_bytes(), last=entry.revision)
-            return updated
-        except KeyWrongLastSequenceError:
-            continue
-
-
 async def durable(
     js: JetStreamContext, subject: str, name: str, stream: str, **settings: Any
 ) -> JetStreamContext.PullSubscription:
@@ -306,21 +289,6 @@ async def durable(
         **settings,
     )
     return await js.pull_subscribe(subject, durable=name, stream=stream, config=config)
-
-
-def acked(handle: Callable[[Msg], Awaitable[None]], logger: Any) -> Callable[[Msg], Awaitable[None]]:
-    """Wrap a handler: ack once it returns; on an error, log it and have the message redelivered."""
-
-    async def run(msg: Msg) -> None:
-        try:
-            await handle(msg)
-            await msg.ack()
-        except Exception:
-            logger.error("handler.failed", subject=msg.subject, exc_info=True)
-            with contextlib.suppress(Exception):
-                await msg.nak(delay=1)
-
-    return run
 
 
 async def consume(

@@ -8,6 +8,7 @@ import hashlib
 import uuid
 
 from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import NotFoundError
 
@@ -45,7 +46,7 @@ async def submit(
         await sub.unsubscribe()
 
 
-async def wait_verdict(nc: NATS, sub, sid: str, timeout: float) -> Verdict | None:
+async def wait_verdict(nc: NATS, sub: Subscription, sid: str, timeout: float) -> Verdict | None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while loop.time() < deadline:

@@ -23,4 +23,5 @@ def configure(service: str, level: str | None = None) -> structlog.stdlib.BoundL
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=False,
     )
-    return structlog.get_logger(service=service)
+    logger: structlog.stdlib.BoundLogger = structlog.get_logger(service=service)
+    return logger

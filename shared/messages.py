@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -27,8 +27,8 @@ class Message(BaseModel):
         return self.model_dump_json().encode()
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> Any:
-        return cls.model_validate_json(data)
+    def from_bytes(cls, data: bytes | None) -> Self:
+        return cls.model_validate_json(data or b"")
 
 
 class JobState(StrEnum):

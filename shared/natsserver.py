@@ -38,7 +38,7 @@ def free_port(preferred: int | None = None, host: str = "127.0.0.1") -> int:
                 pass
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:

@@ -105,7 +105,7 @@ def _to_components(node: Any) -> Any:
 def _version() -> str:
     try:
         with (ROOT / "pyproject.toml").open("rb") as f:
-            return tomllib.load(f)["project"]["version"]
+            return str(tomllib.load(f)["project"]["version"])
     except (OSError, KeyError, tomllib.TOMLDecodeError):
         return "0.1.0"
 
