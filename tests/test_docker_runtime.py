@@ -27,6 +27,8 @@ from services.agent.runtime import (
     RegistryAuth,
     TaskLaunch,
 )
+from services.agent.service import AgentOptions, check_declaration
+from shared.messages import TaskCause
 
 pytestmark = pytest.mark.docker
 
@@ -240,8 +242,40 @@ async def test_pull_failure_names_image_not_password(
 
 async def test_missing_read_only_mount_raises_launch_error(runtime: DockerRuntime, launch: Callable) -> None:
     missing = Mount("/nonexistent/muster-test-" + RUN_ID, "/data", read_only=True)
-    with pytest.raises(LaunchError, match=r"cannot (create|start) container"):
+    with pytest.raises(LaunchError, match=r"cannot (create|start) container") as info:
         await runtime.start(launch("true", mounts=[missing]), lambda _: None)
+    assert info.value.cause == TaskCause.CONFIG  # it would fail on any node: not retried
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"mounts": [Mount("relative/path", "/data")]},  # "mount path must be absolute"
+        {"image": "Not A Valid:Reference"},  # "invalid reference format"
+    ],
+    ids=["relative-mount", "bad-image-reference"],
+)
+async def test_failures_that_would_recur_anywhere_are_configuration_errors(
+    runtime: DockerRuntime, launch: Callable, change: dict
+) -> None:
+    with pytest.raises(LaunchError) as info:
+        await runtime.start(launch("true", **change), lambda _: None)
+    assert info.value.cause == TaskCause.CONFIG, info.value
+
+
+async def test_a_declaration_above_the_engine_is_refused_unless_overcommitted(
+    runtime: DockerRuntime, launch: Callable
+) -> None:
+    capacity = await runtime.capacity()
+    assert capacity is not None
+    cpus, memory_mb = capacity
+    options = AgentOptions(node="n", address="127.0.0.1", cpus=cpus + 1, memory_mb=memory_mb, gpus=[])
+    with pytest.raises(SystemExit, match=rf"--cpus {cpus + 1} is more than the {cpus} CPUs"):
+        await check_declaration(options, runtime)
+    options.overcommit = True
+    await check_declaration(options, runtime)
+    kwargs = DockerRuntime._create_kwargs(launch("true", cpus=cpus + 1), runtime.cpu_cap)
+    assert kwargs["nano_cpus"] == cpus * 10**9  # a task gets at most every CPU the engine has
 
 
 async def test_leftover_container_with_same_name_is_replaced(

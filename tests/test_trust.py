@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from services.agent.reporting import Reporter
+from services.agent.service import AgentOptions
 from shared import bus, client, subjects
 from shared.jobconfig import check_job
 from shared.messages import FailureKind, JobRecord, JobState, TaskCause, TaskEvent, TaskEventKind, now
@@ -425,3 +426,12 @@ async def test_a_task_that_never_starts_fails_after_the_start_timeout(cluster, n
         assert a.failure.cause == TaskCause.PLATFORM and "not started within 3s" in a.failure.reason
     finally:
         agent.send_signal(signal.SIGCONT)
+
+
+def test_a_relative_data_dir_becomes_absolute(tmp_path, monkeypatch):
+    """Defect 5: Docker mounts need absolute sources; `muster up --data-dir .muster` works."""
+    monkeypatch.chdir(tmp_path)
+    options = AgentOptions(
+        node="n", address="127.0.0.1", cpus=1, memory_mb=128, gpus=[], work_root=".muster/w", output_root="o"
+    )
+    assert (options.work_root, options.output_root) == (str(tmp_path / ".muster/w"), str(tmp_path / "o"))
