@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import getpass
 import json
 import math
@@ -115,18 +116,16 @@ async def resolve(nc: NATS, ref: str) -> JobRecord:
         names = await js.key_value(subjects.JOB_NAMES_BUCKET)
     except NotFoundError:
         raise CliError("no jobs yet") from None
-    job_id = ref
     if not _safe_key(ref):
         raise CliError(f"no job {ref!r}", EXIT_INVALID)
-    try:
-        return JobRecord.from_bytes((await jobs.get(job_id)).value)
-    except KeyNotFoundError:
-        pass
-    try:
-        job_id = (await names.get(ref)).value.decode()
-        return JobRecord.from_bytes((await jobs.get(job_id)).value)
-    except KeyNotFoundError:
-        raise CliError(f"no job with id or name {ref!r}", EXIT_INVALID) from None
+    store = Store(jobs, JobRecord)
+    record = await store.get(ref)
+    if record is None:
+        with contextlib.suppress(KeyNotFoundError):
+            record = await store.get((await names.get(ref)).value.decode(errors="replace"))
+    if record is None:
+        raise CliError(f"no job with id or name {ref!r}", EXIT_INVALID)
+    return record
 
 
 def _safe_key(key: str) -> bool:
@@ -265,7 +264,7 @@ async def current_attempt(nc: NATS, record: JobRecord) -> AttemptRecord | None:
         return None
     try:
         kv = await nc.jetstream(timeout=5).key_value(subjects.ATTEMPTS_BUCKET)
-        return AttemptRecord.from_bytes((await kv.get(f"{record.job_id}.{record.attempt}")).value)
+        return await Store(kv, AttemptRecord).get(attempt_key(record.job_id, record.attempt))
     except (NotFoundError, KeyNotFoundError):
         return None
 
