@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 DETACH = b"detach\n"
@@ -56,15 +57,18 @@ def _new_agent(pidfile: Path, old: int) -> bool:
     return pid != old and Path(f"/proc/{pid}").exists()
 
 
-def _remove_containers(home: str) -> None:
-    """The task containers of the agent whose work root is `home` (label muster.home)."""
+def _remove_containers(home: str, before: float) -> None:
+    """The task containers of the agent whose work root is `home` (label muster.home) created
+    before `before`: never one a newer agent has started since."""
     import docker
 
     client = docker.from_env(timeout=10)
     try:
         for c in client.containers.list(all=True, filters={"label": f"muster.home={home}"}):
-            with contextlib.suppress(docker.errors.DockerException):
-                c.remove(force=True)
+            created = datetime.fromisoformat(c.attrs["Created"][:26].rstrip("Z") + "+00:00").timestamp()
+            if created < before:
+                with contextlib.suppress(docker.errors.DockerException):
+                    c.remove(force=True)
     finally:
         client.close()
 
@@ -76,16 +80,18 @@ def main(argv: list[str]) -> None:
         said += chunk
     if DETACH in said:
         return
+    died = time.time()  # only what the dead agent started: a new agent may already run tasks
     if argv[0] == "process":
         from services.agent.process_runtime import kill_task, records
 
         for rec in records(Path(argv[1])):
-            kill_task(rec["name"])
+            if float(rec.get("since", 0)) < died:
+                kill_task(rec["name"])
     elif argv[0] == "docker":
         home, pidfile, wait = argv[1], Path(argv[2]), float(argv[3])
         time.sleep(wait)
         if not _new_agent(pidfile, agent):
-            _remove_containers(home)
+            _remove_containers(home, died)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +106,9 @@ class ProcessRuntime:
         record = None
         if self.state_dir:  # before the spawn: a task is never running without its record
             record = self.state_dir / f"{launch.name}.json"
-            record.write_text(json.dumps({"name": launch.name, "labels": launch.labels}))
+            record.write_text(
+                json.dumps({"name": launch.name, "labels": launch.labels, "since": time.time()})
+            )
         try:
             proc = await asyncio.create_subprocess_exec(
                 "/bin/sh",
