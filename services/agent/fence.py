@@ -80,16 +80,19 @@ def main(argv: list[str]) -> None:
         said += chunk
     if DETACH in said:
         return
-    died = time.time()  # only what the dead agent started: a new agent may already run tasks
+    died = time.time()
     if argv[0] == "process":
         from services.agent.process_runtime import kill_task, records
 
+        # Only what the dead agent started: a new agent may already run tasks (this fence may
+        # read the end of its pipe late, on a loaded machine).
         for rec in records(Path(argv[1])):
-            if float(rec.get("since", 0)) < died:
+            if rec.get("agent", agent) == agent:
                 kill_task(rec["name"])
     elif argv[0] == "docker":
         home, pidfile, wait = argv[1], Path(argv[2]), float(argv[3])
         time.sleep(wait)
+        # A new agent writes its pid file before it adopts or starts anything.
         if not _new_agent(pidfile, agent):
             _remove_containers(home, died)
 

@@ -20,7 +20,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -106,8 +105,9 @@ class ProcessRuntime:
         record = None
         if self.state_dir:  # before the spawn: a task is never running without its record
             record = self.state_dir / f"{launch.name}.json"
+            # Which agent started it: a dead agent's fence kills its tasks, never a new agent's.
             record.write_text(
-                json.dumps({"name": launch.name, "labels": launch.labels, "since": time.time()})
+                json.dumps({"name": launch.name, "labels": launch.labels, "agent": os.getpid()})
             )
         try:
             proc = await asyncio.create_subprocess_exec(
