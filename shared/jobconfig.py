@@ -9,7 +9,7 @@ checked by the validator service, not here.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeGuard
 
 from pydantic import (
     BaseModel,
@@ -20,6 +20,7 @@ from pydantic import (
     ValidationInfo,
     field_validator,
 )
+from pydantic_core import ErrorDetails
 
 # Names end up in container names, NATS subjects, KV keys and paths: letters, digits, '_' and '-'.
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
@@ -179,7 +180,7 @@ _TYPE_NAMES = {
 }
 
 
-def _reason(err: dict[str, Any]) -> str:
+def _reason(err: ErrorDetails) -> str:
     kind, ctx, value = err["type"], err.get("ctx") or {}, err.get("input")
     if kind == "missing":
         return "required"
@@ -307,7 +308,7 @@ def _cross_field_errors(data: dict[str, Any]) -> list[FieldError]:
     return errors
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 

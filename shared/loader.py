@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 from yaml.composer import ComposerError
+from yaml.error import Mark
 
 MAX_CONFIG_BYTES = 1024 * 1024
 MAX_YAML_ALIASES = 100
@@ -140,22 +141,25 @@ class _BoundedLoader(yaml.SafeLoader):
         self.path: list[str] = []
 
     def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
-        event = self.peek_event()
+        # types-PyYAML leaves Parser.peek_event unannotated; it returns the next event.
+        event: yaml.Event = self.peek_event()  # type: ignore[no-untyped-call]
         if parent is not None and index is not None:  # a list item, or a mapping's value
             key = index.value if isinstance(index, yaml.ScalarNode) else "?"
             self.path.append(f"[{index}]" if isinstance(index, int) else f".{key}")
         try:
             node = super().compose_node(parent, index)
+            # Composer.compose_node always returns a node; the stubs type it `Node | None`.
+            assert node is not None
         finally:
             if parent is not None and index is not None:
                 self.path.pop()
         if isinstance(event, yaml.AliasEvent):
             self.aliases += 1
             if self.aliases > MAX_YAML_ALIASES:
-                raise ComposerError(None, None, f"more than {MAX_YAML_ALIASES} aliases", event.start_mark)
+                raise ComposerError(None, None, f"more than {MAX_YAML_ALIASES} aliases", _mark(event))
             if id(node) not in self.sizes:
                 raise ComposerError(
-                    None, None, "an alias inside the node it refers to (recursive)", event.start_mark
+                    None, None, "an alias inside the node it refers to (recursive)", _mark(event)
                 )
             return node
         size = _expanded_size(node, self.sizes)
@@ -164,13 +168,14 @@ class _BoundedLoader(yaml.SafeLoader):
                 None,
                 None,
                 f"aliases expand the config past {MAX_CONFIG_BYTES} bytes (1 MiB)",
-                event.start_mark,
+                _mark(event),
             )
         self.sizes[id(node)] = size
         return node
 
-    def compose_mapping_node(self, anchor: str | None) -> yaml.MappingNode:
-        node = super().compose_mapping_node(anchor)
+    # types-PyYAML types `anchor` as dict[Any, Node]; PyYAML passes the anchor's name (str | None).
+    def compose_mapping_node(self, anchor: str | None) -> yaml.MappingNode:  # type: ignore[override]
+        node = super().compose_mapping_node(anchor)  # type: ignore[arg-type]
         seen: set[tuple[str, str]] = set()
         for key, _ in node.value:
             if isinstance(key, yaml.ScalarNode):
@@ -184,6 +189,13 @@ class _BoundedLoader(yaml.SafeLoader):
                     )
                 seen.add((key.tag, key.value))
         return node
+
+
+def _mark(event: yaml.Event) -> Mark | None:
+    """The event's start mark. SafeLoader's pure-Python parser makes only yaml.error.Mark; the
+    stubs also allow libyaml's Mark, which ComposerError's stubs do not take."""
+    mark = event.start_mark
+    return mark if isinstance(mark, Mark) else None
 
 
 def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
