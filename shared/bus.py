@@ -125,6 +125,23 @@ async def connect(
     return nc
 
 
+# Every stream and bucket `ensure_jetstream` declares (buckets: history, TTL in seconds or 0).
+STREAMS = (
+    subjects.SUBMISSIONS_STREAM,
+    subjects.EVENTS_STREAM,
+    subjects.COMMANDS_STREAM,
+    subjects.LOGS_STREAM,
+)
+BUCKETS: dict[str, tuple[int, float]] = {
+    subjects.JOBS_BUCKET: (5, 0),
+    subjects.JOB_NAMES_BUCKET: (1, 0),
+    subjects.NODES_BUCKET: (1, 0),
+    subjects.ATTEMPTS_BUCKET: (5, 0),
+    subjects.RENDEZVOUS_BUCKET: (1, 0),
+    subjects.LEASES_BUCKET: (1, LEASE_TTL),
+}
+
+
 async def ensure_jetstream(nc: NATS) -> tuple[JetStreamContext, dict[str, KeyValue]]:
     """Create (or update) every stream and bucket. Returns the JetStream context and the buckets."""
     js = nc.jetstream(timeout=5)
@@ -183,14 +200,7 @@ async def ensure_jetstream(nc: NATS) -> tuple[JetStreamContext, dict[str, KeyVal
         ),
     )
     buckets = {}
-    for bucket, history, ttl in (
-        (subjects.JOBS_BUCKET, 5, 0),
-        (subjects.JOB_NAMES_BUCKET, 1, 0),
-        (subjects.NODES_BUCKET, 1, 0),
-        (subjects.ATTEMPTS_BUCKET, 5, 0),
-        (subjects.RENDEZVOUS_BUCKET, 1, 0),
-        (subjects.LEASES_BUCKET, 1, LEASE_TTL),
-    ):
+    for bucket, (history, ttl) in BUCKETS.items():
         buckets[bucket] = await _ensure_bucket(js, bucket, history, r, ttl)
     return js, buckets
 
@@ -234,20 +244,6 @@ async def open_jetstream(nc: NATS, wait: float = 0.0) -> tuple[JetStreamContext,
     change one (a client's environment must not reshape a cluster's settings). Waits up to
     `wait` seconds for services that are starting; then raises `NotSetUp` naming what is missing."""
     js = nc.jetstream(timeout=5)
-    streams = (
-        subjects.SUBMISSIONS_STREAM,
-        subjects.EVENTS_STREAM,
-        subjects.COMMANDS_STREAM,
-        subjects.LOGS_STREAM,
-    )
-    buckets = (
-        subjects.JOBS_BUCKET,
-        subjects.JOB_NAMES_BUCKET,
-        subjects.NODES_BUCKET,
-        subjects.ATTEMPTS_BUCKET,
-        subjects.RENDEZVOUS_BUCKET,
-        subjects.LEASES_BUCKET,
-    )  # the same as ensure_jetstream declares
     u = nc.connected_url
     server = f"{u.scheme}://{u.hostname}:{u.port}" if u else "NATS"
     loop = asyncio.get_running_loop()
@@ -255,11 +251,11 @@ async def open_jetstream(nc: NATS, wait: float = 0.0) -> tuple[JetStreamContext,
     while True:
         what = ""
         try:
-            for name in streams:
+            for name in STREAMS:
                 what = f"stream {name}"
                 await js.stream_info(name)
             found = {}
-            for name in buckets:
+            for name in BUCKETS:
                 what = f"bucket {name}"
                 found[name] = await js.key_value(name)
             return js, found
