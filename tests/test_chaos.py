@@ -3,7 +3,10 @@ replicas of every service and three agents with declared GPUs, while a loop SIGK
 random services and agents every couple of seconds — agents sometimes staying down longer than
 the node timeout. Every job must reach the final state its commands imply with exact retry
 counts, no GPU may be held by two tasks at once (checked from what the tasks themselves record),
-no two attempts of a job may overlap, and no process of a finished job may remain."""
+no two attempts of a job may overlap, and no process of a finished job may remain.
+
+Its verdict must not change under load: before calling a fault fix done, run it (with
+tests/test_trust.py and tests/test_lifecycle.py) beside two `yes >/dev/null` processes, twice."""
 
 from __future__ import annotations
 
