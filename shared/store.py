@@ -60,9 +60,6 @@ class Store(Generic[M]):
         except KeyWrongLastSequenceError:
             return False
 
-    async def put(self, key: str, record: M) -> None:
-        await self.kv.put(key, record.to_bytes())
-
     async def update(self, key: str, change: Callable[[M], M | None]) -> M | None:
         """Read-modify-write with the revision read, retried until no other writer got in
         between. `change` returns the new record, or None to leave it as it is. Returns the

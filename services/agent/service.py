@@ -24,7 +24,7 @@ import os
 import re
 import uuid
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +142,7 @@ class Agent:
 
     # ------------------------------------------------------------ lifecycle
 
-    def info(self, restarting_until=None) -> NodeInfo:
+    def info(self, restarting_until: datetime | None = None) -> NodeInfo:
         o = self.opts
         return NodeInfo(
             node=o.node,
@@ -157,6 +157,10 @@ class Agent:
             drained=self.drained,
         )
 
+    async def _write_node(self, restarting_until: datetime | None = None) -> None:
+        """(Re)write the node record: registration, heartbeat, drain, restart announcement."""
+        await self.nodes.put(self.opts.node, self.info(restarting_until).to_bytes())
+
     async def run(self, stop: asyncio.Event) -> None:
         # Reconcile before the node record is (re)written, so nothing new is placed here meanwhile.
         pidfile = Path(self.opts.work_root) / "agent.pid"
@@ -166,7 +170,7 @@ class Agent:
         # From here on, tasks do not outlive this agent unless it detaches on purpose.
         self.runtime.start_fence(self.opts.work_root, str(pidfile), 0.6 * bus.node_timeout())
         self.reporter.start()
-        await self.nodes.put(self.opts.node, self.info().to_bytes())
+        await self._write_node()
         await self.js.publish(subjects.node_event(self.opts.node, "registered"), self.info().to_bytes())
         self.log.info(
             "agent.registered",
@@ -196,7 +200,7 @@ class Agent:
         self.tasks.detach()
         until = now() + timedelta(seconds=self.opts.restart_grace)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.nodes.put(self.opts.node, self.info(until).to_bytes()), 5)
+            await asyncio.wait_for(self._write_node(until), 5)
         await self.reporter.flush(5)
         self.log.info("agent.detached", tasks=len(self.tasks.live), restart_grace=self.opts.restart_grace)
 
@@ -218,7 +222,7 @@ class Agent:
                     # before the node looks alive again and gets new work.
                     self.log.warning("agent.back_after_silence", seconds=round(loop.time() - last_beat, 1))
                     await self.reconciler.stop_obsolete(wait=True)
-                await self.nodes.put(self.opts.node, self.info().to_bytes())
+                await self._write_node()
                 last_beat = loop.time()
                 if failing:
                     self.log.info("agent.heartbeat_restored")
@@ -360,7 +364,7 @@ class Agent:
         """Stop every task here on purpose and take no new work (or, with `undo`, take it again).
         The node record says so at once, so the scheduler places nothing here meanwhile."""
         self.drained = not order.undo
-        await self.nodes.put(self.opts.node, self.info().to_bytes())
+        await self._write_node()
         self.log.warning("agent.drain", undo=order.undo, by=order.by, tasks=len(self.tasks.live))
         if self.drained:
             await self.tasks.stop_all(f"node {self.opts.node} drained by {order.by}", order.grace)

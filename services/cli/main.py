@@ -27,7 +27,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import DeliverPolicy
-from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from services.agent.config import add_agent_arguments
 from shared import bus, client, logs, subjects
@@ -287,16 +287,11 @@ async def attempts_of(nc: NATS, record: JobRecord) -> list[AttemptRecord]:
 async def all_jobs(nc: NATS) -> list[JobRecord]:
     js = nc.jetstream(timeout=5)
     try:
-        jobs = await js.key_value(subjects.JOBS_BUCKET)
-        keys = await jobs.keys()
-    except (NotFoundError, NoKeysError):
+        jobs = Store(await js.key_value(subjects.JOBS_BUCKET), JobRecord)
+    except NotFoundError:
         return []
-    records = []
-    store = Store(jobs, JobRecord)  # a record that does not decode is skipped, not fatal
-    for key in keys:
-        record = await store.get(key)
-        if record is not None:
-            records.append(record)
+    # A record that does not decode is skipped, not fatal.
+    records = [record async for _, record in jobs.items()]
     return sorted(records, key=lambda r: r.submitted_at)
 
 
