@@ -10,7 +10,9 @@ import asyncio
 import contextlib
 import os
 import re
+import weakref
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import nats
@@ -37,7 +39,7 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
-from shared import subjects
+from shared import auth, subjects
 
 M = TypeVar("M")
 DEFAULT_URL = "nats://127.0.0.1:4222"
@@ -72,12 +74,23 @@ async def connect(
     *,
     connect_timeout: float | None = None,
     quiet: bool = False,
+    credentials: auth.Credentials | None = None,
 ) -> NATS:
     """Connect to `url`, a comma-separated list of servers (any one will do), retrying the first
     connection for up to `connect_timeout` seconds (default MUSTER_CONNECT_TIMEOUT, 30: services
     wait for NATS to come up), then reconnect forever. Each disconnect and reconnect is logged;
-    raises `ConnectionError` naming the URLs tried if never connected."""
+    raises `ConnectionError` naming the URLs tried if never connected.
+
+    `credentials` (default: the file MUSTER_CREDENTIALS names, if set) authenticate as an nkey
+    identity, whose replies come to its own inbox prefix; TLS is used when MUSTER_TLS_CA is set
+    (see `tls_context`). A server's refusals (permission violations) are logged and kept in
+    `refusals(nc)`."""
     url = url or nats_url()
+    if credentials is None:
+        try:
+            credentials = auth.from_env()
+        except auth.AuthError as exc:
+            raise ConnectionError(str(exc)) from None
     servers = [s.strip() for s in url.split(",") if s.strip()]
     if connect_timeout is None:
         connect_timeout = float(os.environ.get("MUSTER_CONNECT_TIMEOUT", "30"))
@@ -94,9 +107,22 @@ async def connect(
         if not quiet:
             logger.info("nats.reconnected")
 
+    refused: list[str] = []
+
     async def error(exc: Exception) -> None:
+        text = str(exc) or type(exc).__name__
+        if "permissions violation" in text.lower() or "authorization" in text.lower():
+            refused.append(text)
+            del refused[:-20]
         if not quiet:
-            logger.warning("nats.error", error=str(exc) or type(exc).__name__)
+            logger.warning("nats.error", error=text)
+
+    secure: dict[str, Any] = {}
+    if credentials is not None:
+        secure.update(nkeys_seed_str=credentials.seed, inbox_prefix=credentials.inbox)
+    tls = tls_context()
+    if tls is not None:
+        secure["tls"] = tls
 
     # With unlimited reconnects nats-py retries the first connection forever: bound it here.
     try:
@@ -113,16 +139,49 @@ async def connect(
                 reconnected_cb=reconnected,
                 error_cb=error,
                 allow_reconnect=True,
+                **secure,
             ),
             connect_timeout,
         )
     except TimeoutError:
-        raise ConnectionError(f"cannot reach NATS at {shown(url)} within {connect_timeout:g}s") from None
+        why = f"; refused: {refused[-1]}" if refused else ""
+        raise ConnectionError(f"cannot reach NATS at {shown(url)} within {connect_timeout:g}s{why}") from None
     except nats.errors.Error as exc:  # a URL nats-py cannot use
         why = str(exc).removeprefix("nats: ")
         raise ConnectionError(f"cannot use NATS URL {shown(url)!r}: {why}") from None
     client.append(nc)
+    _IDENTITY[nc] = (credentials, refused)
     return nc
+
+
+_IDENTITY: weakref.WeakKeyDictionary[NATS, tuple[auth.Credentials | None, list[str]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def identity(nc: NATS) -> auth.Credentials | None:
+    """The credentials `nc` connected with (None: an open bus, no authentication)."""
+    return _IDENTITY.get(nc, (None, []))[0]
+
+
+def refusals(nc: NATS) -> list[str]:
+    """The server's latest refusals of what `nc` tried (permission violations), oldest first."""
+    return _IDENTITY.get(nc, (None, []))[1]
+
+
+def tls_context() -> Any:
+    """TLS for clients when MUSTER_TLS_CA names the CA that signed the servers' certificates;
+    MUSTER_TLS_CERT and MUSTER_TLS_KEY add a client certificate (for servers that verify them)."""
+    ca = os.environ.get("MUSTER_TLS_CA")
+    if not ca:
+        return None
+    import ssl
+
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+    cert, key = os.environ.get("MUSTER_TLS_CERT"), os.environ.get("MUSTER_TLS_KEY")
+    if cert:
+        context.load_cert_chain(cert, key or None)
+    return context
 
 
 # Every stream and bucket `ensure_jetstream` declares (buckets: history, TTL in seconds or 0).
@@ -138,6 +197,7 @@ BUCKETS: dict[str, tuple[int, float]] = {
     subjects.NODES_BUCKET: (1, 0),
     subjects.ATTEMPTS_BUCKET: (5, 0),
     subjects.RENDEZVOUS_BUCKET: (1, 0),
+    subjects.SECRETS_BUCKET: (1, 0),
     subjects.LEASES_BUCKET: (1, LEASE_TTL),
 }
 
@@ -156,6 +216,7 @@ async def ensure_jetstream(nc: NATS) -> tuple[JetStreamContext, dict[str, KeyVal
             max_msg_size=-1,
             duplicate_window=120,
             num_replicas=r,
+            allow_direct=True,
             description="User requests: job submissions (validator) and kill requests (supervisor)",
         ),
     )
@@ -170,6 +231,7 @@ async def ensure_jetstream(nc: NATS) -> tuple[JetStreamContext, dict[str, KeyVal
             max_age=30 * 24 * 3600,
             duplicate_window=120,
             num_replicas=r,
+            allow_direct=True,
             description="Audit trail: submission verdicts and every job's history",
         ),
     )
@@ -196,6 +258,7 @@ async def ensure_jetstream(nc: NATS) -> tuple[JetStreamContext, dict[str, KeyVal
             max_age=7 * 24 * 3600,
             max_bytes=LOGS_MAX_BYTES,
             num_replicas=r,
+            allow_direct=True,
             description="Task output, one subject per task: outlives containers and retries",
         ),
     )
@@ -221,18 +284,45 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
 
 
 async def _ensure_bucket(js: JetStreamContext, bucket: str, history: int, r: int, ttl: float) -> KeyValue:
+    """The bucket, created if missing. Reads go by direct get (`$JS.API.DIRECT.GET.<stream>.<key>`
+    names the key in the subject, so permissions can allow one key: an agent its own node's
+    record); a bucket made by an older Muster is switched to it."""
     try:
-        return await js.key_value(bucket)
+        kv = await js.key_value(bucket)
     except Exception:
-        pass
+        kv = None
+    if kv is not None:
+        if not kv._direct:
+            info = await js.stream_info(f"KV_{bucket}")
+            info.config.allow_direct = True
+            await js.update_stream(info.config)
+            kv = await js.key_value(bucket)
+        return kv
     try:
         return await js.create_key_value(
             KeyValueConfig(
-                bucket=bucket, history=history, replicas=r, storage=StorageType.FILE, ttl=ttl or None
+                bucket=bucket,
+                history=history,
+                replicas=r,
+                storage=StorageType.FILE,
+                ttl=ttl or None,
+                direct=True,
             )
         )
     except BadRequestError:
         return await js.key_value(bucket)  # another replica created it first
+
+
+async def setup(nc: NATS, wait: float | None = None) -> tuple[JetStreamContext, dict[str, KeyValue]]:
+    """A service's streams and buckets: declared (`ensure_jetstream`) on an open bus or by an
+    admin; otherwise looked up, waiting up to MUSTER_SETUP_WAIT (300 s) for an admin to declare
+    them (`muster up` and `muster admin init` do): no service identity may reshape them."""
+    ident = identity(nc)
+    if ident is None or ident.role == "admin":
+        return await ensure_jetstream(nc)
+    if wait is None:
+        wait = float(os.environ.get("MUSTER_SETUP_WAIT", "300"))
+    return await open_jetstream(nc, wait=wait)
 
 
 class NotSetUp(LookupError):
@@ -323,6 +413,12 @@ REJECTED = Counter(
     ["consumer", "why"],
 )
 MAX_DELIVERIES = int(os.environ.get("MUSTER_MAX_DELIVERIES", "10"))
+REFUSED = Counter(
+    "muster_claims_refused_total",
+    "Messages that decoded but claimed what their sender may not: another node's task, another "
+    "user's job, an attempt that does not exist, a heartbeat from the future or beyond belief",
+    ["kind"],
+)
 
 
 class Handling(Generic[M]):
@@ -408,6 +504,21 @@ class Handling(Generic[M]):
 def payload(model: Any) -> Callable[[Msg], Any]:
     """A `Handling` decoder: the message's payload as `model` (a `Message`)."""
     return lambda msg: model.from_bytes(msg.data)
+
+
+@dataclass(frozen=True)
+class Sent(Generic[M]):
+    """A message with who sent it: its subject's last token, which the server's permissions let
+    an authenticated identity set only to its own name (a node, a user, or PLATFORM)."""
+
+    by: str
+    subject: str
+    message: M
+
+
+def sent(model: Any) -> Callable[[Msg], Sent[Any]]:
+    """A `Handling` decoder: the payload as `model`, with its sender."""
+    return lambda msg: Sent(subjects.sender(msg.subject), msg.subject, model.from_bytes(msg.data))
 
 
 async def serve(sub: Any, handling: Handling[Any], stop: asyncio.Event, batch: int = 64) -> None:

@@ -1,52 +1,83 @@
-"""Client side of the submit protocol, used by the CLI and the tests (and by any program that
-submits jobs): publish a config to the submit subject and wait for that submission's verdict."""
+"""Client side of Muster's protocols, used by the CLI and the tests (and by any program that
+submits jobs): publish a config to the submit subject and wait for that submission's verdict;
+ask the gateway about jobs."""
 
 from __future__ import annotations
 
 import asyncio
+import getpass
 import hashlib
+import json
 import uuid
+from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
+from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import NotFoundError
 
 from shared import bus, subjects
+from shared.auth import NAME_RE
 from shared.messages import Verdict
 from shared.subjects import Headers
 
 
+def submitter(nc: NATS) -> str:
+    """Who `nc` submits as: its identity's name; on an open bus, this machine's user name."""
+    ident = bus.identity(nc)
+    if ident is not None:
+        return ident.name
+    try:
+        name = getpass.getuser()
+    except Exception:
+        return "anonymous"
+    return name if NAME_RE.match(name) else "anonymous"
+
+
+def asker(nc: NATS) -> str:
+    """Who `nc` asks the gateway as: a user sees its own jobs; an admin, or anyone on an open
+    bus (where nothing is enforced), every job."""
+    ident = bus.identity(nc)
+    return ident.name if ident is not None and ident.role != "admin" else subjects.ALL
+
+
 async def submit(
-    nc: NATS, data: bytes, *, user: str = "anonymous", timeout: float = 30.0, sid: str | None = None
+    nc: NATS, data: bytes, *, user: str | None = None, timeout: float = 30.0, sid: str | None = None
 ) -> tuple[str, Verdict | None]:
-    """Submit one config; returns (submission id, verdict or None if none came within `timeout`).
+    """Submit one config as `user` (default `submitter(nc)`: with authentication on, the server
+    lets an identity submit only as itself); returns (submission id, verdict or None if none
+    came within `timeout`).
 
     Raises `bus.NotSetUp` if Muster's streams are still missing after `timeout` (services
     starting): a client never creates or changes them.
     The verdict subscription is made before publishing, so another client's verdict is never
-    taken for ours and ours cannot be missed; the MUSTER_EVENTS stream is the fallback if it was
-    published while the connection was down."""
+    taken for ours and ours cannot be missed; the gateway's copy from the MUSTER_EVENTS stream
+    is the fallback if it was published while the connection was down."""
+    user = user or submitter(nc)
     sid = sid or uuid.uuid4().hex
     deadline = asyncio.get_running_loop().time() + timeout
-    sub = await nc.subscribe(subjects.verdict(sid))
+    sub = await nc.subscribe(subjects.verdict(user, sid))
     try:
-        await bus.open_jetstream(nc, wait=timeout)
+        if bus.identity(nc) is None:
+            await bus.open_jetstream(nc, wait=timeout)
         await nc.jetstream(timeout=10).publish(
-            subjects.SUBMIT,
+            subjects.submit(user),
             data,
             headers={
                 Headers.SUBMISSION_ID: sid,
-                Headers.USER: user,
-                Headers.MSG_ID: f"{sid}:{hashlib.sha256(data).hexdigest()[:16]}",
+                Headers.MSG_ID: f"{user}:{sid}:{hashlib.sha256(data).hexdigest()[:16]}",
             },
         )
-        return sid, await wait_verdict(nc, sub, sid, deadline - asyncio.get_running_loop().time())
+        return sid, await wait_verdict(nc, sub, sid, deadline - asyncio.get_running_loop().time(), user)
     finally:
         await sub.unsubscribe()
 
 
-async def wait_verdict(nc: NATS, sub: Subscription, sid: str, timeout: float) -> Verdict | None:
+async def wait_verdict(
+    nc: NATS, sub: Subscription, sid: str, timeout: float, user: str | None = None
+) -> Verdict | None:
+    user = user or submitter(nc)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while loop.time() < deadline:
@@ -55,18 +86,54 @@ async def wait_verdict(nc: NATS, sub: Subscription, sid: str, timeout: float) ->
             return Verdict.from_bytes(msg.data)
         except NatsTimeout:
             pass
-        verdict = await stored_verdict(nc, sid)
+        verdict = await stored_verdict(nc, sid, user)
         if verdict is not None:
             return verdict
     return None
 
 
-async def stored_verdict(nc: NATS, sid: str) -> Verdict | None:
+async def stored_verdict(nc: NATS, sid: str, user: str | None = None) -> Verdict | None:
+    """The verdict kept in MUSTER_EVENTS, read through the gateway (users may not read streams)."""
+    user = user or submitter(nc)
     try:
-        stored = await nc.jetstream(timeout=5).get_last_msg(subjects.EVENTS_STREAM, subjects.verdict(sid))
+        if bus.identity(nc) is None:
+            stored = await nc.jetstream(timeout=5).get_last_msg(
+                subjects.EVENTS_STREAM, subjects.verdict(user, sid), direct=True
+            )
+            return Verdict.from_bytes(stored.data)
+        answer = await ask(nc, "verdict", {"sid": sid}, user)
     except NotFoundError:
         return None
     except Exception:
-        await asyncio.sleep(0.2)  # reconnecting: the caller asks again
+        await asyncio.sleep(0.2)  # reconnecting, or the gateway is away: the caller asks again
         return None
-    return Verdict.from_bytes(stored.data)
+    return Verdict.model_validate(answer["verdict"]) if answer.get("verdict") else None
+
+
+class Refused(Exception):
+    """The gateway (or the server) refused a question; `code` is the CLI's exit code."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+async def ask(
+    nc: NATS, verb: str, request: dict[str, Any] | None = None, who: str | None = None, timeout: float = 10.0
+) -> dict[str, Any]:
+    """Ask the gateway (as `who`, default `asker(nc)`); raises `Refused` with its reason, or
+    with the server's when this identity may not ask that, and `TimeoutError` if none answers."""
+    who = who or asker(nc)
+    try:
+        msg = await nc.request(subjects.api(who, verb), json.dumps(request or {}).encode(), timeout=timeout)
+    except NoRespondersError:
+        raise TimeoutError("no gateway answers (is `muster up`, or the gateway service, running?)") from None
+    except NatsTimeout:
+        refused = bus.refusals(nc)
+        if refused:
+            raise Refused(f"not allowed: {refused[-1].removeprefix('nats: ')}", 1) from None
+        raise TimeoutError(f"the gateway did not answer within {timeout:g}s") from None
+    answer = json.loads(msg.data)
+    if "error" in answer:
+        raise Refused(answer["error"], int(answer.get("code", 2)))
+    return dict(answer)

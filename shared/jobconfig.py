@@ -360,3 +360,28 @@ def _kind(value: Any) -> str:
         float: "a number",
         type(None): "null",
     }.get(type(value), type(value).__name__)
+
+
+REDACTED = "***"
+
+
+def split_secrets(config: JobConfig) -> tuple[JobConfig, dict[str, EnvValue]]:
+    """The config with every secret-looking jobEnvs value (see shared/secrets.py) replaced by
+    REDACTED, and those values apart: records, events and views get the first, only the task's
+    environment the second."""
+    if not config.jobEnvs:
+        return config, {}
+    from shared.secrets import is_secret
+
+    hidden = {k: v for k, v in config.jobEnvs.items() if is_secret(k)}
+    if not hidden:
+        return config, {}
+    shown = {k: (REDACTED if k in hidden else v) for k, v in config.jobEnvs.items()}
+    return config.model_copy(update={"jobEnvs": shown}), hidden
+
+
+def with_secrets(config: JobConfig, hidden: dict[str, EnvValue]) -> JobConfig:
+    """The config a task gets: REDACTED values put back."""
+    if not hidden:
+        return config
+    return config.model_copy(update={"jobEnvs": {**config.jobEnvs, **hidden}})

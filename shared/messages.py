@@ -7,7 +7,7 @@ publish the JSON they wrote, with metadata in headers (see `shared.subjects.Head
 from __future__ import annotations
 
 import hashlib
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any, Self
 
@@ -45,9 +45,10 @@ class JobState(StrEnum):
         return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED)
 
 
-def job_id_for(submission_id: str) -> str:
-    """Job ids are derived from the submission id, so a redelivered submission maps to the same job."""
-    return "j" + hashlib.sha256(submission_id.encode()).hexdigest()[:12]
+def job_id_for(user: str, submission_id: str) -> str:
+    """Job ids are derived from the submitter and the submission id, so a redelivered submission
+    maps to the same job, and one user's submission id never names another user's job."""
+    return "j" + hashlib.sha256(f"{user}/{submission_id}".encode()).hexdigest()[:12]
 
 
 class Verdict(Message):
@@ -55,6 +56,7 @@ class Verdict(Message):
 
     submission_id: str
     accepted: bool
+    user: str = ""  # who submitted it (the verdict's subject names them too)
     job_id: str | None = None
     job_name: str | None = None
     errors: list[FieldError] = Field(default_factory=list)
@@ -132,6 +134,31 @@ class NodeInfo(Message):
     # not lost before this time even without heartbeats.
     restarting_until: datetime | None = None
     drained: bool = False  # an operator drained it: its tasks were stopped, it takes no new work
+
+
+# What no node record may claim (beyond: a forged or broken record, refused).
+MAX_NODE_GPUS = 64
+MAX_NODE_CPUS = 4096
+MAX_NODE_MEMORY_MB = 64 * 1024 * 1024  # 64 TiB
+CLOCK_SKEW = timedelta(seconds=30)
+
+
+def node_refusal(key: str, info: NodeInfo, at: datetime | None = None) -> str | None:
+    """Why a node record is not to be believed, or None: it must be stored under its own node's
+    name (which only that node's agent may write), beat no later than now (give or take
+    CLOCK_SKEW), and claim capacity a machine can have."""
+    at = at or now()
+    if key != info.node:
+        return f"record {key} claims to be node {info.node}"
+    if info.heartbeat_at > at + CLOCK_SKEW or info.started_at > at + CLOCK_SKEW:
+        return f"heartbeat from the future ({info.heartbeat_at.isoformat()})"
+    if not 1 <= info.cpus <= MAX_NODE_CPUS or not 1 <= info.memory_mb <= MAX_NODE_MEMORY_MB:
+        return f"impossible capacity: {info.cpus} CPUs, {info.memory_mb} MB"
+    if len(info.gpus) > MAX_NODE_GPUS or len({g.index for g in info.gpus}) != len(info.gpus):
+        return f"impossible GPUs: {len(info.gpus)}, indices {sorted(g.index for g in info.gpus)[:8]}…"
+    if any(g.index < 0 for g in info.gpus):
+        return "impossible GPUs: a negative index"
+    return None
 
 
 class TaskSpec(BaseModel):
@@ -405,3 +432,19 @@ class KillRequest(Message):
     user: str = "anonymous"
     grace: float = 10.0
     at: datetime = Field(default_factory=now)
+
+
+class Question(Message):
+    """A user's question to the gateway, on `muster.api.<user>.<verb>` (request/reply): which
+    fields matter depends on the verb (jobs: none; job: ref; verdict: sid; logs: job_id, attempt,
+    task, after, limit). The answer is JSON: the result, or {"error", "code"}."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ref: str | None = Field(default=None, max_length=128)  # a job id or name
+    sid: str | None = Field(default=None, max_length=64)  # a submission id
+    job_id: str | None = Field(default=None, max_length=128)
+    attempt: int | None = Field(default=None, ge=1)
+    task: str | None = Field(default=None, max_length=140)  # ROLE or ROLE.INDEX
+    after: int = Field(default=0, ge=0)  # a MUSTER_LOGS stream sequence
+    limit: int = Field(default=1000, ge=1, le=10000)

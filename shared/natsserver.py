@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
+import os
 import shutil
 import signal
 import socket
@@ -57,7 +59,14 @@ class NatsServer:
         port: int | None = None,
         host: str = "127.0.0.1",
         log_file: str | Path | None = None,
+        auth_config: str | Path | None = None,
+        tls: dict[str, str] | None = None,
     ):
+        """`auth_config`: a file with the server's `authorization` block (see shared/auth.py),
+        included so that `reload()` picks up changes to it; `tls`: cert_file, key_file and
+        optionally ca_file (then clients must present certificates signed by it)."""
+        self.auth_config = Path(auth_config).resolve() if auth_config else None
+        self.tls = tls
         self.data_dir = Path(data_dir)
         self.host = host
         self.port = port or free_port()
@@ -66,7 +75,7 @@ class NatsServer:
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     def start(self, timeout: float = 10.0) -> NatsServer:
         if free_port(self.port, self.host) != self.port:
@@ -74,11 +83,17 @@ class NatsServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         config = self.data_dir / "nats-server.conf"
         # Submissions over 1 MiB must reach the validator to be rejected with a clear reason.
-        config.write_text(
+        text = (
             f'listen: "{self.host}:{self.port}"\n'
             "max_payload: 4MB\n"
             f'jetstream {{ store_dir: "{self.data_dir / "jetstream"}" }}\n'
         )
+        if self.auth_config:
+            # nats-server resolves an include relative to the including file
+            text += f'include "{os.path.relpath(self.auth_config, self.data_dir)}"\n'
+        if self.tls:
+            text += "tls " + json.dumps({**self.tls, "verify": "ca_file" in self.tls}) + "\n"
+        config.write_text(text)
         log = open(self.log_file, "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
             [binary(), "-c", str(config)], stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
@@ -93,6 +108,15 @@ class NatsServer:
             time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"nats-server did not listen on {self.url} within {timeout}s")
+
+    @property
+    def scheme(self) -> str:
+        return "tls" if self.tls else "nats"
+
+    def reload(self) -> None:
+        """Re-read the config (and the auth file it includes): new users, rotated keys."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGHUP)
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc and self.proc.poll() is None:

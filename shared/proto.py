@@ -47,7 +47,16 @@ PARAMETERS: dict[str, dict[str, Any]] = {
             f"of the submission ({SUBMISSION_ID_RE})."
         ),
     },
-    "jobId": {"description": "The job id, derived from the submission id ('j' + 12 hex digits)."},
+    "jobId": {
+        "description": "The job id, derived from the submitter and the submission id ('j' + 12 hex digits)."
+    },
+    "verb": {"description": "What the gateway is asked.", "enum": ["ping", "jobs", "job", "verdict", "logs"]},
+    "user": {
+        "description": (
+            "Who sends it (an identity's name; with authentication on, the server lets only that "
+            "identity publish under it)."
+        ),
+    },
     "kind": {
         "description": "What happened to the job.",
         "enum": [k.value for k in JobEventKind],

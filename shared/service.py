@@ -21,7 +21,7 @@ import prometheus_client
 import structlog
 from nats.aio.client import Client as NATS
 
-from shared import bus, logs
+from shared import auth, bus, logs
 
 NATS_CONNECTED = prometheus_client.Gauge(
     "muster_nats_connected", "1 while this service's NATS connection is up", ["service"]
@@ -87,11 +87,13 @@ async def run_service(
     url: str | None = None,
     metrics_port: int = 0,
     stop: asyncio.Event | None = None,
+    credentials: auth.Credentials | None = None,
 ) -> None:
-    """Connect, build and run one service until `stop` is set. Raises if the service fails."""
+    """Connect (as `credentials`, default MUSTER_CREDENTIALS), build and run one service until
+    `stop` is set. Raises if the service fails."""
     log = structlog.get_logger(service=name)
     stop = stop or asyncio.Event()
-    nc = await bus.connect(name, url)
+    nc = await bus.connect(name, url, credentials=credentials)
     server = None
     try:
         if metrics_port:

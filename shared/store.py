@@ -21,28 +21,37 @@ from pydantic import ValidationError
 from shared.messages import Message
 
 M = TypeVar("M", bound=Message)
-BAD_RECORDS = Counter("muster_bad_records_total", "KV records skipped because they do not decode", ["bucket"])
+BAD_RECORDS = Counter(
+    "muster_bad_records_total", "KV records skipped: they do not decode, or claim what cannot be", ["bucket"]
+)
 log = structlog.get_logger()
-_named: set[tuple[str, str]] = set()  # (bucket, key) already logged: each bad record is named once
+_named: set[tuple[str, str, str]] = set()  # (bucket, key, why) already logged: each is named once
 
 
 class Store(Generic[M]):
-    def __init__(self, kv: KeyValue, model: type[M]):
-        self.kv, self.model = kv, model
+    def __init__(self, kv: KeyValue, model: type[M], check: Callable[[str, M], str | None] | None = None):
+        """`check(key, record)`: why a record that decodes may still not be believed (a node
+        record from the future), or None; such records are skipped like undecodable ones."""
+        self.kv, self.model, self.check = kv, model, check
         self.bucket = kv._name
 
     def decode(self, key: str, data: bytes | None) -> M | None:
-        """The record, or None (counted and named once) when it does not decode."""
+        """The record, or None (counted and named once) when it does not decode or check."""
         if not data:
             return None
         try:
-            return self.model.model_validate_json(data)
+            record = self.model.model_validate_json(data)
+            why = self.check(key, record) if self.check else None
+            if why is None:
+                return record
+            error = f"not believed: {why}"
         except (ValidationError, ValueError) as exc:
-            BAD_RECORDS.labels(self.bucket).inc()
-            if (self.bucket, key) not in _named:
-                _named.add((self.bucket, key))
-                log.warning("store.bad_record", bucket=self.bucket, key=key, error=str(exc)[:200])
-            return None
+            error = str(exc)[:200]
+        BAD_RECORDS.labels(self.bucket).inc()
+        if (self.bucket, key, error) not in _named:
+            _named.add((self.bucket, key, error))
+            log.warning("store.bad_record", bucket=self.bucket, key=key, error=error)
+        return None
 
     async def get(self, key: str) -> M | None:
         """The record under `key`; None when there is none or it does not decode."""

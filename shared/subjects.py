@@ -24,15 +24,39 @@ from shared.messages import (
     KillOrder,
     KillRequest,
     NodeInfo,
+    Question,
     Rendezvous,
     TaskEvent,
     Verdict,
 )
 
-# Commands
-SUBMIT = "muster.job.submit"
-KILL = "muster.job.kill"
+# Commands. A user's requests carry the user's name as the last token: with authentication on,
+# the server lets an identity publish only under its own name, so the token is who sent it.
+SUBMIT_PREFIX = "muster.job.submit"
+KILL_PREFIX = "muster.job.kill"
+SUBMIT = SUBMIT_PREFIX + ".*"
+KILL = KILL_PREFIX + ".*"
 NODE_COMMANDS_PREFIX = "muster.node"
+API_PREFIX = "muster.api"
+ALL = "_all"  # the gateway's every-job view: only admins may ask (user names never start with "_")
+
+
+def submit(user: str) -> str:
+    return f"{SUBMIT_PREFIX}.{user}"
+
+
+def kill_request(user: str) -> str:
+    return f"{KILL_PREFIX}.{user}"
+
+
+def requester(subject: str) -> str:
+    """The identity a request subject names (its last token)."""
+    return subject.rsplit(".", 1)[-1]
+
+
+def api(user: str, verb: str) -> str:
+    """A question to the gateway, asked as `user` (ALL: as an admin, about every job)."""
+    return f"{API_PREFIX}.{user}.{verb}"
 
 
 def assign(node: str) -> str:
@@ -55,8 +79,8 @@ def node_commands(node: str) -> str:
 EVENTS_PREFIX = "muster.events"
 
 
-def verdict(submission_id: str) -> str:
-    return f"{EVENTS_PREFIX}.submission.{submission_id}"
+def verdict(user: str, submission_id: str) -> str:
+    return f"{EVENTS_PREFIX}.submission.{user}.{submission_id}"
 
 
 def job_event(job_id: str, kind: JobEventKind | str) -> str:
@@ -68,15 +92,27 @@ def job_events(job_id: str) -> str:
     return f"{EVENTS_PREFIX}.job.{job_id}.>"
 
 
-def task_event(job_id: str, attempt: int, role: str, index: int, kind: str) -> str:
-    return f"{EVENTS_PREFIX}.task.{job_id}.{attempt}.{role}.{index}.{kind}"
+# A task event's last token is the node that sent it (an agent may publish only its own), or
+# PLATFORM when the supervisor declares a task ended for a node that cannot (lost, never came).
+PLATFORM = "_platform"
 
 
-ENDPOINTS = f"{EVENTS_PREFIX}.task.*.*.*.*.endpoint"
-TASK_STATES = [f"{EVENTS_PREFIX}.task.*.*.*.*.running", f"{EVENTS_PREFIX}.task.*.*.*.*.exited"]
+def task_event(
+    job_id: str, attempt: int | str, role: str, index: int | str, kind: str, node: str = "*"
+) -> str:
+    return f"{EVENTS_PREFIX}.task.{job_id}.{attempt}.{role}.{index}.{kind}.{node}"
 
 
-def cluster_spec(job_id: str, attempt: int) -> str:
+ENDPOINTS = task_event("*", "*", "*", "*", "endpoint")
+TASK_STATES = [task_event("*", "*", "*", "*", "running"), task_event("*", "*", "*", "*", "exited")]
+
+
+def sender(subject: str) -> str:
+    """The node (or PLATFORM) a task event came from: its last token."""
+    return subject.rsplit(".", 1)[-1]
+
+
+def cluster_spec(job_id: str, attempt: int | str) -> str:
     return f"{EVENTS_PREFIX}.attempt.{job_id}.{attempt}.spec"
 
 
@@ -88,8 +124,11 @@ def node_event(node: str, kind: str) -> str:
 LOGS_PREFIX = "muster.logs"
 
 
-def task_logs(job_id: str, attempt: int | str = "*", role: str = "*", index: int | str = "*") -> str:
-    return f"{LOGS_PREFIX}.{job_id}.{attempt}.{role}.{index}"
+def task_logs(
+    job_id: str, attempt: int | str = "*", role: str = "*", index: int | str = "*", node: str = "*"
+) -> str:
+    """One task's output lines; the last token is the node that sent them."""
+    return f"{LOGS_PREFIX}.{job_id}.{attempt}.{role}.{index}.{node}"
 
 
 # JetStream
@@ -112,6 +151,14 @@ JOB_NAMES_BUCKET = "muster_job_names"
 NODES_BUCKET = "muster_nodes"
 ATTEMPTS_BUCKET = "muster_attempts"
 RENDEZVOUS_BUCKET = "muster_rendezvous"
+
+
+def name_key(user: str, job_name: str) -> str:
+    """A job name's claim in JOB_NAMES_BUCKET: names are unique per user, as in OpenPAI."""
+    return f"{user}.{job_name}"
+
+
+SECRETS_BUCKET = "muster_secrets"  # jobEnvs values whose names look secret, kept out of job records
 LEASES_BUCKET = "muster_leases"
 SCHEDULER_LEASE = "scheduler"
 
@@ -120,7 +167,6 @@ class Headers:
     """Headers on a submission. Only the payload (the job config) is required."""
 
     SUBMISSION_ID = "Muster-Submission-Id"
-    USER = "Muster-User"
     MSG_ID = "Nats-Msg-Id"  # JetStream de-duplication
 
 
@@ -139,32 +185,47 @@ class Channel:
 
 CHANNELS: dict[str, Channel] = {
     "jobSubmit": Channel(
-        address=SUBMIT,
-        parameters=(),
+        address=SUBMIT_PREFIX + ".{user}",
+        parameters=("user",),
         message=JobConfig,
         action="receive",
         description=(
-            "Submit a job: the payload is the job config (JSON, UTF-8, at most 1 MiB). Optional headers: "
-            f"{Headers.SUBMISSION_ID} (else the stream sequence is used), {Headers.USER}. "
+            "Submit a job as {user}: the payload is the job config (JSON, UTF-8, at most 1 MiB). With "
+            "authentication on, only identity {user} may publish here, and the job is {user}'s whatever "
+            f"the payload or headers say. Optional header: {Headers.SUBMISSION_ID} (else the stream "
+            "sequence). "
             "Captured by stream MUSTER_SUBMISSIONS (work queue) and validated by any validator replica."
         ),
     ),
     "jobKill": Channel(
-        address=KILL,
-        parameters=(),
+        address=KILL_PREFIX + ".{user}",
+        parameters=("user",),
         message=KillRequest,
         action="receive",
         description=(
-            "Stop a job: every task gets SIGTERM, then SIGKILL after the grace; the job becomes "
+            "Stop one of {user}'s jobs (an admin may send as anyone): every task gets SIGTERM, then "
+            "SIGKILL after the grace; the job becomes "
             "STOPPED and is not retried. Captured by stream MUSTER_SUBMISSIONS."
         ),
     ),
     "submissionVerdict": Channel(
-        address=EVENTS_PREFIX + ".submission.{submissionId}",
-        parameters=("submissionId",),
+        address=EVENTS_PREFIX + ".submission.{user}.{submissionId}",
+        parameters=("user", "submissionId"),
         message=Verdict,
         action="send",
         description="The verdict on one submission: accepted with a job id, or every error found.",
+    ),
+    "gatewayQuestion": Channel(
+        address=API_PREFIX + ".{user}.{verb}",
+        parameters=("user", "verb"),
+        message=Question,
+        action="receive",
+        description=(
+            "A question to the gateway, asked as {user} (only identity {user} may publish here; "
+            "_all: an admin, about every job), answered by request/reply with JSON: jobs (the asker's "
+            "jobs), job (one, with its attempts), verdict (of a submission), logs (a page of output "
+            "lines after a stream sequence), ping. Another user's job is answered as no such job."
+        ),
     ),
     "jobEvent": Channel(
         address=EVENTS_PREFIX + ".job.{jobId}.{kind}",
@@ -198,18 +259,21 @@ CHANNELS: dict[str, Channel] = {
         ),
     ),
     "taskEndpoint": Channel(
-        address=EVENTS_PREFIX + ".task.{jobId}.{attempt}.{role}.{index}.endpoint",
-        parameters=("jobId", "attempt", "role", "index"),
+        address=EVENTS_PREFIX + ".task.{jobId}.{attempt}.{role}.{index}.endpoint.{node}",
+        parameters=("jobId", "attempt", "role", "index", "node"),
         message=EndpointReported,
         action="send",
         description="An agent reserved this task's ports: its address, before the task starts.",
     ),
     "taskState": Channel(
-        address=EVENTS_PREFIX + ".task.{jobId}.{attempt}.{role}.{index}.{taskEvent}",
-        parameters=("jobId", "attempt", "role", "index", "taskEvent"),
+        address=EVENTS_PREFIX + ".task.{jobId}.{attempt}.{role}.{index}.{taskEvent}.{node}",
+        parameters=("jobId", "attempt", "role", "index", "taskEvent", "node"),
         message=TaskEvent,
         action="send",
-        description="A task started running, or exited (exit code, last lines of output).",
+        description=(
+            "A task started running, or exited (exit code, last lines of output), from {node}: the node "
+            "it was placed on (only that node's agent may publish it), or _platform (the supervisor)."
+        ),
     ),
     "clusterSpec": Channel(
         address=EVENTS_PREFIX + ".attempt.{jobId}.{attempt}.spec",

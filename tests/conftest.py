@@ -99,7 +99,13 @@ def procs(nats_url: str, tmp_path: Path) -> Iterator[Procs]:
     p.stop_all()
 
 
-CORE = ("services.validator", "services.scheduler", "services.registry", "services.supervisor")
+CORE = (
+    "services.validator",
+    "services.scheduler",
+    "services.registry",
+    "services.supervisor",
+    "services.gateway",
+)
 
 
 class Cluster(Procs):

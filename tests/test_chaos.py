@@ -27,7 +27,13 @@ from shared.messages import AttemptRecord, FailureKind, JobRecord, JobState
 from tests.conftest import Cluster
 from tests.test_jobs import role
 
-SERVICES = ("services.validator", "services.scheduler", "services.registry", "services.supervisor")
+SERVICES = (
+    "services.validator",
+    "services.scheduler",
+    "services.registry",
+    "services.supervisor",
+    "services.gateway",
+)
 JOBS = int(os.environ.get("MUSTER_CHAOS_JOBS", "50"))
 NODE_TIMEOUT = 5.0
 AGENTS = {

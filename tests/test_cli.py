@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from services.cli.mesh import local_identity
 from shared import bus, subjects
 from shared.messages import JobRecord, JobState
 from shared.natsserver import free_port
@@ -199,7 +200,7 @@ async def test_submit_wait_follows_the_job_to_its_final_state(mesh, tmp_path):
     first = waiter.stdout.readline().split()
     assert first[1:] == ["cli-demo", "accepted"], first
     # Stand in for the services of later issues: finish the job in the store.
-    nc = await bus.connect("test", env["MUSTER_NATS_URL"])
+    nc = await bus.connect("test", env["MUSTER_NATS_URL"], credentials=local_identity(env["MUSTER_NATS_URL"]))
     kv = await nc.jetstream().key_value(subjects.JOBS_BUCKET)
     entry = await kv.get(first[0])
     record = JobRecord.from_bytes(entry.value)

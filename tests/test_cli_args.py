@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -10,7 +11,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from shared import bus, subjects
+from shared import bus, client, subjects
 from shared.jobconfig import check_job
 from shared.messages import JobRecord, JobState
 from shared.natsserver import free_port
@@ -56,8 +57,9 @@ def test_a_bad_argument_gets_one_line_naming_it_and_exit_2(args, named, tmp_path
 
 
 @pytest.fixture
-async def one_job(nats_url):
-    """A job record at attempt 1 in a bus the services declared (no service needs to run)."""
+async def one_job(nats_url, procs):
+    """A job record at attempt 1 in a bus the services declared (only the gateway runs)."""
+    procs.start("services.gateway")
     nc = await bus.connect("test", nats_url)
     js, buckets = await bus.ensure_jetstream(nc)
     config, errors = check_job(
@@ -75,7 +77,13 @@ async def one_job(nats_url):
         attempt=1,
     )
     await buckets[subjects.JOBS_BUCKET].put("j1", record.to_bytes())
-    await js.publish(subjects.task_logs("j1", 1, "worker", 1), b"hello from worker 1")
+    await js.publish(subjects.task_logs("j1", 1, "worker", 1, "n1"), b"hello from worker 1")
+    for _ in range(100):  # the gateway answers once it has started
+        try:
+            await client.ask(nc, "ping", timeout=0.5)
+            break
+        except TimeoutError:
+            await asyncio.sleep(0.2)
     yield _env(nats_url)
     await nc.close()
 

@@ -36,7 +36,7 @@ async def test_a_cli_call_leaves_the_logs_stream_and_its_logs_alone(nats_url, tm
     try:
         js, _ = await bus.ensure_jetstream(nc)  # what every service does when it starts
         for i in range(5):
-            await js.publish(subjects.task_logs("j1", 1, "main", 0), f"line {i} ".encode() * 100)
+            await js.publish(subjects.task_logs("j1", 1, "main", 0, "n1"), f"line {i} ".encode() * 100)
         before = await js.stream_info(subjects.LOGS_STREAM)
 
         path = write(tmp_path, "j.json", json.dumps(VALID))
@@ -51,7 +51,7 @@ async def test_a_cli_call_leaves_the_logs_stream_and_its_logs_alone(nats_url, tm
         await nc.close()
 
 
-async def test_on_a_bare_nats_the_cli_says_what_is_missing_and_creates_nothing(nats_url, tmp_path):
+async def test_on_a_bare_nats_the_cli_says_what_is_missing_and_creates_nothing(nats_url, tmp_path, procs):
     env = _env(nats_url)
     path = write(tmp_path, "j.json", json.dumps(VALID))
     for args in (("status",), ("submit", path), ("kill", "x"), ("logs", "x")):
@@ -73,7 +73,8 @@ async def test_on_a_bare_nats_the_cli_says_what_is_missing_and_creates_nothing(n
         assert r.returncode == 0, r.stderr
         info = await nc.jetstream().stream_info(subjects.LOGS_STREAM)
         assert info.config.max_bytes == 4096
-        r = muster("status", env=env)
+        procs.start("services.gateway")  # what answers users' questions
+        r = muster("status", "--connect-timeout", "20", env=env)
         assert (r.returncode, r.stdout.strip()) == (0, "no jobs"), r.stderr
     finally:
         await nc.close()

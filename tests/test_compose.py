@@ -1,7 +1,8 @@
 """End to end: the services image (deploy/build-image.sh) and docker-compose.yml.
 
-Builds muster/muster, brings up the compose project without the agent (3 NATS servers, two
-replicas of every service), submits through nats-1's published port, checks the job waits for
+Builds muster/muster, brings up the compose project without the agent (3 NATS servers with
+authentication on, two replicas of every service), submits as the stack's admin through nats-1's
+published port, checks the job waits for
 nodes, then kills a validator and submits again; and scales the demo agent to 3 (one host network)
 and sees 3 distinct nodes alive, also with nats-1 stopped. Needs a Docker engine and Compose (v2's
 `docker compose` or Debian's `docker-compose`); skipped without them."""
@@ -23,14 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from shared import bus, client, subjects
+from shared import auth, bus, client, subjects
 from shared.messages import JobRecord, JobState, NodeInfo, Verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 # Everything but the agent (host network, Docker socket): replicas expected of each.
 EXPECTED = {"nats-1": 1, "nats-2": 1, "nats-3": 1}
-EXPECTED.update(validator=2, scheduler=2, registry=2, supervisor=2)
+EXPECTED.update(validator=2, scheduler=2, registry=2, supervisor=2, gateway=2)
 
 pytestmark = pytest.mark.docker
 
@@ -93,6 +94,12 @@ class Stack:
     env: dict[str, str]
     url: str  # nats-1
     urls: str  # every NATS server, as a client's MUSTER_NATS_URL
+    auth: Path  # the identities the `keys` service made
+
+    async def connect(self, name: str, url: str):
+        """A client as the stack's admin (the one identity this host's CLI has)."""
+        creds = auth.load_credentials(self.auth / "creds" / "admin.creds")
+        return await bus.connect(name, url, connect_timeout=30, quiet=True, credentials=creds)
 
     def run(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
         cmd = [*self.compose, "-p", self.project, "-f", str(COMPOSE_FILE), *args]
@@ -140,16 +147,19 @@ class Stack:
 
 
 @pytest.fixture
-def stack(compose: list[str], muster_image: str) -> Iterator[Stack]:
+def stack(compose: list[str], muster_image: str, tmp_path: Path) -> Iterator[Stack]:
     project = f"musterdeploytest{uuid.uuid4().hex[:8]}"
     ports = [free_port() for _ in range(3)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
-    env.update(MUSTER_IMAGE=muster_image)
+    # The demo agents' node names, unique (agents act on task containers labelled with them),
+    # known before `keys` makes their identities.
+    env.update(MUSTER_IMAGE=muster_image, MUSTER_AUTH_DIR=str(tmp_path / "auth"))
+    env.update(MUSTER_AGENT_NODE=f"mdt{uuid.uuid4().hex[:6]}")
     env.update(
         MUSTER_NATS_PORT=str(ports[0]), MUSTER_NATS_PORT_2=str(ports[1]), MUSTER_NATS_PORT_3=str(ports[2])
     )
     urls = [f"nats://127.0.0.1:{p}" for p in ports]
-    s = Stack(compose, project, env, urls[0], ",".join(urls))
+    s = Stack(compose, project, env, urls[0], ",".join(urls), tmp_path / "auth")
     try:
         up = s.run("up", "-d", *EXPECTED)
         assert up.returncode == 0, f"compose up failed:\n{up.stderr[-4000:]}\n{s.logs()}"
@@ -193,7 +203,9 @@ async def test_compose_stack_accepts_jobs_and_survives_a_dead_validator(
 ) -> None:
     # client.submit declares the streams: with the cluster's replica count, not a downgrade to 1.
     monkeypatch.setenv("MUSTER_JS_REPLICAS", "3")
-    nc = await bus.connect("test-compose", stack.url, connect_timeout=30, quiet=True)
+    with pytest.raises(ConnectionError, match="Authorization"):  # no credentials, no way in
+        await bus.connect("stranger", stack.url, connect_timeout=5, quiet=True)
+    nc = await stack.connect("test-compose", stack.url)
     try:
         js = nc.jetstream(timeout=10)
         for stream in (subjects.SUBMISSIONS_STREAM, subjects.EVENTS_STREAM, subjects.COMMANDS_STREAM):
@@ -246,10 +258,9 @@ async def test_scaled_agents_are_distinct_nodes_and_survive_a_dead_nats_server(
     """`--scale agent=3` on one host network: three node names, three metrics ports, no restarts;
     clients and agents given every server carry on without nats-1."""
     monkeypatch.setenv("MUSTER_JS_REPLICAS", "3")
-    node = f"mdt{uuid.uuid4().hex[:6]}"  # unique: agents act on task containers labelled with it
+    node = stack.env["MUSTER_AGENT_NODE"]
     low = free_port()
     stack.env.update(
-        MUSTER_AGENT_NODE=node,
         MUSTER_DATA_DIR=str(tmp_path / "agents"),
         MUSTER_AGENT_METRICS_PORT=f"{low}-{min(low + 40, 65535)}",
     )
@@ -257,7 +268,7 @@ async def test_scaled_agents_are_distinct_nodes_and_survive_a_dead_nats_server(
     assert up.returncode == 0, f"compose up failed:\n{up.stderr[-4000:]}\n{stack.logs()}"
     names = {node, f"{node}-2", f"{node}-3"}
 
-    nc = await bus.connect("test-compose", stack.urls, connect_timeout=30, quiet=True)
+    nc = await stack.connect("test-compose", stack.urls)
     try:
         nodes = await alive_nodes(nc, names, 90)
         assert len({n.agent_id for n in nodes.values()}) == 3
@@ -283,7 +294,7 @@ async def test_scaled_agents_are_distinct_nodes_and_survive_a_dead_nats_server(
         (nats1,) = stack.containers("nats-1")
         assert _run(["docker", "stop", "-t", "5", nats1["Id"]]).returncode == 0
         await nc.close()
-        nc = await bus.connect("test-compose-2", stack.urls, connect_timeout=30, quiet=True)
+        nc = await stack.connect("test-compose-2", stack.urls)
         assert nc.connected_url.port != int(stack.env["MUSTER_NATS_PORT"])
         await alive_nodes(nc, names, 90)
         assert [c["RestartCount"] for c in stack.containers("agent")] == [0, 0, 0], stack.logs()

@@ -174,9 +174,9 @@ async def test_garbage_on_every_consumer_is_terminated_and_stalls_nothing(cluste
     garbage = [b"", b"{", b"\xff\xfe", b'{"job_id": 3}', b"[]" * 1000]
     for i in range(300):
         body = garbage[i % len(garbage)]
-        await js.publish(subjects.KILL, body)
-        await js.publish(subjects.task_event("jx", 1, "w", i, "exited"), body)
-        await js.publish(subjects.task_event("jx", 1, "w", i, "endpoint"), body)
+        await js.publish(subjects.kill_request("u"), body)
+        await js.publish(subjects.task_event("jx", 1, "w", i, "exited", "n1"), body)
+        await js.publish(subjects.task_event("jx", 1, "w", i, "endpoint", "n1"), body)
         await js.publish(subjects.kill("n1"), body)
         await js.publish(subjects.assign("n1"), body)
     started = time.monotonic()
@@ -290,7 +290,7 @@ async def test_reports_made_while_the_bus_is_away_are_sent_when_it_is_back(tmp_p
     with NatsServer(tmp_path / "nats", port=port):
         assert await reporter.flush(30), "the report was never sent"
         stored = await nc.jetstream().get_last_msg(
-            subjects.EVENTS_STREAM, subjects.task_event("j1", 1, "w", 0, "exited")
+            subjects.EVENTS_STREAM, subjects.task_event("j1", 1, "w", 0, "exited", "n")
         )
         assert TaskEvent.from_bytes(stored.data).exit_code == 3
         assert not list((tmp_path / "outbox").glob("*.json"))

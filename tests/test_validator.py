@@ -67,8 +67,8 @@ async def test_submission_published_before_any_validator_is_accepted_when_one_st
     sid, verdict = await client.submit(nc, config("early"), user="alice", timeout=0.5)
     assert verdict is None  # nobody is validating yet; the submission waits in the stream
     async with validator(nats_url):
-        sub = await nc.subscribe(subjects.verdict(sid))
-        verdict = await client.wait_verdict(nc, sub, sid, 10)
+        sub = await nc.subscribe(subjects.verdict("alice", sid))
+        verdict = await client.wait_verdict(nc, sub, sid, 10, "alice")
     assert verdict is not None and verdict.accepted, verdict
     record = await job(nc, verdict.job_id)
     assert (record.state, record.job_name, record.user) == (JobState.WAITING, "early", "alice")
@@ -117,21 +117,21 @@ async def test_bad_payloads_get_a_clear_rejection_and_the_validator_keeps_going(
 async def test_raw_publish_without_headers_is_judged_and_recorded_in_events(nats_url, nc):
     """A plain `nats pub muster.job.submit` (no Muster headers) still gets a verdict."""
     await bus.ensure_jetstream(nc)
-    ack = await nc.jetstream().publish(subjects.SUBMIT, config("raw"))
+    ack = await nc.jetstream().publish(subjects.submit("raw-user"), config("raw"))
     sid = f"s{ack.seq}"
     async with validator(nats_url):
         for _ in range(100):
-            verdict = await client.stored_verdict(nc, sid)
+            verdict = await client.stored_verdict(nc, sid, "raw-user")
             if verdict:
                 break
             await asyncio.sleep(0.1)
-    assert verdict is not None and verdict.accepted and verdict.job_id == job_id_for(sid)
+    assert verdict is not None and verdict.accepted and verdict.job_id == job_id_for("raw-user", sid)
     events = await history(nc, verdict.job_id)
     assert [(e.kind, e.state) for e in events] == [
         ("submitted", JobState.WAITING),
         ("accepted", JobState.WAITING),
     ]
-    assert (await job(nc, verdict.job_id)).user == "anonymous"
+    assert (await job(nc, verdict.job_id)).user == "raw-user"  # who the subject names
 
 
 async def history(nc, job_id: str) -> list[JobEvent]:
@@ -180,7 +180,9 @@ async def test_killing_a_validator_replica_mid_stream_loses_no_submission(nats_u
     sids = [uuid.uuid4().hex for _ in range(n)]
     for i, sid in enumerate(sids):
         await js.publish(
-            subjects.SUBMIT, config(f"job-{i}"), headers={Headers.SUBMISSION_ID: sid, Headers.MSG_ID: sid}
+            subjects.submit("bulk"),
+            config(f"job-{i}"),
+            headers={Headers.SUBMISSION_ID: sid, Headers.MSG_ID: sid},
         )
     a = procs.start("services.validator")
     b = procs.start("services.validator")
@@ -199,7 +201,7 @@ async def test_killing_a_validator_replica_mid_stream_loses_no_submission(nats_u
     assert b.poll() is None
     kv = await js.key_value(subjects.JOBS_BUCKET)
     for i, sid in enumerate(sids):
-        verdict = await client.stored_verdict(nc, sid)
+        verdict = await client.stored_verdict(nc, sid, "bulk")
         assert verdict is not None and verdict.accepted, (i, verdict)
         try:
             record = JobRecord.from_bytes((await kv.get(verdict.job_id)).value)
@@ -210,7 +212,9 @@ async def test_killing_a_validator_replica_mid_stream_loses_no_submission(nats_u
 
 
 async def count_verdicts(nc) -> int:
-    info = await nc.jetstream().stream_info(subjects.EVENTS_STREAM, subjects_filter=subjects.verdict("*"))
+    info = await nc.jetstream().stream_info(
+        subjects.EVENTS_STREAM, subjects_filter=subjects.verdict("*", "*")
+    )
     return len(info.state.subjects or {})
 
 

@@ -32,10 +32,10 @@ async def running(v: Validator):
         await asyncio.wait_for(task, 30)
 
 
-async def claim_of(nc, name: str) -> str | None:
+async def claim_of(nc, name: str, user: str | None = None) -> str | None:
     kv = await nc.jetstream().key_value(subjects.JOB_NAMES_BUCKET)
     try:
-        return (await kv.get(name)).value.decode()
+        return (await kv.get(subjects.name_key(user or client.submitter(nc), name))).value.decode()
     except KeyNotFoundError:
         return None
 
@@ -61,8 +61,8 @@ async def test_a_submission_given_up_on_releases_its_name(nc, monkeypatch):
 
 async def test_a_claim_with_no_job_record_is_taken_over_after_the_claim_timeout(nc):
     js, buckets = await bus.ensure_jetstream(nc)
-    ghost = job_id_for("ghost")  # claimed by a submission that never wrote its record
-    await buckets[subjects.JOB_NAMES_BUCKET].put("orphan", ghost.encode())
+    ghost = job_id_for("bob", "ghost")  # claimed by a submission that never wrote its record
+    await buckets[subjects.JOB_NAMES_BUCKET].put(subjects.name_key("bob", "orphan"), ghost.encode())
     v = Validator(nc, js, buckets)
     v.claim_timeout = 3600.0
     early = await v.judge("s-early", "bob", config("orphan"), now())
@@ -70,21 +70,21 @@ async def test_a_claim_with_no_job_record_is_taken_over_after_the_claim_timeout(
     v.claim_timeout = 0.0
     late = await v.judge("s-late", "bob", config("orphan"), now())
     assert late.accepted, late
-    assert await claim_of(nc, "orphan") == late.job_id
+    assert await claim_of(nc, "orphan", "bob") == late.job_id
 
 
 async def test_a_claim_is_released_only_while_it_points_at_the_job_given_up_on(nc):
     js, buckets = await bus.ensure_jetstream(nc)
     names = buckets[subjects.JOB_NAMES_BUCKET]
     v = Validator(nc, js, buckets)
-    await names.put("kept", b"jsomeoneelse")
-    await v.release_name("kept", job_id_for("mine"))
-    assert await claim_of(nc, "kept") == "jsomeoneelse"
-    await v.release_name("absent", job_id_for("mine"))  # nothing to release: no error
+    await names.put(subjects.name_key("bob", "kept"), b"jsomeoneelse")
+    await v.release_name(subjects.name_key("bob", "kept"), job_id_for("bob", "mine"))
+    assert await claim_of(nc, "kept", "bob") == "jsomeoneelse"
+    await v.release_name(subjects.name_key("bob", "absent"), job_id_for("bob", "mine"))  # nothing: no error
     # A claim whose job has a record is that job's, even if its submission was then given up on.
     accepted = await v.judge("mine", "bob", config("real"), now())
-    await v.give_up("mine", config("real"))
-    assert await claim_of(nc, "real") == accepted.job_id
+    await v.give_up("mine", "bob", config("real"))
+    assert await claim_of(nc, "real", "bob") == accepted.job_id
 
 
 def test_claim_timeout_setting(monkeypatch):

@@ -60,10 +60,10 @@ async def test_two_configs_published_under_one_id_get_two_verdicts_from_the_live
     """A raw publish (each with its own Nats-Msg-Id, as a client retrying with a changed file
     would): both reach the validator, and the second gets its own rejection, stored too."""
     await bus.ensure_jetstream(nc)
-    sub = await nc.subscribe(subjects.verdict("shared-id"))
+    sub = await nc.subscribe(subjects.verdict("u", "shared-id"))
     for n, name in enumerate(("first", "second")):
         await nc.jetstream().publish(
-            subjects.SUBMIT,
+            subjects.submit("u"),
             config(name),
             headers={Headers.SUBMISSION_ID: "shared-id", Headers.MSG_ID: f"m{n}"},
         )
@@ -72,5 +72,5 @@ async def test_two_configs_published_under_one_id_get_two_verdicts_from_the_live
     assert [(x.accepted, x.job_name) for x in got] == [(True, "first"), (False, "second")]
     assert got[1].errors[0].path == Headers.SUBMISSION_ID
     assert got[0].job_id in got[1].errors[0].reason
-    stored = await nc.jetstream().get_last_msg(subjects.EVENTS_STREAM, subjects.verdict("shared-id"))
+    stored = await nc.jetstream().get_last_msg(subjects.EVENTS_STREAM, subjects.verdict("u", "shared-id"))
     assert Verdict.from_bytes(stored.data) == got[1]

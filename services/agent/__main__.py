@@ -28,6 +28,10 @@ if __name__ == "__main__":
 
     def build():
         options = options_from_args(args, data_dir)
+        # A directory of credentials (compose's demo agents): this node's own identity.
+        creds_dir = os.environ.get("MUSTER_CREDENTIALS_DIR")
+        if creds_dir and not os.environ.get("MUSTER_CREDENTIALS"):
+            os.environ["MUSTER_CREDENTIALS"] = os.path.join(creds_dir, f"agent-{options.node}.creds")
         build_agent = Agent.builder(
             options, make_runtime(args.runtime, os.path.join(options.work_root, "tasks"))
         )

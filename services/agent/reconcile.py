@@ -6,6 +6,8 @@ counts as placed here reported); and while it runs, the tasks the bus no longer 
 from __future__ import annotations
 
 import asyncio
+import os
+from pathlib import Path
 
 import structlog
 from nats.js import JetStreamContext
@@ -23,16 +25,48 @@ from services.agent.runtime import (
 )
 from services.agent.tasks import NOT_STARTED, LocalTask, TaskKey, Tasks
 from shared import subjects
-from shared.messages import Assignment, AttemptRecord, Endpoint, JobRecord, TaskCause, TaskState, TaskStatus
-from shared.store import Store
+from shared.messages import Assignment, AttemptRecord, Endpoint, TaskCause, TaskState, TaskStatus, attempt_key
 
 log = structlog.get_logger(service="agent")
 LOST = "task lost: its agent restarted"
 
 
+class Assignments:
+    """The orders this agent took, kept on its disk (mode 0600, outside every task's mounts): what
+    a restarted agent needs to adopt a task, so no agent ever reads job records (other users'
+    jobs) from the bus."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def path(self, job_id: str, attempt: int) -> Path:
+        return self.root / f"{attempt_key(job_id, attempt)}.json"
+
+    def save(self, a: Assignment) -> None:
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = self.path(a.job_id, a.attempt)
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(a.to_bytes())
+        tmp.replace(path)
+
+    def load(self, job_id: str, attempt: int) -> Assignment | None:
+        try:
+            return Assignment.from_bytes(self.path(job_id, attempt).read_bytes())
+        except (OSError, ValueError):
+            return None
+
+    def keep_only(self, live: set[str]) -> None:
+        """Forget the orders of attempts that are no longer live here."""
+        for path in self.root.glob("*.json") if self.root.exists() else []:
+            if path.stem not in live:
+                path.unlink(missing_ok=True)
+
+
 class Reconciler:
-    def __init__(self, tasks: Tasks, jobs: Store[JobRecord], js: JetStreamContext, address: str):
-        self.tasks, self.jobs, self.js, self.address = tasks, jobs, js, address
+    def __init__(self, tasks: Tasks, assignments: Assignments, js: JetStreamContext, address: str):
+        self.tasks, self.assignments, self.js, self.address = tasks, assignments, js, address
         self.runtime = tasks.runtime
         self.node = tasks.node
         self.log = log.bind(node=self.node)
@@ -81,6 +115,7 @@ class Reconciler:
             else:
                 report(attempt, t.spec(), TaskCause.PLATFORM, NOT_STARTED, LOST)
             settled.add(key)
+        self.assignments.keep_only({a.key for a, _ in placed.values() if not a.ended})
         for key, (attempt, t) in placed.items():
             if key in settled:
                 continue
@@ -98,23 +133,23 @@ class Reconciler:
         job_id, attempt, role, index = key
         try:
             await self.js.get_last_msg(
-                subjects.EVENTS_STREAM, subjects.task_event(job_id, attempt, role, index, "endpoint")
+                subjects.EVENTS_STREAM,
+                subjects.task_event(job_id, attempt, role, index, "endpoint", self.node),
+                direct=True,
             )
             return True
         except NotFoundError:
             return False
 
     async def adopt(self, key: TaskKey, found: FoundTask, attempt: AttemptRecord, t: TaskStatus) -> None:
-        job = await self.jobs.get(attempt.job_id)
-        if job is None:
-            raise LaunchError(f"no record of job {attempt.job_id}")
+        assignment = self.assignments.load(attempt.job_id, attempt.attempt)
+        if assignment is None:
+            raise LaunchError(f"no order of attempt {attempt.key} kept on this node")
         spec = t.spec()
         ports = [int(p) for p in found.labels.get(LABEL_PORTS, "").split(",") if p]
         self.tasks.ports.take_exact(ports)
-        endpoint = Endpoint.of(spec, self.address, ports, job.config.role(t.role).portList)
-        task = LocalTask(
-            assignment=Assignment.of(job, attempt, self.node), spec=spec, endpoint=endpoint, ports=ports
-        )
+        endpoint = Endpoint.of(spec, self.address, ports, assignment.config.role(t.role).portList)
+        task = LocalTask(assignment=assignment, spec=spec, endpoint=endpoint, ports=ports)
         task.handle = await self.runtime.attach(found.name, lambda line: self.tasks.output(task, line))
         self.tasks.watch(key, task)
         self.log.info("agent.adopted", task=found.name)

@@ -82,7 +82,9 @@ class Reporter:
             log.warning("agent.outbox_bad_entry", path=path.name, error=str(exc)[:200])
             _forget(path)
             return
-        subject = subjects.task_event(event.job_id, event.attempt, event.role, event.index, event.kind)
+        subject = subjects.task_event(
+            event.job_id, event.attempt, event.role, event.index, event.kind, event.node
+        )
         msg_id = f"{event.kind}:{event.job_id}.{event.attempt}.{event.role}.{event.index}"
         delay, failing = 0.2, False
         while True:

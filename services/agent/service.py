@@ -37,7 +37,7 @@ from nats.js.kv import KeyValue
 
 from services.agent.inventory import PortPool
 from services.agent.launch import Where
-from services.agent.reconcile import Reconciler
+from services.agent.reconcile import Assignments, Reconciler
 from services.agent.reporting import Reporter
 from services.agent.runtime import (
     Runtime,
@@ -51,7 +51,6 @@ from shared.messages import (
     Endpoint,
     EndpointReported,
     GpuDevice,
-    JobRecord,
     KillOrder,
     NodeInfo,
     TaskCause,
@@ -112,7 +111,6 @@ class Agent:
         self.nc, self.js, self.opts, self.runtime = nc, js, options, runtime
         self.nodes = buckets[subjects.NODES_BUCKET]
         self.attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
-        self.jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord)
         ports = PortPool(options.port_low, options.port_high)
         # Tasks that ended here (or were reported as never started), so a late or repeated
         # order never runs one again.
@@ -125,7 +123,8 @@ class Agent:
             gpu_devices=options.gpu_devices,
         )
         self.tasks = Tasks(nc, js, runtime, self.reporter, self.attempts, ports, where)
-        self.reconciler = Reconciler(self.tasks, self.jobs, js, options.address)
+        self.assignments = Assignments(Path(options.work_root) / "assignments")
+        self.reconciler = Reconciler(self.tasks, self.assignments, js, options.address)
         self.agent_id = uuid.uuid4().hex[:12]
         self.started_at = now()
         self.drained = False  # an operator drained the node: no new work until undone
@@ -135,7 +134,7 @@ class Agent:
     def builder(cls, options: AgentOptions, runtime: Runtime):
         async def build(nc: NATS) -> Agent:
             await check_declaration(options, runtime)
-            js, buckets = await bus.ensure_jetstream(nc)
+            js, buckets = await bus.setup(nc)
             return cls(nc, js, buckets, options, runtime)
 
         return build
@@ -234,7 +233,7 @@ class Agent:
                 failing = True
                 if self.nc.is_connected:  # connected but failing: the stream may be gone
                     with contextlib.suppress(Exception):
-                        _, buckets = await bus.ensure_jetstream(self.nc)
+                        _, buckets = await bus.setup(self.nc, wait=0)
                         self.nodes = buckets[subjects.NODES_BUCKET]
 
     async def _subscribe(self):
@@ -267,7 +266,7 @@ class Agent:
                     if failures % 4 == 0 and self.nc.is_connected:
                         # The consumer (or its stream) is gone: the bus lost its state. Set it up again.
                         with contextlib.suppress(Exception):
-                            await bus.ensure_jetstream(self.nc)
+                            await bus.setup(self.nc, wait=0)
                             sub = await self._subscribe()
                     continue
                 for msg in msgs:
@@ -316,7 +315,9 @@ class Agent:
             endpoint = Endpoint.of(spec, self.opts.address, ports, role.portList)
             try:
                 await self.js.publish(
-                    subjects.task_event(a.job_id, a.attempt, spec.role, spec.index, "endpoint"),
+                    subjects.task_event(
+                        a.job_id, a.attempt, spec.role, spec.index, "endpoint", self.opts.node
+                    ),
                     EndpointReported(
                         job_id=a.job_id, attempt=a.attempt, gang_size=len(a.gang), endpoint=endpoint
                     ).to_bytes(),
@@ -326,6 +327,7 @@ class Agent:
                 self.tasks.ports.release(ports)
                 raise  # the order is redelivered
             task = LocalTask(assignment=a, spec=spec, endpoint=endpoint, ports=ports)
+            self.assignments.save(a)
             self.tasks.take(key, task)
         self.log.info("agent.assigned", job_id=a.job_id, attempt=a.attempt, tasks=[t.key for t in a.mine])
 

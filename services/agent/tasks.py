@@ -34,6 +34,7 @@ from shared.messages import (
     TaskSpec,
     attempt_key,
 )
+from shared.secrets import mask, secret_values
 from shared.store import Store
 
 log = structlog.get_logger(service="agent")
@@ -184,7 +185,7 @@ class Tasks:
         try:
             while True:
                 try:
-                    stored = await self.js.get_last_msg(subjects.EVENTS_STREAM, subject)
+                    stored = await self.js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)
                     return ClusterSpec.from_bytes(stored.data)
                 except NotFoundError:
                     pass
@@ -197,9 +198,10 @@ class Tasks:
                 await sub.unsubscribe()
 
     def output(self, task: LocalTask, line: str) -> None:
-        task.lines.append(line)
         a, spec = task.assignment, task.spec
-        subject = subjects.task_logs(a.job_id, a.attempt, spec.role, spec.index)
+        line = mask(line, secret_values(a.config.jobEnvs))  # a task printing its secrets
+        task.lines.append(line)
+        subject = subjects.task_logs(a.job_id, a.attempt, spec.role, spec.index, self.node)
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().create_task(self.nc.publish(subject, line.encode()))
 

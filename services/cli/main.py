@@ -13,27 +13,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import getpass
 import json
 import math
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
 import nats.errors
 from nats.aio.client import Client as NATS
-from nats.errors import TimeoutError as NatsTimeout
-from nats.js.api import DeliverPolicy
-from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.errors import NotFoundError
 
 from services.agent.config import add_agent_arguments
-from shared import bus, client, logs, subjects
+from shared import auth, bus, client, logs, subjects
 from shared.jobconfig import FieldError, check_job
 from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
-from shared.messages import AttemptRecord, DrainOrder, JobRecord, JobState, KillRequest, NodeInfo, attempt_key
+from shared.messages import AttemptRecord, DrainOrder, JobRecord, JobState, KillRequest, NodeInfo
 from shared.store import Store
 from shared.subjects import Headers
 
@@ -93,39 +90,74 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 async def connect(timeout: float) -> NATS:
-    """Connect to MUSTER_NATS_URL and check that Muster is set up there, within `timeout`
-    seconds in all (a `muster up` started a moment ago gets that long)."""
-    deadline = asyncio.get_running_loop().time() + timeout
+    """Connect to MUSTER_NATS_URL (as MUSTER_CREDENTIALS, or the local `muster up`'s identity)
+    and check that Muster answers there, within `timeout` seconds in all (a `muster up` started
+    a moment ago gets that long)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        creds = local_credentials()
+        left = max(0.1, deadline - loop.time())
+        if creds is None and not os.environ.get(auth.CREDENTIALS_ENV):
+            left = min(left, 0.5)  # none found (yet): look again soon
+        try:
+            nc = await bus.connect("muster-cli", connect_timeout=left, quiet=True, credentials=creds)
+            break
+        except ConnectionError as exc:
+            # A `muster up` that has just started may not have noted its identity yet.
+            if loop.time() < deadline - 0.1:
+                await asyncio.sleep(0.1)
+                continue
+            raise CliError(f"{exc} (is `muster up` running? set MUSTER_NATS_URL to join another)") from None
+    while True:
+        try:
+            await client.ask(nc, "ping", timeout=max(0.5, min(2.0, deadline - loop.time())))
+            return nc
+        except client.Refused as exc:
+            await nc.close()
+            raise CliError(str(exc)) from None
+        except TimeoutError as exc:
+            if loop.time() >= deadline:
+                why = f"Muster does not answer on {bus.shown(bus.nats_url())}: {exc}"
+                if client.asker(nc) == subjects.ALL:  # may look: say what is missing, if anything
+                    try:
+                        await bus.open_jetstream(nc)
+                    except bus.NotSetUp as missing:
+                        why = str(missing)
+                    except Exception:
+                        pass
+                await nc.close()
+                raise CliError(why) from None
+            await asyncio.sleep(0.25)
+
+
+def local_credentials() -> auth.Credentials | None:
+    """MUSTER_CREDENTIALS if set, else the identity `muster up` made for this machine's user in
+    its data dir (when that `muster up` serves the bus we are about to use)."""
+    if os.environ.get(auth.CREDENTIALS_ENV):
+        return None  # bus.connect reads it
+    from services.cli.mesh import local_identity
+
+    return local_identity()
+
+
+async def ask(nc: NATS, verb: str, **request: Any) -> dict[str, Any]:
     try:
-        nc = await bus.connect("muster-cli", connect_timeout=timeout, quiet=True)
-    except ConnectionError as exc:
-        raise CliError(f"{exc} (is `muster up` running? set MUSTER_NATS_URL to join another)") from None
-    try:
-        await bus.open_jetstream(nc, wait=deadline - asyncio.get_running_loop().time())
-    except bus.NotSetUp as exc:
-        await nc.close()
-        raise CliError(str(exc)) from None
-    return nc
+        return await client.ask(nc, verb, request)
+    except client.Refused as exc:
+        raise CliError(str(exc), exc.code) from None
 
 
 async def resolve(nc: NATS, ref: str) -> JobRecord:
-    """A job by id, else by name (the most recent job holding that name)."""
-    js = nc.jetstream(timeout=5)
-    try:
-        jobs = await js.key_value(subjects.JOBS_BUCKET)
-        names = await js.key_value(subjects.JOB_NAMES_BUCKET)
-    except NotFoundError:
-        raise CliError("no jobs yet") from None
-    if not _safe_key(ref):
-        raise CliError(f"no job {ref!r}", EXIT_INVALID)
-    store = Store(jobs, JobRecord)
-    record = await store.get(ref)
-    if record is None:
-        with contextlib.suppress(KeyNotFoundError):
-            record = await store.get((await names.get(ref)).value.decode(errors="replace"))
-    if record is None:
-        raise CliError(f"no job with id or name {ref!r}", EXIT_INVALID)
-    return record
+    """A job by id, else by name (the most recent job holding that name), that we may see."""
+    return JobRecord.model_validate((await ask(nc, "job", ref=ref))["job"])
+
+
+async def job_and_attempts(nc: NATS, ref: str) -> tuple[JobRecord, list[AttemptRecord]]:
+    answer = await ask(nc, "job", ref=ref)
+    return JobRecord.model_validate(answer["job"]), [
+        AttemptRecord.model_validate(a) for a in answer["attempts"]
+    ]
 
 
 def _safe_key(key: str) -> bool:
@@ -163,7 +195,7 @@ async def submit(args: argparse.Namespace) -> int:
     nc = await connect(args.connect_timeout)
     try:
         verdict_wait = min(args.verdict_timeout, max(0.0, give_up - loop.time()))
-        sid, verdict = await client.submit(nc, data, user=_user(), timeout=verdict_wait)
+        sid, verdict = await client.submit(nc, data, timeout=verdict_wait)
         if verdict is None:
             err(
                 f"submitted (submission {sid}) but no validator answered within {verdict_wait:g}s; "
@@ -191,28 +223,23 @@ async def follow(nc: NATS, job_id: str, quiet: bool = False, give_up: float = ma
     Exit 2 once the scheduler has said for MUSTER_NODE_TIMEOUT that no node can ever fit it
     (an agent that is just starting gets that long to join); give up at loop time `give_up`."""
     loop = asyncio.get_running_loop()
-    watcher = await (await nc.jetstream(timeout=5).key_value(subjects.JOBS_BUCKET)).watch(job_id)
     record, last, never = None, None, math.inf  # never: when "unschedulable" becomes the answer
-    try:
-        while (now := loop.time()) < min(give_up, never):
-            try:
-                entry = await watcher.updates(timeout=min(30.0, max(0.05, min(give_up, never) - now)))
-            except NatsTimeout:
-                continue
-            if entry is None or entry.value is None:
-                continue
-            record = JobRecord.from_bytes(entry.value)
-            shown = (record.state, record.reason)
-            if shown != last and not quiet:
-                out(f"{record.job_id}  {record.state:<9}  {record.reason}")
-            last = shown
-            if record.state.final:
-                if quiet:
-                    out(record.model_dump_json(indent=2))
-                return EXIT_OK if record.state == JobState.SUCCEEDED else EXIT_FAIL
-            never = min(never, loop.time() + bus.node_timeout()) if record.unschedulable else math.inf
-    finally:
-        await watcher.stop()
+    while (now := loop.time()) < min(give_up, never):
+        try:
+            record = await resolve(nc, job_id)
+        except TimeoutError:  # the gateway is away for a moment: ask again
+            await asyncio.sleep(0.5)
+            continue
+        shown = (record.state, record.reason)
+        if shown != last and not quiet:
+            out(f"{record.job_id}  {record.state:<9}  {record.reason}")
+        last = shown
+        if record.state.final:
+            if quiet:
+                out(record.model_dump_json(indent=2))
+            return EXIT_OK if record.state == JobState.SUCCEEDED else EXIT_FAIL
+        never = min(never, loop.time() + bus.node_timeout()) if record.unschedulable else math.inf
+        await asyncio.sleep(max(0.0, min(0.25, min(give_up, never) - now)))
     if quiet and record:
         out(record.model_dump_json(indent=2))
     if record and loop.time() >= never:
@@ -225,14 +252,6 @@ async def follow(nc: NATS, job_id: str, quiet: bool = False, give_up: float = ma
     raise CliError(f"{job_id}: still {state} when --timeout ran out; it goes on (`muster status {job_id}`)")
 
 
-def _user() -> str:
-    try:
-        name = getpass.getuser()
-    except Exception:
-        return "anonymous"
-    return name if re.fullmatch(r"[A-Za-z0-9_.@-]{1,64}", name) else "anonymous"
-
-
 # ---------------------------------------------------------------- status
 
 
@@ -240,8 +259,7 @@ async def status(args: argparse.Namespace) -> int:
     nc = await connect(args.connect_timeout)
     try:
         if args.job:
-            record = await resolve(nc, args.job)
-            history = await attempts_of(nc, record)
+            record, history = await job_and_attempts(nc, args.job)
             if args.json:
                 doc = record.model_dump(mode="json")
                 doc["attempts"] = [a.model_dump(mode="json") for a in history]
@@ -249,7 +267,7 @@ async def status(args: argparse.Namespace) -> int:
             else:
                 out(describe(record, history))
             return EXIT_OK
-        records = await all_jobs(nc)
+        records = [JobRecord.model_validate(r) for r in (await ask(nc, "jobs"))["jobs"]]
         if args.json:
             out(json.dumps([r.model_dump(mode="json") for r in records], indent=2))
         else:
@@ -257,42 +275,6 @@ async def status(args: argparse.Namespace) -> int:
         return EXIT_OK
     finally:
         await nc.close()
-
-
-async def current_attempt(nc: NATS, record: JobRecord) -> AttemptRecord | None:
-    if record.attempt == 0:
-        return None
-    try:
-        kv = await nc.jetstream(timeout=5).key_value(subjects.ATTEMPTS_BUCKET)
-        return await Store(kv, AttemptRecord).get(attempt_key(record.job_id, record.attempt))
-    except (NotFoundError, KeyNotFoundError):
-        return None
-
-
-async def attempts_of(nc: NATS, record: JobRecord) -> list[AttemptRecord]:
-    """Every attempt of a job, first to last."""
-    out = []
-    try:
-        kv = await nc.jetstream(timeout=5).key_value(subjects.ATTEMPTS_BUCKET)
-    except NotFoundError:
-        return out
-    store = Store(kv, AttemptRecord)
-    for n in range(1, record.attempt + 1):
-        attempt = await store.get(attempt_key(record.job_id, n))
-        if attempt is not None:
-            out.append(attempt)
-    return out
-
-
-async def all_jobs(nc: NATS) -> list[JobRecord]:
-    js = nc.jetstream(timeout=5)
-    try:
-        jobs = Store(await js.key_value(subjects.JOBS_BUCKET), JobRecord)
-    except NotFoundError:
-        return []
-    # A record that does not decode is skipped, not fatal.
-    records = [record async for _, record in jobs.items()]
-    return sorted(records, key=lambda r: r.submitted_at)
 
 
 def table(records: list[JobRecord]) -> str:
@@ -386,18 +368,22 @@ async def kill(args: argparse.Namespace) -> int:
         if record.state.final:
             out(f"{record.job_id}  {record.state}: already ended ({record.reason})")
             return EXIT_OK
-        request = KillRequest(job_id=record.job_id, user=_user(), grace=args.grace)
+        # Sent as the job's owner: a user can only send as itself, an admin as anyone.
+        request = KillRequest(job_id=record.job_id, user=client.submitter(nc), grace=args.grace)
         await nc.jetstream(timeout=10).publish(
-            subjects.KILL, request.to_bytes(), headers={Headers.MSG_ID: f"kill:{record.job_id}"}
+            subjects.kill_request(record.user),
+            request.to_bytes(),
+            headers={Headers.MSG_ID: f"kill:{record.job_id}"},
         )
         if args.no_wait:
             out(f"{record.job_id}  kill requested")
             return EXIT_OK
         loop = asyncio.get_running_loop()
         started, deadline = loop.time(), loop.time() + args.grace + 30
+        alive: list[str] = []
         while loop.time() < deadline:
-            record = await resolve(nc, record.job_id)
-            attempt = await current_attempt(nc, record)
+            record, history = await job_and_attempts(nc, record.job_id)
+            attempt = history[-1] if history and history[-1].attempt == record.attempt else None
             alive = [t.key for t in attempt.tasks if not t.state.ended] if attempt else []
             if record.state.final and not alive:
                 took = loop.time() - started
@@ -417,6 +403,8 @@ async def drain(args: argparse.Namespace) -> int:
     it, or with --undo let it take work again; waits until the node's agent has done it."""
     nc = await connect(args.connect_timeout)
     try:
+        if client.asker(nc) != subjects.ALL:
+            raise CliError("draining a node takes an admin identity")
         js = nc.jetstream(timeout=10)
         try:
             nodes = Store(await js.key_value(subjects.NODES_BUCKET), NodeInfo)
@@ -424,7 +412,7 @@ async def drain(args: argparse.Namespace) -> int:
             raise CliError("no nodes yet") from None
         if not _safe_key(args.node) or await nodes.get(args.node) is None:
             raise CliError(f"no node {args.node!r}", EXIT_INVALID)
-        order = DrainOrder(node=args.node, undo=args.undo, grace=args.grace, by=_user())
+        order = DrainOrder(node=args.node, undo=args.undo, grace=args.grace, by=client.submitter(nc))
         await js.publish(subjects.drain(args.node), order.to_bytes())
         loop = asyncio.get_running_loop()
         deadline = loop.time() + args.grace + 30
@@ -457,24 +445,18 @@ async def show_logs(args: argparse.Namespace) -> int:
         attempt = args.attempt or record.attempt
         if attempt == 0:
             raise CliError(f"job {record.job_id} has not started yet: {record.reason}")
-        subject = subjects.task_logs(record.job_id, attempt, role or "*", index or "*")
-        js = nc.jetstream(timeout=5)
-        sub = await js.subscribe(subject, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
-        idle = 0.0
+        task = args.task or ""
+        after = 0
         while True:
-            try:
-                msg = await sub.next_msg(timeout=0.5)
-            except NatsTimeout:
-                if not args.follow:
-                    break
-                idle += 0.5
-                if idle >= 2.0:
-                    idle = 0.0
-                    if (await resolve(nc, record.job_id)).state.final:
-                        break
+            page = await ask(nc, "logs", job_id=record.job_id, attempt=attempt, task=task, after=after)
+            for name, text in page["lines"]:
+                out(f"[{name}] {text}")
+            after = page["last"]
+            if page["more"]:
                 continue
-            token = msg.subject.split(".")
-            out(f"[{token[-2]}.{token[-1]}] {msg.data.decode('utf-8', 'replace')}")
+            if not args.follow or (page["final"] and not page["lines"]):
+                break
+            await asyncio.sleep(0.5)
         return EXIT_OK
     finally:
         await nc.close()
@@ -487,7 +469,9 @@ async def admin_init(args: argparse.Namespace) -> int:
     """Declare or update every stream and bucket from this shell's settings (MUSTER_JS_REPLICAS,
     MUSTER_LOGS_MAX_BYTES): the one client path that shapes them; services do it at start."""
     try:
-        nc = await bus.connect("muster-admin", connect_timeout=args.connect_timeout, quiet=True)
+        nc = await bus.connect(
+            "muster-admin", connect_timeout=args.connect_timeout, quiet=True, credentials=local_credentials()
+        )
     except ConnectionError as exc:
         raise CliError(str(exc)) from None
     try:
@@ -503,6 +487,67 @@ async def admin_init(args: argparse.Namespace) -> int:
         return EXIT_OK
     finally:
         await nc.close()
+
+
+def auth_dir_of(args: argparse.Namespace) -> auth.AuthDir:
+    from services.cli.mesh import default_data_dir, local_note
+
+    path = args.auth_dir or os.environ.get("MUSTER_AUTH_DIR") or local_note().get("auth_dir")
+    return auth.AuthDir(path or default_data_dir() / "auth")
+
+
+def admin_user(args: argparse.Namespace) -> int:
+    """Identities in an auth dir; the local `muster up`'s server (if it serves this bus) reloads."""
+    from services.cli.mesh import local_note
+
+    keys = auth_dir_of(args)
+    if args.action == "list":
+        rows = [("NAME", "ROLE", "NODE", "PUBLIC KEY")]
+        rows += [(i.name, i.role, i.node or "-", i.nkey) for i in keys.identities()]
+        out(columns(rows))
+        return EXIT_OK
+    if not args.name:
+        raise CliError(f"admin user {args.action}: name the identity", EXIT_INVALID)
+    try:
+        if args.action == "remove":
+            keys.remove(args.name)
+            done = f"removed {args.name}"
+        else:
+            known = keys.get(args.name)
+            if args.action == "rotate":
+                if known is None:
+                    raise auth.AuthError(f"no identity {args.name!r}")
+                creds = keys.add(args.name, known.role, known.node, replace=True)
+            else:
+                creds = keys.add(args.name, "admin" if args.admin else "user")
+            path = keys.creds(args.name)
+            done = f"{args.name} ({creds.role}): credentials in {path} (use with MUSTER_CREDENTIALS={path})"
+    except auth.AuthError as exc:
+        raise CliError(str(exc), EXIT_INVALID) from None
+    out(done)
+    note = local_note()
+    if note.get("auth_dir") and Path(note["auth_dir"]).resolve() == keys.path.resolve() and note.get("pid"):
+        try:
+            os.kill(int(note["pid"]), signal.SIGHUP)
+            out("the local NATS server reloaded its identities")
+        except OSError as exc:
+            err(f"could not signal the local NATS server ({exc.strerror}); reload it to apply")
+    else:
+        out(f"reload every NATS server using {keys.server_config} (nats-server --signal reload) to apply")
+    return EXIT_OK
+
+
+def admin_keys(args: argparse.Namespace) -> int:
+    keys = auth.AuthDir(args.auth_dir)
+    try:
+        keys.ensure_services()
+        for node in args.node:
+            keys.ensure(auth.agent_name(node), "agent", node)
+        keys.ensure(args.admin_name, "admin")
+    except auth.AuthError as exc:
+        raise CliError(str(exc), EXIT_INVALID) from None
+    out(str(keys.server_config))
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------- up
@@ -538,9 +583,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     check_agent_flags(args)
     logs.configure("muster")
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    options = None if args.no_agent else options_from_args(args, str(data_dir))
 
     def agent():
-        options = options_from_args(args, str(data_dir))
+        assert options is not None
         out(
             f"muster: local agent {options.node} at {options.address}: {options.cpus} CPUs, "
             f"{options.memory_mb} MB, GPUs: {_gpu_text(options.gpus)}"
@@ -549,9 +595,16 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     try:
         return asyncio.run(
-            up(data_dir, args.port, lambda s: out(f"muster: {s}"), None if args.no_agent else agent)
+            up(
+                data_dir,
+                args.port,
+                lambda s: out(f"muster: {s}"),
+                None if options is None else agent,
+                node=None if options is None else options.node,
+                open_bus=args.open,
+            )
         )
-    except (RuntimeError, TimeoutError, ConnectionError, FileNotFoundError) as exc:
+    except (RuntimeError, TimeoutError, ConnectionError, FileNotFoundError, auth.AuthError) as exc:
         raise CliError(str(exc)) from None
 
 
@@ -610,6 +663,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--data-dir", help="where NATS keeps JetStream data (default ~/.local/share/muster)")
     s.add_argument("--port", type=PORT, help="NATS port (default 4222, or a free one if taken)")
     s.add_argument("--no-agent", action="store_true", help="start no local agent")
+    s.add_argument(
+        "--open",
+        action="store_true",
+        help="no authentication on the embedded NATS: anyone who reaches its port may do anything",
+    )
     add_agent_arguments(s)
     s.set_defaults(func=cmd_up)
 
@@ -655,10 +713,25 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("file")
     s.set_defaults(func=cmd_validate)
 
-    s = sub.add_parser("admin", help="set up a NATS for Muster")
-    admin = s.add_subparsers(dest="admin_command", metavar="{init}", required=True)
+    s = sub.add_parser("admin", help="set up a NATS for Muster; manage who may use it")
+    admin = s.add_subparsers(dest="admin_command", metavar="{init,user,keys}", required=True)
     s = admin.add_parser("init", help="declare or update every stream and bucket from this shell's settings")
     s.set_defaults(func=lambda a: asyncio.run(admin_init(a)))
+    s = admin.add_parser("user", help="add, rotate, remove or list identities (then the server reloads)")
+    s.add_argument("action", choices=("add", "rotate", "remove", "list"))
+    s.add_argument("name", nargs="?")
+    s.add_argument("--admin", action="store_true", help="add an admin (sees and kills every job)")
+    s.add_argument("--auth-dir", help="default: MUSTER_AUTH_DIR, else the local `muster up`'s")
+    s.set_defaults(func=admin_user)
+    s = admin.add_parser(
+        "keys",
+        help="make an auth dir for a deployment (compose, systemd): every service's "
+        "identity, one per agent node, an admin; prints the server's auth.conf path",
+    )
+    s.add_argument("auth_dir")
+    s.add_argument("--node", action="append", default=[], help="an agent node (repeat)")
+    s.add_argument("--admin-name", default="admin")
+    s.set_defaults(func=admin_keys)
 
     for s in (
         *(sub.choices[n] for n in ("submit", "status", "logs", "kill", "drain")),

@@ -18,7 +18,7 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
 from shared import bus, subjects
-from shared.messages import EndpointReported, Rendezvous, attempt_key
+from shared.messages import AttemptRecord, EndpointReported, Rendezvous, attempt_key
 from shared.store import Store
 from shared.subjects import Headers
 
@@ -31,10 +31,11 @@ class Registry:
         self.nc, self.js = nc, js
         self.kv = buckets[subjects.RENDEZVOUS_BUCKET]
         self.store = Store(self.kv, Rendezvous)
+        self.attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
 
     @classmethod
     async def build(cls, nc: NATS) -> Registry:
-        js, buckets = await bus.ensure_jetstream(nc)
+        js, buckets = await bus.setup(nc)
         return cls(nc, js, buckets)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -43,12 +44,27 @@ class Registry:
         )
         handling = bus.Handling(
             subjects.REGISTRY_CONSUMER,
-            bus.payload(EndpointReported),
-            self.collect,
+            bus.sent(EndpointReported),
+            self.on_endpoint,
             log,
-            key=lambda r: attempt_key(r.job_id, r.attempt),
+            key=lambda r: attempt_key(r.message.job_id, r.message.attempt),
         )
         await bus.serve(sub, handling, stop)
+
+    async def on_endpoint(self, sent: bus.Sent[EndpointReported]) -> None:
+        """Collect an endpoint only from the node its task was placed on, for an attempt that
+        exists and has not ended: a spec is only ever published for a real gang."""
+        report = sent.message
+        attempt = await self.attempts.get(attempt_key(report.job_id, report.attempt))
+        why = (
+            "no such attempt" if attempt is None else endpoint_refusal(report, sent.subject, sent.by, attempt)
+        )
+        if why is not None:
+            bus.REFUSED.labels("endpoint").inc()
+            log.warning("registry.endpoint_refused", subject=sent.subject[:200], why=why)
+            return
+        assert attempt is not None
+        await self.collect(report.model_copy(update={"gang_size": len(attempt.tasks)}))
 
     async def collect(self, report: EndpointReported) -> None:
         key = attempt_key(report.job_id, report.attempt)
@@ -85,3 +101,21 @@ class Registry:
         )
         SPECS.inc()
         log.info("registry.spec_published", job_id=state.job_id, attempt=state.attempt, tasks=state.gang_size)
+
+
+def endpoint_refusal(
+    report: EndpointReported, subject: str, sender: str, attempt: AttemptRecord
+) -> str | None:
+    """Why an endpoint report may not be collected, or None."""
+    ep = report.endpoint
+    expected = subjects.task_event(report.job_id, report.attempt, ep.role, ep.index, "endpoint", sender)
+    if subject != expected:
+        return f"payload does not match its subject (expected {expected})"
+    if attempt.ended:
+        return f"attempt {attempt.key} has ended"
+    task = next((t for t in attempt.tasks if t.role == ep.role and t.index == ep.index), None)
+    if task is None:
+        return f"attempt {attempt.key} has no task {ep.role}.{ep.index}"
+    if sender != task.node or ep.node != task.node:
+        return f"sent by node {sender} for node {ep.node}, but {ep.role}.{ep.index} was placed on {task.node}"
+    return None

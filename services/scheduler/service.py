@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import uuid
 from datetime import timedelta
+from typing import Any
 
 import structlog
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge
 
@@ -28,6 +30,7 @@ from services.scheduler import placement
 from services.scheduler.avoid import nodes_to_avoid, plan_around
 from services.supervisor.policy import attempt_to_place
 from shared import bus, subjects
+from shared.jobconfig import REDACTED, with_secrets
 from shared.messages import (
     Assignment,
     AttemptRecord,
@@ -40,6 +43,7 @@ from shared.messages import (
     TaskState,
     TaskStatus,
     attempt_key,
+    node_refusal,
     now,
 )
 from shared.store import Store
@@ -58,9 +62,10 @@ class Scheduler:
     ):
         self.nc, self.js = nc, js
         self.node_timeout = bus.node_timeout() if node_timeout is None else node_timeout
-        self.kv_nodes = Store(buckets[subjects.NODES_BUCKET], NodeInfo)
+        self.kv_nodes = Store(buckets[subjects.NODES_BUCKET], NodeInfo, check=node_refusal)
         self.kv_jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord)
         self.kv_attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
+        self.secrets = buckets[subjects.SECRETS_BUCKET]
         self.leases = buckets[subjects.LEASES_BUCKET]
         self.identity = uuid.uuid4().hex[:12]
         self.nodes: dict[str, NodeInfo] = {}
@@ -71,7 +76,7 @@ class Scheduler:
 
     @classmethod
     async def build(cls, nc: NATS) -> Scheduler:
-        js, buckets = await bus.ensure_jetstream(nc)
+        js, buckets = await bus.setup(nc)
         return cls(nc, js, buckets)
 
     # ------------------------------------------------------------ leadership
@@ -261,12 +266,13 @@ class Scheduler:
 
     async def _send_assignments(self, job: JobRecord, record: AttemptRecord) -> None:
         gang = [_spec(t) for t in record.tasks]
+        config = with_secrets(job.config, await self._secrets(job))
         for node in sorted({t.node for t in gang}):
             order = Assignment(
                 job_id=job.job_id,
                 attempt=record.attempt,
                 user=job.user,
-                config=job.config,
+                config=config,
                 gang=gang,
                 node=node,
             )
@@ -275,6 +281,20 @@ class Scheduler:
                 order.to_bytes(),
                 headers={Headers.MSG_ID: f"assign:{record.key}:{node}"},
             )
+
+    async def _secrets(self, job: JobRecord) -> dict[str, Any]:
+        """The job's secret jobEnvs values (kept apart by the validator), for its tasks' orders
+        only: orders go to the placed nodes' own subjects, which no other identity may read."""
+        if REDACTED not in job.config.jobEnvs.values():
+            return {}
+        try:
+            entry = await self.secrets.get(job.job_id)
+        except KeyNotFoundError:
+            return {}  # a value that is really "***"
+        hidden = json.loads(entry.value or b"{}")
+        if not isinstance(hidden, dict):
+            raise ValueError(f"job {job.job_id}: its secrets record is not an object")
+        return hidden
 
     async def _finish_interrupted_commits(self) -> None:
         """A new leader re-sends the orders of attempts that no task has acted on yet: an earlier

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from shared import subjects
 from shared.jobconfig import JobConfig
 from shared.messages import (
     AttemptRecord,
@@ -225,6 +226,21 @@ def attempt_to_place(job: JobRecord, current: AttemptRecord | None, at: datetime
 
 
 # ------------------------------------------------------------------ applying facts to records
+
+
+def event_refusal(ev: TaskEvent, subject: str, sender: str, attempt: AttemptRecord) -> str | None:
+    """Why a task event may not be applied, or None: it must name the task its subject names,
+    and come from the node that task was placed on (or from the platform, PLATFORM, which only
+    the supervisor may send as) — so no identity can end, or start, another node's task."""
+    expected = subjects.task_event(ev.job_id, ev.attempt, ev.role, ev.index, ev.kind, sender)
+    if subject != expected:
+        return f"payload does not match its subject (expected {expected})"
+    task = next((t for t in attempt.tasks if t.role == ev.role and t.index == ev.index), None)
+    if task is None:
+        return f"attempt {attempt.key} has no task {ev.role}.{ev.index}"
+    if sender != subjects.PLATFORM and sender != task.node:
+        return f"sent by node {sender}, but {ev.role}.{ev.index} was placed on {task.node}"
+    return None
 
 
 def apply_task_event(config: JobConfig, attempt: AttemptRecord, ev: TaskEvent, at: datetime) -> bool:

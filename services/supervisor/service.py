@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -46,6 +46,7 @@ from shared.messages import (
     TaskState,
     TaskStatus,
     attempt_key,
+    node_refusal,
     now,
 )
 from shared.store import Store
@@ -78,8 +79,9 @@ class Supervisor:
         )
         self.jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord)
         self.attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
-        self.nodes = Store(buckets[subjects.NODES_BUCKET], NodeInfo)
+        self.nodes = Store(buckets[subjects.NODES_BUCKET], NodeInfo, check=node_refusal)
         self.names = buckets[subjects.JOB_NAMES_BUCKET]
+        self.secrets = buckets[subjects.SECRETS_BUCKET]
         self.rendezvous = buckets[subjects.RENDEZVOUS_BUCKET]
         self.node_timeout = bus.node_timeout()
         self.start_timeout = _seconds("MUSTER_START_TIMEOUT", 600)
@@ -87,6 +89,7 @@ class Supervisor:
         self.node_retention = _seconds("MUSTER_NODE_RETENTION", DAY)
         # Watched views: what the once-a-second checks read, without a request per record.
         self.view_nodes: dict[str, NodeInfo] = {}
+        self.absent: dict[str, datetime] = {}  # nodes with live tasks but no record, since when
         self.view_jobs: dict[str, JobRecord] = {}
         self.view_attempts: dict[str, AttemptRecord] = {}
         self.synced = {name: asyncio.Event() for name in ("nodes", "jobs", "attempts")}
@@ -95,7 +98,7 @@ class Supervisor:
 
     @classmethod
     async def build(cls, nc: NATS) -> Supervisor:
-        js, buckets = await bus.ensure_jetstream(nc)
+        js, buckets = await bus.setup(nc)
         return cls(nc, js, buckets)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -111,17 +114,17 @@ class Supervisor:
         )
         on_event = bus.Handling(
             subjects.SUPERVISOR_CONSUMER,
-            bus.payload(TaskEvent),
+            bus.sent(TaskEvent),
             self.on_task_event,
             log,
-            key=lambda e: e.job_id,
+            key=lambda e: e.message.job_id,
         )
         on_kill = bus.Handling(
             subjects.SUPERVISOR_KILL_CONSUMER,
-            bus.payload(KillRequest),
-            self.kill_job,
+            bus.sent(KillRequest),
+            self.on_kill,
             log,
-            key=lambda r: r.job_id,
+            key=lambda r: r.message.job_id,
         )
         mirrors = [
             asyncio.create_task(self.nodes.mirror(self.view_nodes, self.synced["nodes"])),
@@ -140,12 +143,19 @@ class Supervisor:
 
     # ------------------------------------------------------------ task events
 
-    async def on_task_event(self, ev: TaskEvent) -> None:
+    async def on_task_event(self, sent: bus.Sent[TaskEvent]) -> None:
+        ev = sent.message
         job = await self.jobs.get(ev.job_id)
         if job is None:
             log.warning("supervisor.unknown_job", job_id=ev.job_id)
             return
         key = attempt_key(ev.job_id, ev.attempt)
+        known = await self.attempts.get(key)
+        why = "no such attempt" if known is None else policy.event_refusal(ev, sent.subject, sent.by, known)
+        if why is not None:
+            bus.REFUSED.labels("task_event").inc()
+            log.warning("supervisor.event_refused", subject=sent.subject[:200], why=why)
+            return
         at = now()
         attempt = await self.attempts.update(
             key, lambda a: a if policy.apply_task_event(job.config, a, ev, at) else None
@@ -201,6 +211,16 @@ class Supervisor:
             await self.event(job, JobEventKind.ENDED, step.reason)
 
     # ------------------------------------------------------------ kill
+
+    async def on_kill(self, sent: bus.Sent[KillRequest]) -> None:
+        """A kill request is honoured only from the job's owner (its subject names who sent it;
+        an admin sends as the owner). Another user's job is refused as if it did not exist."""
+        job = await self.jobs.get(sent.message.job_id)
+        if job is None or job.user != sent.by:
+            bus.REFUSED.labels("kill").inc()
+            log.warning("supervisor.kill_refused", job_id=sent.message.job_id[:64], by=sent.by[:64])
+            return
+        await self.kill_job(sent.message)
 
     async def kill_job(self, req: KillRequest) -> None:
         """The job becomes STOPPED (not retried), its current attempt ends, its tasks are told to
@@ -281,15 +301,23 @@ class Supervisor:
         """Every task not ended on a lost node, in any attempt (an ended attempt's leftovers too),
         is reported ended with cause `node_lost`, through the same path as any other exit."""
         at = now()
-        lost = policy.lost_nodes(self.view_nodes.values(), at, self.node_timeout)
+        lost = {
+            name: f"node {name} lost (no heartbeat for {(at - info.heartbeat_at).total_seconds():.0f}s)"
+            for name, info in policy.lost_nodes(self.view_nodes.values(), at, self.node_timeout).items()
+        }
+        # A node with tasks but no record to believe (deleted, or refused: from the future, beyond
+        # belief) is as silent as one that stopped beating.
+        placed = {t.node for a in self.view_attempts.values() for t in a.tasks if not t.state.ended}
+        self.absent = {n: self.absent.get(n, at) for n in placed if n not in self.view_nodes}
+        for name, since in self.absent.items():
+            if (at - since).total_seconds() > self.node_timeout:
+                lost[name] = f"node {name} lost (no believable node record for {self.node_timeout:g}s)"
         if not lost:
             return
         for attempt in list(self.view_attempts.values()):
             for task in attempt.tasks:
                 if task.node in lost and not task.state.ended:
-                    silent = (at - lost[task.node].heartbeat_at).total_seconds()
-                    why = f"node {task.node} lost (no heartbeat for {silent:.0f}s)"
-                    await self.declare_ended(attempt, task, TaskCause.NODE_LOST, why, "lost")
+                    await self.declare_ended(attempt, task, TaskCause.NODE_LOST, lost[task.node], "lost")
 
     async def check_starts(self) -> None:
         """Tasks still not started long after their attempt was placed fail as platform faults."""
@@ -309,7 +337,14 @@ class Supervisor:
         if mark in self.declared:
             return
         await self.js.publish(
-            subjects.task_event(attempt.job_id, attempt.attempt, task.role, task.index, TaskEventKind.EXITED),
+            subjects.task_event(
+                attempt.job_id,
+                attempt.attempt,
+                task.role,
+                task.index,
+                TaskEventKind.EXITED,
+                subjects.PLATFORM,
+            ),
             TaskEvent(
                 job_id=attempt.job_id,
                 attempt=attempt.attempt,
@@ -349,10 +384,13 @@ class Supervisor:
             key = attempt_key(job.job_id, n)
             await self.attempts.delete(key)
             await self.rendezvous.purge(key)
+        name = subjects.name_key(job.user, job.job_name)
         with contextlib.suppress(KeyNotFoundError, KeyWrongLastSequenceError):
-            claim = await self.names.get(job.job_name)
+            claim = await self.names.get(name)
             if claim.value == job.job_id.encode():
-                await self.names.delete(job.job_name, last=claim.revision)
+                await self.names.delete(name, last=claim.revision)
+        with contextlib.suppress(KeyNotFoundError):
+            await self.secrets.purge(job.job_id)
         await self.jobs.delete(job.job_id)
         PRUNED.labels("job").inc()
         log.info("supervisor.job_pruned", job_id=job.job_id, ended=job.updated_at.isoformat())

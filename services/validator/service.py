@@ -42,8 +42,8 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter, Histogram
 
 from services.validator import limits
-from shared import bus, subjects
-from shared.jobconfig import NAME_RE, FieldError, JobConfig, check_job
+from shared import auth, bus, subjects
+from shared.jobconfig import NAME_RE, FieldError, JobConfig, check_job, split_secrets
 from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
 from shared.messages import JobEvent, JobEventKind, JobRecord, JobState, Verdict, job_id_for, now
 from shared.store import Store
@@ -55,7 +55,6 @@ LATENCY = Histogram("muster_validator_seconds", "Time to judge one submission")
 # After this many deliveries that crashed the handler, the submission is rejected rather than
 # retried forever (a poison message must not block the queue).
 MAX_DELIVERIES = 5
-USER_RE = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
 
 log = structlog.get_logger(service="validator")
 
@@ -65,6 +64,7 @@ class Validator:
         self.nc, self.js, self.batch = nc, js, batch
         self.jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord)
         self.names = buckets[subjects.JOB_NAMES_BUCKET]
+        self.secrets = buckets[subjects.SECRETS_BUCKET]
         self.claim_timeout = claim_timeout()
         self.limits = limits.Limits.from_env()
         self.view: dict[str, JobRecord] = {}  # the jobs bucket, kept by a watcher while running
@@ -73,7 +73,7 @@ class Validator:
 
     @classmethod
     async def build(cls, nc: NATS) -> Validator:
-        js, buckets = await bus.ensure_jetstream(nc)
+        js, buckets = await bus.setup(nc)
         return cls(nc, js, buckets)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -103,9 +103,13 @@ class Validator:
         sid = bus.header(msg, Headers.SUBMISSION_ID) or ""
         if not re.match(subjects.SUBMISSION_ID_RE, sid):
             sid = f"s{meta.sequence.stream}"
-        user = bus.header(msg, Headers.USER) or "anonymous"
-        if not USER_RE.match(user):
-            user = "anonymous"
+        # The owner is who published it: the subject's last token, which an authenticated
+        # identity can only set to its own name (never a header or the spec).
+        user = subjects.requester(msg.subject)
+        if not auth.NAME_RE.match(user):
+            log.warning("validator.bad_submitter", subject=msg.subject[:200])
+            await msg.term()
+            return
         try:
             with LATENCY.time():
                 verdict = await self.judge(sid, user, msg.data, meta.timestamp or now())
@@ -116,7 +120,7 @@ class Validator:
                 return
             log.error("validator.gave_up", submission=sid, exc_info=True)
             try:
-                verdict = await self.give_up(sid, msg.data)
+                verdict = await self.give_up(sid, user, msg.data)
             except Exception as exc:  # the bus is away: the next delivery gives up again
                 log.warning("validator.give_up_failed", submission=sid, error=str(exc) or type(exc).__name__)
                 await msg.nak(delay=1)
@@ -131,20 +135,21 @@ class Validator:
         )
         await msg.ack_sync()
 
-    async def give_up(self, sid: str, data: bytes) -> Verdict:
+    async def give_up(self, sid: str, user: str, data: bytes) -> Verdict:
         """Reject a submission whose judging kept crashing, first releasing the name it may have
         claimed, unless its job record was written (then the claim is that job's)."""
         name = job_name_in(data)
-        job_id = job_id_for(sid)
+        job_id = job_id_for(user, sid)
         if name is not None and await self.jobs.get(job_id) is None:
-            await self.release_name(name, job_id)
+            await self.release_name(subjects.name_key(user, name), job_id)
         reason = "internal error while validating; see validator logs"
-        return await self.reject(sid, name, [FieldError(path="", reason=reason)], data)
+        return await self.reject(sid, user, name, [FieldError(path="", reason=reason)], data)
 
     async def judge(self, sid: str, user: str, data: bytes, received: datetime) -> Verdict:
         if len(data) > MAX_CONFIG_BYTES:
             return await self.reject(
                 sid,
+                user,
                 None,
                 [FieldError(path="", reason=f"payload is {len(data)} bytes; the limit is 1 MiB")],
                 data,
@@ -152,30 +157,31 @@ class Validator:
         try:
             raw = loads(data)
         except ConfigSyntaxError as exc:
-            return await self.reject(sid, None, [FieldError(path="", reason=str(exc))], data)
+            return await self.reject(sid, user, None, [FieldError(path="", reason=str(exc))], data)
         config, errors = check_job(raw)
         if config is None:
             name = raw.get("jobName") if isinstance(raw, dict) else None
-            return await self.reject(sid, name if isinstance(name, str) else None, errors, data)
+            return await self.reject(sid, user, name if isinstance(name, str) else None, errors, data)
         canonical = canonical_json(config)
         if len(canonical) > MAX_CONFIG_BYTES:
             reason = f"config is {len(canonical)} bytes once decoded; the limit is 1 MiB"
-            return await self.reject(sid, config.jobName, [FieldError(path="", reason=reason)], data)
+            return await self.reject(sid, user, config.jobName, [FieldError(path="", reason=reason)], data)
         digest = hashlib.sha256(canonical).hexdigest()
 
-        job_id = job_id_for(sid)
+        job_id = job_id_for(user, sid)
         existing = await self.jobs.get(job_id)
         if existing is not None:  # a redelivery, or the submission id used again
             if record_digest(existing) != digest:
-                return await self.reject(sid, config.jobName, [reused(job_id)], data)
+                return await self.reject(sid, user, config.jobName, [reused(job_id)], data)
             return await self.accept(existing, data)
         errors = limits.check(config.total_tasks, user, self.live.of(user), self.limits)
         if errors:
-            return await self.reject(sid, config.jobName, errors, data)
-        holder = await self.claim_name(config.jobName, job_id)
+            return await self.reject(sid, user, config.jobName, errors, data)
+        holder = await self.claim_name(subjects.name_key(user, config.jobName), job_id)
         if holder is not None:
             return await self.reject(
                 sid,
+                user,
                 config.jobName,
                 [
                     FieldError(
@@ -185,12 +191,17 @@ class Validator:
                 ],
                 data,
             )
+        # Secret-looking jobEnvs values live apart, where only the scheduler reads them; the
+        # record (and every view of it) shows REDACTED. Stored first: a record never lacks them.
+        shown, hidden = split_secrets(config)
+        if hidden:
+            await self.secrets.put(job_id, json.dumps(hidden).encode())
         record = JobRecord(
             job_id=job_id,
             job_name=config.jobName,
             submission_id=sid,
             user=user,
-            config=config,
+            config=shown,
             digest=digest,
             submitted_at=received,
         )
@@ -205,8 +216,8 @@ class Validator:
                 raise RuntimeError(f"job record {job_id} exists but does not decode")
             if record_digest(winner) != digest:
                 if winner.job_name != config.jobName:
-                    await self.release_name(config.jobName, job_id)
-                return await self.reject(sid, config.jobName, [reused(job_id)], data)
+                    await self.release_name(subjects.name_key(user, config.jobName), job_id)
+                return await self.reject(sid, user, config.jobName, [reused(job_id)], data)
             record = winner
         return await self.accept(record, data)
 
@@ -228,6 +239,7 @@ class Validator:
             )
         verdict = Verdict(
             submission_id=record.submission_id,
+            user=record.user,
             accepted=True,
             job_id=record.job_id,
             job_name=record.job_name,
@@ -293,8 +305,10 @@ class Validator:
         except (KeyNotFoundError, KeyWrongLastSequenceError):
             pass  # gone, or taken by someone else in between
 
-    async def reject(self, sid: str, name: str | None, errors: list[FieldError], data: bytes) -> Verdict:
-        verdict = Verdict(submission_id=sid, accepted=False, job_name=name, errors=errors)
+    async def reject(
+        self, sid: str, user: str, name: str | None, errors: list[FieldError], data: bytes
+    ) -> Verdict:
+        verdict = Verdict(submission_id=sid, user=user, accepted=False, job_name=name, errors=errors)
         await self.publish_verdict(verdict, data)
         return verdict
 
@@ -303,7 +317,7 @@ class Validator:
         # payload under a used id gets its own (stored) verdict.
         payload_id = hashlib.sha256(data).hexdigest()[:16]
         await self.js.publish(
-            subjects.verdict(verdict.submission_id),
+            subjects.verdict(verdict.user, verdict.submission_id),
             verdict.to_bytes(),
             headers={Headers.MSG_ID: f"verdict:{verdict.submission_id}:{payload_id}"},
         )

@@ -1,0 +1,215 @@
+"""The gateway: how users read what Muster knows of their jobs, and nothing else.
+
+Users hold no JetStream rights. They ask the gateway by NATS request/reply on
+`muster.api.<name>.<verb>`, a subject the server lets only identity `<name>` publish, so the
+gateway knows who asks without trusting anything the request says; admins ask as
+`muster.api._all.<verb>` and see every job. A job that is not the asker's is answered exactly as
+a job that does not exist. Records are stored with secret jobEnvs values already redacted.
+
+Verbs (JSON in, JSON out; every answer is `{"error": ..., "code": ...}` or the result):
+- `ping`: who the gateway takes the asker to be.
+- `jobs`: the asker's jobs (every job for an admin).
+- `job` `{"ref"}`: one job by id or name, with every attempt.
+- `verdict` `{"sid"}`: the stored verdict on one of the asker's submissions.
+- `logs` `{"job_id", "attempt", "task", "after", "limit"}`: output lines after stream sequence
+  `after`, at most `limit` (and 512 KiB) per answer, with `more` when there are others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+from typing import Any, ClassVar
+
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+from nats.js.kv import KeyValue
+from prometheus_client import Counter
+from pydantic import ValidationError
+
+from shared import bus, subjects
+from shared.auth import NAME_RE
+from shared.messages import AttemptRecord, JobRecord, Question, Verdict, attempt_key
+from shared.store import Store
+
+log = structlog.get_logger(service="gateway")
+REQUESTS = Counter("muster_gateway_requests_total", "Questions answered by the gateway", ["verb", "outcome"])
+MAX_REPLY = 512 * 1024
+KEY_RE = re.compile(r"^[-/_=.a-zA-Z0-9]{1,128}$")
+TASK_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.\d+)?$")
+
+
+class Refused(Exception):
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+class Gateway:
+    def __init__(self, nc: NATS, js: JetStreamContext, buckets: dict[str, KeyValue]):
+        self.nc, self.js = nc, js
+        self.jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord)
+        self.names = buckets[subjects.JOB_NAMES_BUCKET]
+        self.attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
+        self.view: dict[str, JobRecord] = {}
+        self.synced = asyncio.Event()
+        self.running: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    async def build(cls, nc: NATS) -> Gateway:
+        js, buckets = await bus.setup(nc)
+        return cls(nc, js, buckets)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        mirror = asyncio.create_task(self.jobs.mirror(self.view, self.synced))
+        # A queue group: replicas share the questions.
+        sub = await self.nc.subscribe(subjects.api("*", "*"), queue="gateway", cb=self._take)
+        try:
+            await stop.wait()
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            mirror.cancel()
+            if self.running:
+                await asyncio.wait(list(self.running), timeout=5)
+
+    async def _take(self, msg: Msg) -> None:
+        task = asyncio.create_task(self._answer(msg))
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+
+    async def _answer(self, msg: Msg) -> None:
+        if not msg.reply:
+            return
+        parts = msg.subject.split(".")
+        who, verb = parts[-2], parts[-1]
+        try:
+            if who != subjects.ALL and not NAME_RE.match(who):
+                raise Refused(f"bad asker {who!r}")
+            try:
+                request = Question.model_validate_json(msg.data or b"{}")
+            except ValidationError as exc:
+                problems = "; ".join(
+                    f"{'.'.join(map(str, e['loc'])) or 'request'}: {e['msg']}" for e in exc.errors()[:5]
+                )
+                raise Refused(f"bad question: {problems}") from None
+            handler = self.VERBS.get(verb)
+            if handler is None:
+                raise Refused(f"no such question {verb!r}; ask one of {', '.join(self.VERBS)}")
+            answer = await handler(self, who, request)
+            REQUESTS.labels(verb if verb in self.VERBS else "?", "ok").inc()
+        except Refused as exc:
+            REQUESTS.labels(verb if verb in self.VERBS else "?", "refused").inc()
+            answer = {"error": str(exc), "code": exc.code}
+        except Exception as exc:
+            REQUESTS.labels(verb if verb in self.VERBS else "?", "failed").inc()
+            log.warning("gateway.failed", subject=msg.subject[:200], error=str(exc) or type(exc).__name__)
+            answer = {"error": f"the gateway could not answer: {type(exc).__name__}", "code": 1}
+        with contextlib.suppress(Exception):
+            await msg.respond(json.dumps(answer, default=str).encode())
+
+    # ------------------------------------------------------------ questions
+
+    async def ping(self, who: str, request: Question) -> dict[str, Any]:
+        return {"user": who, "admin": who == subjects.ALL}
+
+    async def list_jobs(self, who: str, request: Question) -> dict[str, Any]:
+        await asyncio.wait_for(self.synced.wait(), 10)
+        records = [r for r in self.view.values() if who == subjects.ALL or r.user == who]
+        records.sort(key=lambda r: r.submitted_at)
+        return {"jobs": [r.model_dump(mode="json") for r in records]}
+
+    async def job(self, who: str, request: Question) -> dict[str, Any]:
+        record = await self.resolve(who, request.ref)
+        history = []
+        for n in range(1, record.attempt + 1):
+            attempt = await self.attempts.get(attempt_key(record.job_id, n))
+            if attempt is not None:
+                history.append(attempt.model_dump(mode="json"))
+        return {"job": record.model_dump(mode="json"), "attempts": history}
+
+    async def verdict(self, who: str, request: Question) -> dict[str, Any]:
+        sid = request.sid
+        if who == subjects.ALL or sid is None or not re.match(subjects.SUBMISSION_ID_RE, sid):
+            raise Refused("no such submission")
+        try:
+            subject = subjects.verdict(who, sid)
+            stored = await self.js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)
+        except NotFoundError:
+            return {"verdict": None}
+        return {"verdict": Verdict.from_bytes(stored.data).model_dump(mode="json")}
+
+    async def logs(self, who: str, request: Question) -> dict[str, Any]:
+        record = await self.resolve(who, request.job_id)
+        attempt, after, limit, task = request.attempt, request.after, request.limit, request.task or ""
+        if attempt is None or not 1 <= attempt <= max(1, record.attempt):
+            raise Refused(f"job {record.job_id} has no attempt {attempt}")
+        if task and not TASK_RE.match(task):
+            raise Refused(f"bad task {task!r}: expected ROLE or ROLE.INDEX")
+        role, _, index = task.partition(".") if task else ("*", "", "*")
+        subject = subjects.task_logs(record.job_id, attempt, role or "*", index or "*")
+        lines: list[list[Any]] = []
+        last, size = after, 0
+        start = (
+            ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after + 1)
+            if after
+            else ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+        )
+        sub = await self.js.subscribe(
+            subject, stream=subjects.LOGS_STREAM, ordered_consumer=True, config=start
+        )
+        try:
+            # Each message says how many remain after it; the consumer's info, whether there
+            # are any at all (what the server has already pushed counts as delivered).
+            info = await sub.consumer_info()
+            more = info.num_pending > 0 or (info.delivered.consumer_seq or 0) > 0
+            while more and len(lines) < limit and size < MAX_REPLY:
+                try:
+                    m = await sub.next_msg(timeout=5)
+                except NatsTimeout:
+                    break
+                token = m.subject.split(".")
+                text = m.data.decode("utf-8", "replace")
+                lines.append([f"{token[-3]}.{token[-2]}", text])
+                size += len(text) + 32
+                last = m.metadata.sequence.stream
+                more = m.metadata.num_pending > 0
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        return {"lines": lines, "last": last, "more": more, "final": record.state.final}
+
+    async def resolve(self, who: str, ref: Any) -> JobRecord:
+        """A job the asker may see, by id or else by name; anything else is "no such job"."""
+        if not isinstance(ref, str) or not KEY_RE.match(ref):
+            raise Refused(f"no job {str(ref)[:64]!r}")
+        record = await self.jobs.get(ref)
+        if record is not None and (who == subjects.ALL or record.user == who):
+            return record
+        if who != subjects.ALL:
+            with contextlib.suppress(Exception):
+                entry = await self.names.get(subjects.name_key(who, ref))
+                record = await self.jobs.get((entry.value or b"").decode(errors="replace"))
+                if record is not None and record.user == who:
+                    return record
+        else:
+            await asyncio.wait_for(self.synced.wait(), 10)
+            named = [r for r in self.view.values() if r.job_name == ref]
+            if named:
+                return max(named, key=lambda r: r.submitted_at)
+        raise Refused(f"no job with id or name {ref!r}")
+
+    VERBS: ClassVar[dict[str, Any]] = {
+        "ping": ping,
+        "jobs": list_jobs,
+        "job": job,
+        "verdict": verdict,
+        "logs": logs,
+    }

@@ -1,0 +1,47 @@
+"""Which jobEnvs are secrets, and keeping their values out of everything but the task.
+
+A jobEnvs name matching one of MUSTER_SECRET_ENV's patterns (comma-separated, fnmatch,
+case-insensitive; default below) is a secret: its value is kept apart from the job record
+(shared/jobconfig.py `split_secrets`), shown as `***` everywhere, and masked in the task's
+output lines, as CI systems mask secrets in logs.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections.abc import Iterable, Mapping
+
+DEFAULT_PATTERNS = "*TOKEN*,*PASSWORD*,*PASSWD*,*SECRET*,*KEY*,*CREDENTIAL*"
+MASK = "***"
+MIN_MASKED = 4  # shorter values would mask ordinary words
+
+
+def patterns() -> list[str]:
+    text = os.environ.get("MUSTER_SECRET_ENV") or DEFAULT_PATTERNS
+    return [p.strip().upper() for p in text.split(",") if p.strip()]
+
+
+def is_secret(name: str) -> bool:
+    upper = name.upper()
+    return any(fnmatch.fnmatchcase(upper, p) for p in patterns())
+
+
+def redact_env(env: Mapping[str, object]) -> dict[str, object]:
+    """`env` with every secret's value replaced by MASK."""
+    return {k: (MASK if is_secret(k) else v) for k, v in env.items()}
+
+
+def secret_values(env: Mapping[str, object]) -> list[str]:
+    """The values of `env`'s secrets worth masking, longest first (so a value that contains
+    another is masked whole)."""
+    values = {str(v) for k, v in env.items() if is_secret(k) and len(str(v)) >= MIN_MASKED}
+    return sorted(values, key=len, reverse=True)
+
+
+def mask(text: str, values: Iterable[str]) -> str:
+    """`text` with every occurrence of any of `values` replaced by MASK."""
+    for value in values:
+        if value in text:
+            text = text.replace(value, MASK)
+    return text
