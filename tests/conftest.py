@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,8 @@ CORPUS = ROOT / "tests" / "data" / "openpai-v1"
 
 
 BASE_IMAGE = os.environ.get("MUSTER_BASE_IMAGE", "muster/base:bookworm")
+# Jobs of the tests mount the repo's examples and their own temporary directories.
+os.environ.setdefault("MUSTER_DATA_ROOTS", f"{ROOT},{tempfile.gettempdir()}")
 
 
 @pytest.fixture(scope="session")

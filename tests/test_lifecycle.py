@@ -205,6 +205,7 @@ async def test_an_agent_killed_and_restarted_adopts_its_running_containers(base_
     agent = cluster.agent("box", *args)
     out = tmp_path / "out"
     out.mkdir()
+    out.chmod(0o777)  # tasks run as a non-root user: their outputDir must be theirs to write
     config = {
         "jobName": "adopted",
         "image": base_image,
@@ -247,6 +248,7 @@ async def test_an_agent_restarted_for_30s_mid_job_loses_nothing(base_image, clus
     agent = cluster.agent("box", *args)
     out = tmp_path / "out"
     out.mkdir()
+    out.chmod(0o777)  # tasks run as a non-root user: their outputDir must be theirs to write
     config = {
         "jobName": "restarted",
         "image": base_image,

@@ -33,7 +33,10 @@ if __name__ == "__main__":
         if creds_dir and not os.environ.get("MUSTER_CREDENTIALS"):
             os.environ["MUSTER_CREDENTIALS"] = os.path.join(creds_dir, f"agent-{options.node}.creds")
         build_agent = Agent.builder(
-            options, make_runtime(args.runtime, os.path.join(options.work_root, "tasks"))
+            options,
+            make_runtime(
+                args.runtime, os.path.join(options.work_root, "tasks"), options.task_user, options.pids_limit
+            ),
         )
 
         async def build_with_health(nc: NATS) -> Service:

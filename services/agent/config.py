@@ -65,6 +65,24 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-fs-uri", default=env("MUSTER_DEFAULT_FS_URI", ""), help="PAI_DEFAULT_FS_URI")
     p.add_argument("--heartbeat", type=float, default=float(env("MUSTER_AGENT_HEARTBEAT", "2")))
     p.add_argument(
+        "--data-roots",
+        default=env("MUSTER_DATA_ROOTS"),
+        help="where jobs' dataDir/codeDir/outputDir/authFile may point: absolute dirs, comma-separated; "
+        "{user} is the submitter (default: DATA_DIR/users/{user})",
+    )
+    p.add_argument(
+        "--task-user",
+        default=env("MUSTER_TASK_USER", "auto"),
+        help="Docker: the user tasks run as: auto (the image's non-root USER, else 1000:1000), UID[:GID], "
+        "or root",
+    )
+    p.add_argument(
+        "--pids-limit",
+        type=int,
+        default=int(env("MUSTER_TASK_PIDS_LIMIT", "4096")),
+        help="Docker: most processes in one task's container",
+    )
+    p.add_argument(
         "--overcommit",
         action="store_true",
         default=env("MUSTER_AGENT_OVERCOMMIT", "") in ("1", "true", "yes"),
@@ -202,17 +220,33 @@ def options_from_args(args: argparse.Namespace, data_dir: str = "/tmp/muster") -
         default_fs_uri=args.default_fs_uri,
         heartbeat=args.heartbeat,
         overcommit=args.overcommit,
+        data_roots=data_roots(args.data_roots, data_dir),
+        task_user=args.task_user,
+        pids_limit=args.pids_limit,
     )
 
 
-def make_runtime(choice: str, state_dir: str | None = None) -> Runtime:
+def data_roots(text: str | None, data_dir: str) -> list[str]:
+    from shared.hostpaths import RootsError, parse_roots
+
+    if not text:
+        return [os.path.join(os.path.abspath(data_dir), "users", "{user}")]
+    try:
+        return parse_roots(text)
+    except RootsError as exc:
+        raise SystemExit(f"--data-roots: {exc}") from None
+
+
+def make_runtime(
+    choice: str, state_dir: str | None = None, task_user: str = "auto", pids_limit: int = 4096
+) -> Runtime:
     from services.agent.process_runtime import ProcessRuntime
 
     if choice in ("auto", "docker"):
         from services.agent.docker_runtime import DockerRuntime
 
         if DockerRuntime.available():
-            return DockerRuntime()
+            return DockerRuntime(task_user=task_user, pids_limit=pids_limit)
         if choice == "docker":
             raise SystemExit("--runtime docker: no Docker engine answers")
         log.warning("agent.no_docker", detail="no Docker engine answers: using the process runtime")

@@ -164,15 +164,44 @@ class DockerTask:
             await asyncio.to_thread(self._container.remove, force=True)
 
 
+# Capabilities a task keeps (all others are dropped). Docker's default set less MKNOD, NET_RAW
+# (raw sockets: spoofing on the host network), SYS_CHROOT, AUDIT_WRITE, SETFCAP, SETPCAP and FSETID:
+# CHOWN, DAC_OVERRIDE, FOWNER: a task run as root (--task-user root) can manage its own files;
+# SETUID, SETGID: tools that drop to another user (apt's _apt); KILL: signal its own processes.
+# A task run as a non-root user (the default) has none of them in effect.
+TASK_CAPS = tuple(
+    c.strip().upper()
+    for c in os.environ.get("MUSTER_TASK_CAPS", "CHOWN,DAC_OVERRIDE,FOWNER,SETUID,SETGID,KILL").split(",")
+    if c.strip()
+)
+DEFAULT_TASK_USER = os.environ.get("MUSTER_DEFAULT_TASK_USER", "1000:1000")
+
+
+def _give(path: str, user: str) -> None:
+    """Let `user` (UID[:GID]) write in `path` (the agent runs as root under Docker)."""
+    uid, _, gid = user.partition(":")
+    if not uid.isdigit():  # a name only the image can resolve: let anyone write there
+        with contextlib.suppress(OSError):
+            os.chmod(path, 0o1777)
+        return
+    with contextlib.suppress(OSError):
+        os.chown(path, int(uid), int(gid) if gid.isdigit() else -1)
+        for name in os.listdir(path):
+            os.chown(os.path.join(path, name), int(uid), int(gid) if gid.isdigit() else -1)
+
+
 class DockerRuntime:
     """The Runtime that runs tasks as containers of the local Docker engine."""
 
     name = "docker"
     can_adopt = True
 
-    def __init__(self, client: docker.DockerClient | None = None):
+    def __init__(
+        self, client: docker.DockerClient | None = None, task_user: str = "auto", pids_limit: int = 4096
+    ):
         # Each running task holds two engine connections (its log stream and its wait).
         self._client = client if client is not None else docker.from_env(max_pool_size=64)
+        self.task_user, self.pids_limit = task_user, pids_limit
         self.cpu_cap: int | None = None  # the engine's CPUs, once `capacity` has asked
         self._fence: subprocess.Popen[bytes] | None = None
 
@@ -194,10 +223,10 @@ class DockerRuntime:
         await self._ensure_image(launch.image, launch.auth)
         await self._remove_leftover(launch.name)
         t0 = time.monotonic()
+        user = await asyncio.to_thread(self._user_for, launch.image)
+        kwargs = self._create_kwargs(launch, self.cpu_cap, user, self.pids_limit)
         try:
-            container = await asyncio.to_thread(
-                self._client.containers.create, launch.image, **self._create_kwargs(launch, self.cpu_cap)
-            )
+            container = await asyncio.to_thread(self._client.containers.create, launch.image, **kwargs)
         except docker.errors.DockerException as e:
             raise LaunchError(
                 f"cannot create container {launch.name} from {launch.image}: {_explain(e)}", _cause(e)
@@ -241,6 +270,21 @@ class DockerRuntime:
     async def reap(self, found: FoundTask) -> None:
         with contextlib.suppress(docker.errors.NotFound):
             await asyncio.to_thread(self._client.api.remove_container, found.name, force=True)
+
+    def _user_for(self, image: str) -> str | None:
+        """Who a task of `image` runs as: the agent's --task-user, or (auto) the image's own
+        USER when it is not root, else DEFAULT_TASK_USER; None keeps the image's."""
+        if self.task_user == "root":
+            return "0:0"
+        if self.task_user != "auto":
+            return self.task_user
+        try:
+            configured = (self._client.images.get(image).attrs.get("Config") or {}).get("User") or ""
+        except docker.errors.DockerException:
+            configured = ""
+        if configured and configured.split(":")[0] not in ("root", "0"):
+            return None
+        return DEFAULT_TASK_USER
 
     def start_fence(self, home: str, pidfile: str, wait: float) -> None:
         """If the agent dies without detaching and no new agent comes within `wait` seconds,
@@ -301,7 +345,12 @@ class DockerRuntime:
             raise LaunchError(f"cannot remove leftover container {name}: {_explain(e)}") from None
 
     @staticmethod
-    def _create_kwargs(launch: TaskLaunch, cpu_cap: int | None = None) -> dict[str, Any]:
+    def _create_kwargs(
+        launch: TaskLaunch, cpu_cap: int | None = None, user: str | None = None, pids_limit: int = 4096
+    ) -> dict[str, Any]:
+        """The container: limits as declared, all capabilities dropped but TASK_CAPS, no new
+        privileges (setuid binaries give none), at most `pids_limit` processes, not privileged,
+        no device but its GPUs, run as `user` (None: the image's own, non-root USER)."""
         env = dict(launch.env)
         if launch.gpus:
             # The engine exposes the chosen host devices; inside the container they count from 0,
@@ -309,10 +358,18 @@ class DockerRuntime:
             env["NVIDIA_VISIBLE_DEVICES"] = ",".join(str(i) for i in launch.gpus)
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(len(launch.gpus)))
         mounts = []
-        for m in launch.mounts:
+        for i, m in enumerate(launch.mounts):
+            created = not m.read_only and not os.path.exists(m.host)
             if not m.read_only:
                 os.makedirs(m.host, exist_ok=True)
+            # The attempt's own directory, and writable mount points made here, are the task's
+            # to write in; a directory that was there keeps its owner (make it writable for
+            # the task user, or run tasks as another with --task-user).
+            if user and (i == 0 or created):
+                _give(m.host, user)
             mounts.append(DockerMount(target=m.container, source=m.host, type="bind", read_only=m.read_only))
+        if user and launch.mounts:
+            env.setdefault("HOME", launch.mounts[0].container)  # a uid with no passwd entry has none
         kwargs: dict[str, Any] = {
             "name": launch.name,
             "command": ["/bin/sh", "-c", MERGE_STDERR + launch.command],
@@ -322,7 +379,14 @@ class DockerRuntime:
             "working_dir": launch.workdir,
             "mounts": mounts,
             "shm_size": (launch.shm_mb or DEFAULT_SHM_MB) * MiB,
+            "cap_drop": ["ALL"],
+            "cap_add": list(TASK_CAPS),
+            "security_opt": ["no-new-privileges:true"],
+            "pids_limit": pids_limit,
+            "privileged": False,
         }
+        if user:
+            kwargs["user"] = user
         if launch.cpus > 0:
             # The engine refuses a limit above the CPUs it has: a node declared with more
             # (--overcommit) gives a task at most all of them.

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import stat
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from services.agent.runtime import (
     RegistryAuth,
     TaskLaunch,
 )
+from shared import hostpaths
 from shared.messages import Assignment, ClusterSpec, TaskCause, TaskSpec
 
 MAX_AUTH_FILE = 4096  # bytes: three short lines
@@ -38,6 +41,7 @@ class Where:
     output_root: str
     default_fs_uri: str
     gpu_devices: bool
+    data_roots: tuple[str, ...] = ()  # where dir fields may point ({user}: the submitter)
 
 
 def task_name(job_id: str, attempt: int, role: str, index: int) -> str:
@@ -68,14 +72,19 @@ def build_launch(
     )
     env = environment.render_env(ctx)
     dirs = environment.resolve_dirs(config, a.user, where.default_fs_uri, where.output_root)
+    roots = hostpaths.roots_for(list(where.data_roots), a.user)
     mounts = [Mount(str(attempt_dir), str(attempt_dir), read_only=False)]
     workdir = str(task_dir)
-    for path, is_code in ((dirs.data, False), (dirs.code, True), (dirs.output, False)):
+    fields = (("dataDir", dirs.data, False), ("codeDir", dirs.code, True), ("outputDir", dirs.output, False))
+    for field, path, is_code in fields:
         local = local_path(path)
-        if local:
-            mounts.append(Mount(local, local))
-            if is_code:
-                workdir = local
+        if not local:
+            continue
+        # outputDir unset: the platform's own default, under its output root.
+        real = local if field == "outputDir" and not config.outputDir else allowed(field, local, roots)
+        mounts.append(Mount(real, real))
+        if is_code:
+            workdir = real
     return TaskLaunch(
         name=task_name(a.job_id, a.attempt, spec.role, spec.index),
         image=config.image,
@@ -87,7 +96,7 @@ def build_launch(
         gpus=spec.gpus if where.gpu_devices else [],
         mounts=mounts,
         workdir=workdir,
-        auth=read_auth_file(config.authFile),
+        auth=read_auth_file(config.authFile, list(where.data_roots), a.user, config.image),
         labels={
             LABEL_JOB: a.job_id,
             LABEL_ATTEMPT: str(a.attempt),
@@ -109,21 +118,93 @@ def local_path(path: str | None) -> str | None:
     return path if path.startswith("/") else None
 
 
-def read_auth_file(path: str | None) -> RegistryAuth | None:
-    """authFile: three lines — registry server, user name, password. Errors never show the contents."""
+def allowed(field: str, path: str, roots: list[str]) -> str:
+    """`path` resolved (symlinks followed), if under one of `roots`; else a configuration error
+    naming the field: nothing outside them is ever mounted or read."""
+    try:
+        return hostpaths.resolve_under_roots(path, roots)
+    except ValueError as exc:
+        raise LaunchError(f"{field} {path}: {exc}", TaskCause.CONFIG) from None
+
+
+AUTH_TIMEOUT = 5.0  # seconds to read an authFile (a hung network filesystem must not hang us)
+_readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="authfile")
+
+
+def read_auth_file(
+    path: str | None, roots: list[str] | None = None, user: str = "", image: str = ""
+) -> RegistryAuth | None:
+    """authFile: three lines — registry server, user name, password. Read only from the
+    submitting user's own roots (those with {user}), only a regular file of at most 4 KiB,
+    within AUTH_TIMEOUT, and only for the registry of the job's own image. Errors never show
+    the contents."""
     local = local_path(path)
     if not local:
         return None
+    own = [r.replace(hostpaths.USER, user) for r in roots or [] if hostpaths.USER in r]
+    if not own:
+        raise LaunchError(
+            f"authFile {local}: no per-user data root ({{user}}) is configured to keep it in",
+            TaskCause.CONFIG,
+        )
+    real = allowed("authFile", local, own)
+    future = _readers.submit(_read_bounded, real)
     try:
-        if not stat.S_ISREG(os.stat(local).st_mode):  # a FIFO would block, a device never end
-            raise LaunchError(f"authFile {local}: not a regular file", TaskCause.CONFIG)
-        with open(local, "rb") as f:
-            data = f.read(MAX_AUTH_FILE + 1)
-    except OSError as exc:
-        raise LaunchError(f"cannot read authFile {local}: {exc.strerror}", TaskCause.CONFIG) from None
-    if len(data) > MAX_AUTH_FILE:
-        raise LaunchError(f"authFile {local}: larger than {MAX_AUTH_FILE} bytes", TaskCause.CONFIG)
+        data = future.result(timeout=AUTH_TIMEOUT)
+    except FutureTimeout:
+        raise LaunchError(f"authFile {local}: not read within {AUTH_TIMEOUT:g}s", TaskCause.CONFIG) from None
     lines = data.decode("utf-8", "replace").splitlines()
     if len(lines) < 3:
         raise LaunchError(f"authFile {local}: expected 3 lines (server, user, password)", TaskCause.CONFIG)
-    return RegistryAuth(server=lines[0].strip(), username=lines[1].strip(), password=lines[2].rstrip("\r\n"))
+    auth = RegistryAuth(server=lines[0].strip(), username=lines[1].strip(), password=lines[2].rstrip("\r\n"))
+    if image and registry_host(auth.server) != image_registry(image):
+        raise LaunchError(
+            f"authFile {local}: its registry {registry_host(auth.server)} is not the image's "
+            f"({image_registry(image)}); credentials are sent only to the registry of the job's image",
+            TaskCause.CONFIG,
+        )
+    return auth
+
+
+def _read_bounded(path: str) -> bytes:
+    """A regular file of at most MAX_AUTH_FILE bytes: opened without following a link and
+    without blocking (a FIFO would block, a device never end), checked, then read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise LaunchError(f"cannot read authFile {path}: {exc.strerror}", TaskCause.CONFIG) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise LaunchError(f"authFile {path}: not a regular file", TaskCause.CONFIG)
+        if info.st_size > MAX_AUTH_FILE:
+            raise LaunchError(f"authFile {path}: larger than {MAX_AUTH_FILE} bytes", TaskCause.CONFIG)
+        data = os.read(fd, MAX_AUTH_FILE + 1)
+    except OSError as exc:
+        raise LaunchError(f"cannot read authFile {path}: {exc.strerror}", TaskCause.CONFIG) from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_AUTH_FILE:
+        raise LaunchError(f"authFile {path}: larger than {MAX_AUTH_FILE} bytes", TaskCause.CONFIG)
+    return data
+
+
+DOCKER_HUB = "docker.io"
+
+
+def image_registry(image: str) -> str:
+    """The registry an image reference pulls from, as Docker reads it: the first component when
+    it has a '.' or ':' or is 'localhost', else Docker Hub."""
+    first, slash, _ = image.partition("/")
+    if slash and ("." in first or ":" in first or first == "localhost"):
+        return registry_host(first)
+    return DOCKER_HUB
+
+
+def registry_host(server: str) -> str:
+    """A registry as an authFile or `docker login` may write it (https://index.docker.io/v1/)."""
+    host = server.strip().lower()
+    for prefix in ("https://", "http://"):
+        host = host.removeprefix(prefix)
+    host = host.split("/", 1)[0]
+    return DOCKER_HUB if host in ("index.docker.io", "registry-1.docker.io", "docker.io") else host

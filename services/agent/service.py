@@ -23,7 +23,7 @@ import contextlib
 import os
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ from services.agent.runtime import (
     Runtime,
 )
 from services.agent.tasks import NOT_STARTED, LocalTask, Tasks
-from shared import bus, subjects
+from shared import bus, hostpaths, subjects
 from shared.messages import (
     Assignment,
     AttemptRecord,
@@ -82,11 +82,19 @@ class AgentOptions:
     stop_grace: float = 10.0
     overcommit: bool = False  # offer more CPUs/memory than the runtime has (tasks share them)
     restart_grace: float = float(os.environ.get("MUSTER_RESTART_GRACE", "60"))
+    # Where jobs' dir fields and authFile may point ({user}: the submitter); see shared/hostpaths.py.
+    # Empty: MUSTER_DATA_ROOTS, else <work root's parent>/users/{user}.
+    data_roots: list[str] = field(default_factory=list)
+    task_user: str = "auto"  # Docker: the image's non-root USER, else DEFAULT_TASK_USER; "root" opts out
+    pids_limit: int = 4096  # processes per task container (a fork bomb stops there)
 
     def __post_init__(self) -> None:
         # Mount sources must be absolute for Docker; a relative --data-dir works from anywhere.
         self.work_root = os.path.abspath(self.work_root)
         self.output_root = os.path.abspath(self.output_root)
+        if not self.data_roots:
+            configured = hostpaths.parse_roots(os.environ.get("MUSTER_DATA_ROOTS", ""))
+            self.data_roots = configured or [os.path.join(os.path.dirname(self.work_root), "users", "{user}")]
 
 
 def _order(msg: Msg) -> Assignment | KillOrder | DrainOrder:
@@ -121,6 +129,7 @@ class Agent:
             output_root=options.output_root,
             default_fs_uri=options.default_fs_uri,
             gpu_devices=options.gpu_devices,
+            data_roots=tuple(options.data_roots),
         )
         self.tasks = Tasks(nc, js, runtime, self.reporter, self.attempts, ports, where)
         self.assignments = Assignments(Path(options.work_root) / "assignments")

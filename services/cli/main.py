@@ -583,6 +583,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     check_agent_flags(args)
     logs.configure("muster")
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    if not args.data_roots:
+        # Jobs may mount what is under the directory `muster up` runs in (a config next to its
+        # code: "codeDir": "./") and each user's own dir in the data dir.
+        here = os.getcwd()
+        roots = [] if here == "/" else [here]
+        args.data_roots = ",".join([*roots, str(data_dir.absolute() / "users" / "{user}")])
+    os.environ["MUSTER_DATA_ROOTS"] = args.data_roots  # the validator's too
     options = None if args.no_agent else options_from_args(args, str(data_dir))
 
     def agent():
@@ -591,7 +598,12 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"muster: local agent {options.node} at {options.address}: {options.cpus} CPUs, "
             f"{options.memory_mb} MB, GPUs: {_gpu_text(options.gpus)}"
         )
-        return Agent.builder(options, make_runtime(args.runtime, str(Path(options.work_root) / "tasks")))
+        return Agent.builder(
+            options,
+            make_runtime(
+                args.runtime, str(Path(options.work_root) / "tasks"), options.task_user, options.pids_limit
+            ),
+        )
 
     try:
         return asyncio.run(

@@ -42,7 +42,7 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter, Histogram
 
 from services.validator import limits
-from shared import auth, bus, subjects
+from shared import auth, bus, hostpaths, subjects
 from shared.jobconfig import NAME_RE, FieldError, JobConfig, check_job, split_secrets
 from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
 from shared.messages import JobEvent, JobEventKind, JobRecord, JobState, Verdict, job_id_for, now
@@ -67,6 +67,8 @@ class Validator:
         self.secrets = buckets[subjects.SECRETS_BUCKET]
         self.claim_timeout = claim_timeout()
         self.limits = limits.Limits.from_env()
+        # Where dir fields may point, when known here (else the agents judge at launch).
+        self.roots = hostpaths.parse_roots(os.environ.get("MUSTER_DATA_ROOTS", ""))
         self.view: dict[str, JobRecord] = {}  # the jobs bucket, kept by a watcher while running
         self.live = limits.LiveTasks()
         self.synced = asyncio.Event()
@@ -175,6 +177,7 @@ class Validator:
                 return await self.reject(sid, user, config.jobName, [reused(job_id)], data)
             return await self.accept(existing, data)
         errors = limits.check(config.total_tasks, user, self.live.of(user), self.limits)
+        errors += hostpaths.check_dirs(config, user, self.roots) if self.roots else []
         if errors:
             return await self.reject(sid, user, config.jobName, errors, data)
         holder = await self.claim_name(subjects.name_key(user, config.jobName), job_id)
