@@ -3,15 +3,27 @@ must lie under one of the configured roots, else they are refused, never mounted
 
 `MUSTER_DATA_ROOTS` is a comma-separated list of absolute directories; `{user}` in one stands
 for the submitting user's name (`/data/{user}` gives each user a root of their own). Unset, an
-agent allows `<its data dir>/users/{user}` and its output root (where outputDir defaults to);
-`muster up` adds the directory it was started in, so a config next to its code
-(`"codeDir": "./"`) works out of the box. `/` is never a root.
+agent allows only `<its data dir>/users/{user}` (the parent of its work root): each user's own
+directory, nothing shared. An unset outputDir is the platform's own choice (`<output root>/
+<jobName>`) and needs no root; an outputDir a job names must lie under one. `muster up` adds
+the directory it was started in, so a config next to its code (`"codeDir": "./"`) works out of
+the box. The validator checks only when MUSTER_DATA_ROOTS is set (it cannot know an agent's
+default). `/` is never a root: it would let a job mount the Docker socket or /etc.
+
+A user name that could step out of a `{user}` root (empty, `.`, `..`, containing `/`) gets no
+`{user}` root at all.
 
 Checked twice:
 - at validation, lexically, when the validator has roots configured: relative paths, `..`
   components and paths outside every root are refused with the field's name;
 - at launch, on the node, after resolving symlinks (a link out of a root is caught here): a
-  configuration error, so the job fails at once and nothing is mounted.
+  configuration error, so the job fails at once and nothing is mounted. A root that is itself a
+  symlink allows nothing (its owner could point it anywhere); links above it are followed.
+
+What is left: a user with a shell on the node who can write under a root could swap a checked
+directory for a link between the check and the engine's mount (a race of milliseconds, the
+engine follows links when it mounts). Where users have such access, make the roots writable
+only through jobs (or by the operator).
 """
 
 from __future__ import annotations
@@ -36,7 +48,7 @@ def parse_roots(text: str) -> list[str]:
             continue
         if not entry.startswith("/"):
             raise RootsError(f"data root {entry!r}: must be an absolute path")
-        normal = posixpath.normpath(entry)
+        normal = "/" + posixpath.normpath(entry).lstrip("/")  # normpath keeps a leading "//"
         if normal == "/":
             raise RootsError("data root '/': would let a job mount the whole host (the Docker socket, /etc)")
         if ".." in entry.split("/"):
@@ -46,8 +58,10 @@ def parse_roots(text: str) -> list[str]:
 
 
 def roots_for(roots: list[str], user: str) -> list[str]:
-    """The roots of one user: `{user}` filled in."""
-    return [r.replace(USER, user) for r in roots]
+    """The roots of one user: `{user}` filled in (roots with `{user}` dropped for a name that is
+    not a single path component)."""
+    usable = bool(user) and "/" not in user and user not in (".", "..") and "\0" not in user
+    return [r.replace(USER, user) for r in roots if usable or USER not in r]
 
 
 def local(path: str | None) -> str | None:
@@ -67,12 +81,18 @@ def under(path: str, root: str) -> bool:
 
 
 def lexical_problem(path: str, roots: list[str]) -> str | None:
-    """Why `path` (already a local path) may not be mounted, judged without the filesystem."""
+    """Why `path` may not be mounted, judged without the filesystem (None: it may). A file://
+    URI is its path; another URI (hdfs://, s3://) is no host path and passes."""
+    if "://" in path:
+        found = local(path)
+        if found is None:
+            return None
+        path = found
     if not path.startswith("/"):
         return "must be an absolute path (or ./relative to the config, with `muster submit`)"
     if ".." in path.split("/"):
         return "must not contain '..'"
-    normal = posixpath.normpath(path)
+    normal = "/" + posixpath.normpath(path).lstrip("/")
     if not any(under(normal, r) for r in roots):
         return f"{normal} is not under the allowed roots ({', '.join(roots) or 'none configured'})"
     return None
@@ -80,12 +100,19 @@ def lexical_problem(path: str, roots: list[str]) -> str | None:
 
 def resolve_under_roots(path: str, roots: list[str]) -> str:
     """`path` with every symlink resolved, if it is still under a root (roots resolved too);
-    raises ValueError saying why not."""
+    raises ValueError saying why not. Only for host paths: a URI other than file:// is refused."""
+    host = local(path)
+    if host is None or not host.startswith("/"):
+        raise ValueError(f"{path}: not an absolute host path")
+    path = host
     why = lexical_problem(path, roots)
     if why:
         raise ValueError(why)
     real = os.path.realpath(path)
-    real_roots = [os.path.realpath(r) for r in roots]
+    # A root's own parents may be links an operator made (/data -> /mnt/disk); the root itself
+    # may not: a user owning /data/users/alice could make it a link to /etc.
+    real_roots = [os.path.realpath(r) for r in roots if not os.path.islink(r)]
+    real_roots = [r for r in real_roots if r != "/"]
     if not any(under(real, r) for r in real_roots):
         raise ValueError(f"{path} resolves to {real}, outside the allowed roots ({', '.join(roots)})")
     return real
