@@ -9,6 +9,7 @@ output lines, as CI systems mask secrets in logs.
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 from collections.abc import Iterable, Mapping
 
@@ -34,8 +35,15 @@ def redact_env(env: Mapping[str, object]) -> dict[str, object]:
 
 def secret_values(env: Mapping[str, object]) -> list[str]:
     """The values of `env`'s secrets worth masking, longest first (so a value that contains
-    another is masked whole)."""
-    values = {str(v) for k, v in env.items() if is_secret(k) and len(str(v)) >= MIN_MASKED}
+    another is masked whole). A value of several lines (a key file) is masked line by line too,
+    as output comes a line at a time."""
+    values: set[str] = set()
+    for name, value in env.items():
+        if value is None or not is_secret(name):
+            continue
+        # A task sees a non-string value as JSON (services/agent/environment.py).
+        text = value if isinstance(value, str) else json.dumps(value)
+        values.update(v for v in (text, *text.splitlines()) if len(v.strip()) >= MIN_MASKED)
     return sorted(values, key=len, reverse=True)
 
 
@@ -45,3 +53,17 @@ def mask(text: str, values: Iterable[str]) -> str:
         if value in text:
             text = text.replace(value, MASK)
     return text
+
+
+class Masker:
+    """`mask` with a fixed set of values, for the lines of one task."""
+
+    def __init__(self, values: Iterable[str]) -> None:
+        self.values = sorted({v for v in values if len(v) >= MIN_MASKED}, key=len, reverse=True)
+
+    @classmethod
+    def for_env(cls, env: Mapping[str, object]) -> Masker:
+        return cls(secret_values(env))
+
+    def __call__(self, text: str) -> str:
+        return mask(text, self.values) if self.values else text

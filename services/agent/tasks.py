@@ -34,7 +34,7 @@ from shared.messages import (
     TaskSpec,
     attempt_key,
 )
-from shared.secrets import mask, secret_values
+from shared.secrets import Masker
 from shared.store import Store
 
 log = structlog.get_logger(service="agent")
@@ -60,6 +60,12 @@ class LocalTask:
     kill_reason: str | None = None
     kill_grace: float = 0.0
     starting: bool = False  # the runtime is starting it: it must not be cancelled then
+    masker: Masker | None = None  # its job's secret values, cut out of its output
+
+    def mask(self, text: str) -> str:
+        if self.masker is None:
+            self.masker = Masker.for_env(self.assignment.config.jobEnvs)
+        return self.masker(text)
 
     @property
     def name(self) -> str:
@@ -164,6 +170,7 @@ class Tasks:
         TASKS_LIVE.labels(self.node).set(len(self.live))
         outcome = "succeeded" if cause == TaskCause.EXITED and code == 0 else "failed"
         TASKS_ENDED.labels(self.node, outcome).inc()
+        reason = task.mask(reason)
         self.log.info("agent.task_ended", task=task.name, exit_code=code, cause=cause, reason=reason)
         self.report_ended(task.assignment, task.spec, cause, code, reason, list(task.lines))
         remove = getattr(task.handle, "remove", None)
@@ -199,7 +206,7 @@ class Tasks:
 
     def output(self, task: LocalTask, line: str) -> None:
         a, spec = task.assignment, task.spec
-        line = mask(line, secret_values(a.config.jobEnvs))  # a task printing its secrets
+        line = task.mask(line)  # a task printing its secrets: logs and last_lines show ***
         task.lines.append(line)
         subject = subjects.task_logs(a.job_id, a.attempt, spec.role, spec.index, self.node)
         with contextlib.suppress(Exception):
