@@ -83,6 +83,12 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
         help="Docker: most processes in one task's container",
     )
     p.add_argument(
+        "--task-caps",
+        default=env("MUSTER_TASK_CAPS"),
+        help="Docker: the capabilities a task keeps, comma-separated (all others dropped; default: "
+        "CHOWN,DAC_OVERRIDE,FOWNER,SETUID,SETGID,KILL, see services/agent/docker_runtime.py)",
+    )
+    p.add_argument(
         "--overcommit",
         action="store_true",
         default=env("MUSTER_AGENT_OVERCOMMIT", "") in ("1", "true", "yes"),
@@ -206,6 +212,7 @@ def options_from_args(args: argparse.Namespace, data_dir: str = "/tmp/muster") -
     declared = args.gpus is not None
     gpus = parse_gpus(args.gpus) if declared else discover_gpus() or []
     low, high = parse_port_range(args.ports)
+    check_task_settings(args)
     return AgentOptions(
         node=node,
         address=args.address or machine_address(),
@@ -226,6 +233,32 @@ def options_from_args(args: argparse.Namespace, data_dir: str = "/tmp/muster") -
     )
 
 
+def check_task_settings(args: argparse.Namespace) -> None:
+    """--task-user, --pids-limit and --task-caps, refused when the agent starts rather than at
+    every container create."""
+    user = getattr(args, "task_user", "auto")
+    if user not in ("auto", "root") and not re.fullmatch(
+        r"[A-Za-z0-9_][A-Za-z0-9_.-]*(:[A-Za-z0-9_][A-Za-z0-9_.-]*)?", user
+    ):
+        raise SystemExit(f"--task-user {user!r}: use auto, root, UID[:GID] or NAME[:GROUP]")
+    pids = getattr(args, "pids_limit", 4096)
+    if pids < 1:  # the engine reads 0 and -1 as no limit at all
+        raise SystemExit(f"--pids-limit {pids}: must be at least 1")
+    task_caps(getattr(args, "task_caps", None))
+
+
+def task_caps(text: str | None) -> tuple[str, ...] | None:
+    """--task-caps parsed (None: the default, TASK_CAPS)."""
+    if text is None:
+        return None
+    from services.agent.docker_runtime import parse_caps
+
+    try:
+        return parse_caps(text)
+    except ValueError as exc:
+        raise SystemExit(f"--task-caps: {exc}") from None
+
+
 def data_roots(text: str | None, data_dir: str) -> list[str]:
     from shared.hostpaths import RootsError, parse_roots
 
@@ -238,15 +271,22 @@ def data_roots(text: str | None, data_dir: str) -> list[str]:
 
 
 def make_runtime(
-    choice: str, state_dir: str | None = None, task_user: str = "auto", pids_limit: int = 4096
+    choice: str,
+    state_dir: str | None = None,
+    task_user: str = "auto",
+    pids_limit: int = 4096,
+    caps: str | None = None,
 ) -> Runtime:
+    """The runtime `choice` names; task_user, pids_limit and caps (--task-caps text, None for the
+    default) harden Docker's containers. The process runtime cannot apply them: its tasks run
+    as the agent's user, with its capabilities and no limits (see process_runtime)."""
     from services.agent.process_runtime import ProcessRuntime
 
     if choice in ("auto", "docker"):
         from services.agent.docker_runtime import DockerRuntime
 
         if DockerRuntime.available():
-            return DockerRuntime(task_user=task_user, pids_limit=pids_limit)
+            return DockerRuntime(task_user=task_user, pids_limit=pids_limit, caps=task_caps(caps))
         if choice == "docker":
             raise SystemExit("--runtime docker: no Docker engine answers")
         log.warning("agent.no_docker", detail="no Docker engine answers: using the process runtime")

@@ -164,16 +164,79 @@ class DockerTask:
             await asyncio.to_thread(self._container.remove, force=True)
 
 
-# Capabilities a task keeps (all others are dropped). Docker's default set less MKNOD, NET_RAW
-# (raw sockets: spoofing on the host network), SYS_CHROOT, AUDIT_WRITE, SETFCAP, SETPCAP and FSETID:
-# CHOWN, DAC_OVERRIDE, FOWNER: a task run as root (--task-user root) can manage its own files;
-# SETUID, SETGID: tools that drop to another user (apt's _apt); KILL: signal its own processes.
-# A task run as a non-root user (the default) has none of them in effect.
-TASK_CAPS = tuple(
-    c.strip().upper()
-    for c in os.environ.get("MUSTER_TASK_CAPS", "CHOWN,DAC_OVERRIDE,FOWNER,SETUID,SETGID,KILL").split(",")
-    if c.strip()
+# Capabilities a task keeps (all others are dropped; --task-caps / MUSTER_TASK_CAPS to change).
+# Docker's default set less MKNOD (device nodes), NET_RAW (raw sockets: spoofing on the host
+# network tasks share), NET_BIND_SERVICE (ports below 1024 of the host: a task could pose as
+# the node's sshd or DNS), SYS_CHROOT, AUDIT_WRITE, SETFCAP, SETPCAP and FSETID. Kept:
+# - CHOWN, DAC_OVERRIDE, FOWNER: a task run as root (--task-user root) manages its own files
+#   (images whose setup chowns or writes files owned by another user);
+# - SETUID, SETGID: tools that drop to another user (apt's _apt, su-exec/gosu entrypoints);
+# - KILL: signal its own processes run as other users of the image.
+# They are in the bounding set only: a task run as a non-root user (the default) has none in
+# effect, and no-new-privileges keeps setuid binaries from raising any.
+DEFAULT_TASK_CAPS = "CHOWN,DAC_OVERRIDE,FOWNER,SETUID,SETGID,KILL"
+# Linux capabilities (capabilities(7)), to refuse a misspelt one when the agent starts rather
+# than in every container create.
+LINUX_CAPS = frozenset(
+    [
+        "CHOWN",
+        "DAC_OVERRIDE",
+        "DAC_READ_SEARCH",
+        "FOWNER",
+        "FSETID",
+        "KILL",
+        "SETGID",
+        "SETUID",
+        "SETPCAP",
+        "LINUX_IMMUTABLE",
+        "NET_BIND_SERVICE",
+        "NET_BROADCAST",
+        "NET_ADMIN",
+        "NET_RAW",
+        "IPC_LOCK",
+        "IPC_OWNER",
+        "SYS_MODULE",
+        "SYS_RAWIO",
+        "SYS_CHROOT",
+        "SYS_PTRACE",
+        "SYS_PACCT",
+        "SYS_ADMIN",
+        "SYS_BOOT",
+        "SYS_NICE",
+        "SYS_RESOURCE",
+        "SYS_TIME",
+        "SYS_TTY_CONFIG",
+        "MKNOD",
+        "LEASE",
+        "AUDIT_WRITE",
+        "AUDIT_CONTROL",
+        "SETFCAP",
+        "MAC_OVERRIDE",
+        "MAC_ADMIN",
+        "SYSLOG",
+        "WAKE_ALARM",
+        "BLOCK_SUSPEND",
+        "AUDIT_READ",
+        "PERFMON",
+        "BPF",
+        "CHECKPOINT_RESTORE",
+    ]
 )
+
+
+def parse_caps(text: str) -> tuple[str, ...]:
+    """A comma-separated capability list (CAP_ prefix optional, any case; empty: none kept)."""
+    caps = []
+    for entry in (e.strip().upper().removeprefix("CAP_") for e in text.split(",")):
+        if not entry:
+            continue
+        if entry not in LINUX_CAPS:
+            raise ValueError(f"capability {entry!r}: not a Linux capability (see capabilities(7))")
+        caps.append(entry)
+    return tuple(dict.fromkeys(caps))
+
+
+TASK_CAPS = parse_caps(os.environ.get("MUSTER_TASK_CAPS", DEFAULT_TASK_CAPS))
 DEFAULT_TASK_USER = os.environ.get("MUSTER_DEFAULT_TASK_USER", "1000:1000")
 
 
@@ -197,11 +260,16 @@ class DockerRuntime:
     can_adopt = True
 
     def __init__(
-        self, client: docker.DockerClient | None = None, task_user: str = "auto", pids_limit: int = 4096
+        self,
+        client: docker.DockerClient | None = None,
+        task_user: str = "auto",
+        pids_limit: int = 4096,
+        caps: tuple[str, ...] | None = None,
     ):
         # Each running task holds two engine connections (its log stream and its wait).
         self._client = client if client is not None else docker.from_env(max_pool_size=64)
         self.task_user, self.pids_limit = task_user, pids_limit
+        self.caps = TASK_CAPS if caps is None else caps
         self.cpu_cap: int | None = None  # the engine's CPUs, once `capacity` has asked
         self._fence: subprocess.Popen[bytes] | None = None
 
@@ -224,7 +292,7 @@ class DockerRuntime:
         await self._remove_leftover(launch.name)
         t0 = time.monotonic()
         user = await asyncio.to_thread(self._user_for, launch.image)
-        kwargs = self._create_kwargs(launch, self.cpu_cap, user, self.pids_limit)
+        kwargs = self._create_kwargs(launch, self.cpu_cap, user, self.pids_limit, self.caps)
         try:
             container = await asyncio.to_thread(self._client.containers.create, launch.image, **kwargs)
         except docker.errors.DockerException as e:
@@ -346,9 +414,13 @@ class DockerRuntime:
 
     @staticmethod
     def _create_kwargs(
-        launch: TaskLaunch, cpu_cap: int | None = None, user: str | None = None, pids_limit: int = 4096
+        launch: TaskLaunch,
+        cpu_cap: int | None = None,
+        user: str | None = None,
+        pids_limit: int = 4096,
+        caps: tuple[str, ...] = TASK_CAPS,
     ) -> dict[str, Any]:
-        """The container: limits as declared, all capabilities dropped but TASK_CAPS, no new
+        """The container: limits as declared, all capabilities dropped but `caps`, no new
         privileges (setuid binaries give none), at most `pids_limit` processes, not privileged,
         no device but its GPUs, run as `user` (None: the image's own, non-root USER)."""
         env = dict(launch.env)
@@ -380,7 +452,7 @@ class DockerRuntime:
             "mounts": mounts,
             "shm_size": (launch.shm_mb or DEFAULT_SHM_MB) * MiB,
             "cap_drop": ["ALL"],
-            "cap_add": list(TASK_CAPS),
+            "cap_add": list(caps),
             "security_opt": ["no-new-privileges:true"],
             "pids_limit": pids_limit,
             "privileged": False,

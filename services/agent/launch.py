@@ -5,6 +5,7 @@ are configuration errors."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from concurrent.futures import ThreadPoolExecutor
@@ -141,14 +142,14 @@ def read_auth_file(
     local = local_path(path)
     if not local:
         return None
-    own = [r.replace(hostpaths.USER, user) for r in roots or [] if hostpaths.USER in r]
+    own = hostpaths.roots_for([r for r in roots or [] if hostpaths.USER in r], user)
     if not own:
         raise LaunchError(
             f"authFile {local}: no per-user data root ({{user}}) is configured to keep it in",
             TaskCause.CONFIG,
         )
     real = allowed("authFile", local, own)
-    future = _readers.submit(_read_bounded, real)
+    future = _readers.submit(_read_bounded, real, owners(real, own))
     try:
         data = future.result(timeout=AUTH_TIMEOUT)
     except FutureTimeout:
@@ -166,9 +167,26 @@ def read_auth_file(
     return auth
 
 
-def _read_bounded(path: str) -> bytes:
-    """A regular file of at most MAX_AUTH_FILE bytes: opened without following a link and
-    without blocking (a FIFO would block, a device never end), checked, then read."""
+def owners(path: str, own: list[str]) -> frozenset[int]:
+    """Whose an authFile at `path` (resolved, under one of the user's own roots `own`) may be:
+    the owner of that root (the user, where each has a directory of their own), root, or the
+    agent itself. An agent running as root so never sends a file another user put in a shared
+    or writable directory as this user's credentials."""
+    uids = {0, os.geteuid()}
+    for root in own:
+        real_root = os.path.realpath(root)
+        if hostpaths.under(path, real_root):
+            with contextlib.suppress(OSError):
+                uids.add(os.stat(real_root).st_uid)
+    return frozenset(uids)
+
+
+def _read_bounded(path: str, allowed_uids: frozenset[int] | None = None) -> bytes:
+    """A regular file of at most MAX_AUTH_FILE bytes, owned by one of `allowed_uids`: opened
+    without following a link and without blocking (a FIFO would block, a device never end),
+    checked with fstat (on what was opened, so nothing can be swapped in between), then read.
+    A regular file's read cannot block for long, but one on a hung network filesystem can: the
+    caller bounds the whole with AUTH_TIMEOUT."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
@@ -179,6 +197,12 @@ def _read_bounded(path: str) -> bytes:
             raise LaunchError(f"authFile {path}: not a regular file", TaskCause.CONFIG)
         if info.st_size > MAX_AUTH_FILE:
             raise LaunchError(f"authFile {path}: larger than {MAX_AUTH_FILE} bytes", TaskCause.CONFIG)
+        if allowed_uids is not None and info.st_uid not in allowed_uids:
+            raise LaunchError(
+                f"authFile {path}: owned by uid {info.st_uid}, not by the owner of the user's "
+                f"directory (uids {', '.join(map(str, sorted(allowed_uids)))})",
+                TaskCause.CONFIG,
+            )
         data = os.read(fd, MAX_AUTH_FILE + 1)
     except OSError as exc:
         raise LaunchError(f"cannot read authFile {path}: {exc.strerror}", TaskCause.CONFIG) from None

@@ -10,7 +10,13 @@ and reaps them; the supervisor retries their attempt.
 
 Tasks do not outlive their agent: a small fence process (`services.agent.fence`) holds a pipe
 from the agent and, when the agent dies in any way, SIGKILL included, kills every recorded task,
-so a task whose agent is gone never runs beside its replacement."""
+so a task whose agent is gone never runs beside its replacement.
+
+Not hardened, and it cannot be without the isolation a container gives: a task runs as the
+agent's own user, with its capabilities, its view of the file system (data roots bound what a
+job names as its dirs, not what its command opens), no pids, memory or CPU limit and the
+Docker socket if the agent can reach it. Use it only where every submitter may already run
+commands as the agent's user (a laptop, a CI runner); give nodes shared by users Docker."""
 
 from __future__ import annotations
 
