@@ -289,6 +289,8 @@ def permissions(ident: Identity | Credentials) -> dict[str, Any]:
             *lookup,
             *_read(subjects.LOGS_STREAM),
             f"$JS.API.DIRECT.GET.{subjects.EVENTS_STREAM}.{ev}.submission.>",
+            # A job's history: consumers on MUSTER_EVENTS (its job events), read-only.
+            *_read(subjects.EVENTS_STREAM),
             *_bucket(subjects.JOBS_BUCKET, write=False),
             *_bucket(subjects.JOB_NAMES_BUCKET, write=False),
             *_bucket(subjects.ATTEMPTS_BUCKET, write=False),

@@ -50,7 +50,10 @@ PARAMETERS: dict[str, dict[str, Any]] = {
     "jobId": {
         "description": "The job id, derived from the submitter and the submission id ('j' + 12 hex digits)."
     },
-    "verb": {"description": "What the gateway is asked.", "enum": ["ping", "jobs", "job", "verdict", "logs"]},
+    "verb": {
+        "description": "What the gateway is asked.",
+        "enum": ["ping", "jobs", "job", "verdict", "logs", "events"],
+    },
     "user": {
         "description": (
             "Who sends it (an identity's name; with authentication on, the server lets only that "

@@ -224,7 +224,8 @@ CHANNELS: dict[str, Channel] = {
             "A question to the gateway, asked as {user} (only identity {user} may publish here; "
             "_all: an admin, about every job), answered by request/reply with JSON: jobs (the asker's "
             "jobs), job (one, with its attempts), verdict (of a submission), logs (a page of output "
-            "lines after a stream sequence), ping. Another user's job is answered as no such job."
+            "lines after a stream sequence), events (a page of the job's history), ping. Another "
+            "user's job is answered as no such job."
         ),
     ),
     "jobEvent": Channel(

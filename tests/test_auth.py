@@ -105,6 +105,8 @@ def secured(tmp_path_factory) -> Iterator[Secured]:
                 str(tmp / "work" / node),
                 "--output-root",
                 str(tmp / "output"),
+                "--data-roots",
+                f"{tmp}/users/{{user}},{tmp}/shared",
             )
         yield c
         c.stop_all()
@@ -246,6 +248,11 @@ async def test_users_see_and_kill_only_their_own_jobs(secured):
         with pytest.raises(client.Refused, match="no job"):
             await client.ask(bob, "logs", {"job_id": job.job_id, "attempt": 1})
         assert job.job_id not in {j["job_id"] for j in (await client.ask(bob, "jobs"))["jobs"]}
+        with pytest.raises(client.Refused, match="no job"):
+            await client.ask(bob, "events", {"job_id": job.job_id})
+        history = (await client.ask(alice, "events", {"job_id": job.job_id}))["events"]
+        assert [e["kind"] for e in history][:2] == ["submitted", "accepted"], history
+        assert "running" in {e["kind"] for e in history}
         # Nor can he ask as alice, as everyone, or read the buckets and streams himself.
         await refused(bob, lambda: client.ask(bob, "jobs", who="alice", timeout=1), "muster.api.alice")
         await refused(bob, lambda: client.ask(bob, "jobs", who=subjects.ALL, timeout=1), "muster.api._all")
@@ -496,14 +503,20 @@ def test_each_identity_gets_its_own_subjects_only():
 
 
 TOKEN, PASSWORD = "tok-3f9a8c1e77d2b5", "pw-c0ffee-beef-4242"
+REGISTRY_PASSWORD = "reg-9d8e7f6a5b4c"  # in the job's authFile
 
 
 async def test_no_secret_in_any_record_event_log_status_or_metrics_page(secured):
-    """A job with secret jobEnvs: its task gets them; nothing anyone else sees has them."""
+    """A job with secret jobEnvs and an authFile: its task gets the jobEnvs (the agent reads the
+    authFile, for the image's registry); nothing anyone else sees has any of them."""
     alice, root = await connect(secured, "alice"), await connect(secured, "root")
     try:
         config = json.loads(sleeper("secretive", seconds=0))
         config["jobEnvs"] = {"API_TOKEN": TOKEN, "DB_PASSWORD": PASSWORD, "PLAIN": "visible"}
+        auth_file = secured.log_dir / "users" / "alice" / "registry-auth"
+        auth_file.parent.mkdir(parents=True, exist_ok=True)
+        auth_file.write_text(f"docker.io\nalice\n{REGISTRY_PASSWORD}\n")
+        config["authFile"] = str(auth_file)
         # The task proves it has them by a digest (the command is part of the spec: no secret there).
         config["taskRoles"][0]["command"] = (
             'echo digest=$(printf %s "$API_TOKEN:$DB_PASSWORD" | sha256sum | cut -c1-16); '
@@ -568,7 +581,7 @@ async def test_no_secret_in_any_record_event_log_status_or_metrics_page(secured)
         assert len([w for w, _ in seen if w.startswith("metrics")]) >= 5
         assert any(w.startswith(subjects.LOGS_STREAM) for w, _ in seen)
         for where, data in seen:
-            for secret in (TOKEN, PASSWORD):
+            for secret in (TOKEN, PASSWORD, REGISTRY_PASSWORD):
                 assert secret.encode() not in data, f"{secret} in {where}"
     finally:
         await alice.close()

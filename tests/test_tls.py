@@ -63,3 +63,50 @@ async def test_clients_reach_the_bus_over_tls_only_when_they_trust_its_ca(tmp_pa
         # TLS does not replace authentication: the CA alone gets a stranger nothing.
         with pytest.raises(ConnectionError, match=r"(?i)authorization"):
             await bus.connect("stranger", server.url, connect_timeout=3, quiet=True)
+
+
+def test_cluster_routes_are_tls_and_refuse_a_server_without_the_ca(tmp_path):
+    """Two servers route to each other over TLS (verify on); a third whose certificate is signed
+    by another CA never joins."""
+    import json
+    import time
+    import urllib.request
+
+    from shared.natsserver import binary, free_port
+
+    good = certificates(tmp_path)
+    (tmp_path / "other").mkdir()
+    bad = certificates(tmp_path / "other")
+    ports = [free_port() for _ in range(9)]
+    routes = ",".join(f"nats://127.0.0.1:{ports[3 + i]}" for i in range(3))
+    procs = []
+    try:
+        for i, certs in enumerate((good, good, bad)):
+            conf = tmp_path / f"s{i}.conf"
+            conf.write_text(
+                f'listen: "127.0.0.1:{ports[i]}"\nhttp: "127.0.0.1:{ports[6 + i]}"\nserver_name: s{i}\n'
+                f'cluster {{ name: c, listen: "127.0.0.1:{ports[3 + i]}", routes: [{routes}],\n'
+                f'  tls {{ cert_file: "{certs["cert"]}", key_file: "{certs["key"]}",'
+                f' ca_file: "{certs["ca"]}", verify: true, timeout: 2 }} }}\n'
+            )
+            log = open(tmp_path / f"s{i}.log", "wb")  # noqa: SIM115
+            procs.append(subprocess.Popen([binary(), "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT))
+
+        def routed(i: int) -> set[str]:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{ports[6 + i]}/routez", timeout=2) as r:
+                    return {route.get("remote_name", "") for route in json.load(r).get("routes") or []}
+            except OSError:
+                return set()
+
+        deadline = time.monotonic() + 30
+        while "s1" not in routed(0) and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert "s1" in routed(0) and "s0" in routed(1)
+        time.sleep(3)  # the stranger keeps trying: still not in
+        assert "s2" not in routed(0) | routed(1) and not routed(2)
+        assert "tls" in (tmp_path / "s2.log").read_text().lower()
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)

@@ -266,6 +266,16 @@ async def status(args: argparse.Namespace) -> int:
                 out(json.dumps(doc, indent=2))
             else:
                 out(describe(record, history))
+            if args.events:
+                after = 0
+                while True:
+                    page = await ask(nc, "events", job_id=record.job_id, after=after)
+                    for e in page["events"]:
+                        when, kind, state = e["at"][:19].replace("T", " "), e["kind"], e["state"]
+                        out(f"{when}  {kind:<9} {state:<9} attempt {e['attempt']}  {e['detail']}")
+                    after = page["last"]
+                    if not page["more"]:
+                        break
             return EXIT_OK
         records = [JobRecord.model_validate(r) for r in (await ask(nc, "jobs"))["jobs"]]
         if args.json:
@@ -700,6 +710,7 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="list jobs, or show one job by id or name")
     s.add_argument("job", nargs="?")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--events", action="store_true", help="with JOB: its history, event by event")
     s.set_defaults(func=lambda a: asyncio.run(status(a)))
 
     s = sub.add_parser("kill", help="stop a job: SIGTERM, SIGKILL after the grace; it is not retried")

@@ -13,6 +13,7 @@ Verbs (JSON in, JSON out; every answer is `{"error": ..., "code": ...}` or the r
 - `verdict` `{"sid"}`: the stored verdict on one of the asker's submissions.
 - `logs` `{"job_id", "attempt", "task", "after", "limit"}`: output lines after stream sequence
   `after`, at most `limit` (and 512 KiB) per answer, with `more` when there are others.
+- `events` `{"job_id", "after", "limit"}`: the job's history, paged the same way.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import re
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import structlog
@@ -155,36 +157,54 @@ class Gateway:
             raise Refused(f"bad task {task!r}: expected ROLE or ROLE.INDEX")
         role, _, index = task.partition(".") if task else ("*", "", "*")
         subject = subjects.task_logs(record.job_id, attempt, role or "*", index or "*")
-        lines: list[list[Any]] = []
+
+        def line(m: Msg) -> list[Any]:
+            token = m.subject.split(".")
+            return [f"{token[-3]}.{token[-2]}", m.data.decode("utf-8", "replace")]
+
+        lines, last, more = await self.page(subjects.LOGS_STREAM, subject, after, limit, line)
+        return {"lines": lines, "last": last, "more": more, "final": record.state.final}
+
+    async def events(self, who: str, request: Question) -> dict[str, Any]:
+        """The job's history (submitted, accepted, placed, running, retrying, ended...)."""
+        record = await self.resolve(who, request.job_id or request.ref)
+        subject = subjects.job_events(record.job_id)
+        events, last, more = await self.page(
+            subjects.EVENTS_STREAM, subject, request.after, request.limit, lambda m: json.loads(m.data)
+        )
+        return {"events": events, "last": last, "more": more, "final": record.state.final}
+
+    async def page(
+        self, stream: str, subject: str, after: int, limit: int, render: Callable[[Msg], Any]
+    ) -> tuple[list[Any], int, bool]:
+        """Up to `limit` (and MAX_REPLY bytes) messages on `subject` after stream sequence
+        `after`, rendered; the last sequence read; whether there are more."""
+        out: list[Any] = []
         last, size = after, 0
         start = (
             ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after + 1)
             if after
             else ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
         )
-        sub = await self.js.subscribe(
-            subject, stream=subjects.LOGS_STREAM, ordered_consumer=True, config=start
-        )
+        sub = await self.js.subscribe(subject, stream=stream, ordered_consumer=True, config=start)
         try:
             # Each message says how many remain after it; the consumer's info, whether there
             # are any at all (what the server has already pushed counts as delivered).
             info = await sub.consumer_info()
             more = info.num_pending > 0 or (info.delivered.consumer_seq or 0) > 0
-            while more and len(lines) < limit and size < MAX_REPLY:
+            while more and len(out) < limit and size < MAX_REPLY:
                 try:
                     m = await sub.next_msg(timeout=5)
                 except NatsTimeout:
                     break
-                token = m.subject.split(".")
-                text = m.data.decode("utf-8", "replace")
-                lines.append([f"{token[-3]}.{token[-2]}", text])
-                size += len(text) + 32
+                out.append(render(m))
+                size += len(m.data) + 64
                 last = m.metadata.sequence.stream
                 more = m.metadata.num_pending > 0
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-        return {"lines": lines, "last": last, "more": more, "final": record.state.final}
+        return out, last, more
 
     async def resolve(self, who: str, ref: Any) -> JobRecord:
         """A job the asker may see, by id or else by name; anything else is "no such job"."""
@@ -212,4 +232,5 @@ class Gateway:
         "job": job,
         "verdict": verdict,
         "logs": logs,
+        "events": events,
     }
