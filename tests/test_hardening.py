@@ -5,6 +5,7 @@ submitter's own root, only as a small regular file, only for the image's own reg
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import functools
@@ -19,7 +20,7 @@ import docker
 import pytest
 import structlog
 
-from services.agent.config import check_task_settings
+from services.agent.config import add_agent_arguments, check_task_settings, make_runtime
 from services.agent.docker_runtime import TASK_CAPS, DockerRuntime, parse_caps
 from services.agent.launch import Where, build_launch, image_registry, read_auth_file
 from services.agent.runtime import LaunchError, TaskLaunch
@@ -267,6 +268,20 @@ def test_the_task_settings_are_checked_when_the_agent_starts():
     ):
         with pytest.raises(SystemExit, match=said):
             check_task_settings(types.SimpleNamespace(**{**vars(ok), **bad}))
+
+
+def test_the_agents_flags_reach_its_docker_runtime(base_image: str, tmp_path: Path):
+    """--task-caps, --task-user and --pids-limit as `python -m services.agent` parses them."""
+    parser = argparse.ArgumentParser()
+    add_agent_arguments(parser)
+    args = parser.parse_args(
+        ["--runtime", "docker", "--task-caps", "kill", "--task-user", "2000:2000", "--pids-limit", "99"]
+    )
+    rt = make_runtime(args.runtime, str(tmp_path), args.task_user, args.pids_limit, args.task_caps)
+    assert isinstance(rt, DockerRuntime)
+    assert (rt.caps, rt.task_user, rt.pids_limit) == (("KILL",), "2000:2000", 99)
+    default = make_runtime("docker", str(tmp_path))
+    assert isinstance(default, DockerRuntime) and default.caps == TASK_CAPS
 
 
 def test_the_container_request_drops_what_it_must():

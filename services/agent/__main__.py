@@ -35,7 +35,11 @@ if __name__ == "__main__":
         build_agent = Agent.builder(
             options,
             make_runtime(
-                args.runtime, os.path.join(options.work_root, "tasks"), options.task_user, options.pids_limit
+                args.runtime,
+                os.path.join(options.work_root, "tasks"),
+                options.task_user,
+                options.pids_limit,
+                args.task_caps,
             ),
         )
 

@@ -40,7 +40,7 @@ class TaskLaunch:
     name: str  # unique on the node: muster-<job>-<attempt>-<role>-<index>
     image: str
     command: str  # run by /bin/sh -c, so $VAR references expand in the task
-    env: dict[str, str]
+    env: dict[str, str] = field(repr=False)  # jobEnvs hold secrets: never in a repr or a log
     cpus: int
     memory_mb: int
     shm_mb: int | None = None

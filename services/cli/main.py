@@ -611,7 +611,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         return Agent.builder(
             options,
             make_runtime(
-                args.runtime, str(Path(options.work_root) / "tasks"), options.task_user, options.pids_limit
+                args.runtime,
+                str(Path(options.work_root) / "tasks"),
+                options.task_user,
+                options.pids_limit,
+                args.task_caps,
             ),
         )
 
