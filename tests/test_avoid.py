@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from services.scheduler.avoid import nodes_to_avoid, plan_around
-from services.scheduler.placement import NodeState, PendingJob
+from services.scheduler.placement import Capacity, Cluster, NodeState, PendingJob
 from shared.jobconfig import JobConfig
 from shared.messages import AttemptRecord, Failure, FailureKind, GpuDevice, JobState, TaskStatus, now
 
@@ -69,17 +69,21 @@ def node(name: str) -> NodeState:
 
 
 def test_placement_goes_around_an_avoided_node_while_others_have_room():
-    plan = plan_around({"bad": node("bad"), "ok": node("ok")}, [job("a")], {"bad"})
+    plan = plan_around(*cluster(node("bad"), node("ok")), [job("a")], {"bad"})
     assert [t.node for t in plan.placements["a"]] == ["ok"]
 
 
 def test_a_job_waits_for_a_healthy_node_rather_than_take_an_avoided_one():
-    plan = plan_around({"bad": node("bad"), "ok": node("ok")}, [job("a"), job("b")], {"bad"})
+    plan = plan_around(*cluster(node("bad"), node("ok")), [job("a"), job("b")], {"bad"})
     assert {jid: [t.node for t in ts] for jid, ts in plan.placements.items()} == {"a": ["ok"]}
     assert "b" in plan.pending
 
 
 def test_a_job_that_can_only_ever_run_on_avoided_nodes_still_runs_there():
-    plan = plan_around({"bad": node("bad"), "worse": node("worse")}, [job("c")], {"bad", "worse"})
+    plan = plan_around(*cluster(node("bad"), node("worse")), [job("c")], {"bad", "worse"})
     assert [t.node for t in plan.placements["c"]] in (["bad"], ["worse"])
     assert plan.pending == {}
+
+
+def cluster(*nodes: NodeState) -> tuple[Cluster, Capacity]:
+    return Cluster(nodes), Capacity(nodes)

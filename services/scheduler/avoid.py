@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta
 
 from services.scheduler import placement
-from shared.messages import AttemptRecord, FailureKind
+from shared.messages import AttemptRecord, FailureKind, TaskSpec
 
 AVOID_AFTER = int(os.environ.get("MUSTER_AVOID_AFTER", "3"))
 AVOID_WINDOW = float(os.environ.get("MUSTER_AVOID_WINDOW", "600"))
@@ -27,19 +27,29 @@ def nodes_to_avoid(attempts: Iterable[AttemptRecord], at: datetime) -> set[str]:
 
 
 def plan_around(
-    nodes: dict[str, placement.NodeState], queue: list[placement.PendingJob], avoid: set[str]
+    cluster: placement.Cluster,
+    capacity: placement.Capacity,
+    queue: list[placement.PendingJob],
+    avoid: set[str],
+    window: int | None = None,
 ) -> placement.Plan:
     """Place around the nodes to avoid; a job that fits only on them still runs there: avoiding
-    is a preference, never a reason to wait forever."""
-    plan = placement.plan(nodes.values(), queue, avoid)
+    is a preference, never a reason to wait forever. `cluster` is left as it was."""
+    plan = cluster.plan(queue, capacity, avoid, window)
     stuck = [j for j in queue if j.job_id in plan.unschedulable]
     if not avoid or not stuck:
         return plan
-    rest = {name: n.copy() for name, n in nodes.items()}
     configs = {j.job_id: j.config for j in queue}
-    for job_id, tasks in plan.placements.items():
-        placement.allocate(rest, configs[job_id], tasks)
-    second = placement.plan(rest.values(), stuck)
+    placed = list(plan.placements.items())
+    done: list[tuple[str, list[TaskSpec]]] = []
+    try:
+        for job_id, tasks in placed:  # what the first plan took is not there for the second
+            cluster.allocate(configs[job_id], tasks)
+            done.append((job_id, tasks))
+        second = cluster.plan(stuck, capacity, window=window)
+    finally:
+        for job_id, tasks in reversed(done):
+            cluster.release(configs[job_id], tasks)
     plan.placements.update(second.placements)
     for job_id in second.placements:
         plan.pending.pop(job_id, None)

@@ -26,10 +26,12 @@ resources waits "behind" the head. Only the head is protected: other waiting job
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.jobconfig import JobConfig, TaskRole
 from shared.messages import GpuDevice, NodeInfo, TaskSpec
@@ -80,6 +82,10 @@ class NodeState:
         """Free device indexes of `model` (any model when None, case-insensitive), ascending."""
         want = model.lower() if model else None
         return [i for i, m in self.devices() if i not in self.used_gpus and (want is None or m == want)]
+
+    def use(self, cpus: int, memory_mb: int, gpus: Sequence[int]) -> None:
+        """Count a placed task's usage; ValueError (and no change) if it would not fit."""
+        _take(self, cpus, memory_mb, gpus)
 
     def copy(self, *, empty: bool = False) -> NodeState:
         if empty:
@@ -159,19 +165,28 @@ def _give_back(node: NodeState, cpus: int, memory_mb: int, gpus: Sequence[int]) 
 
 
 class _Statement:
-    """Tentative allocations of one gang: kept as they are, or all undone by `discard`."""
+    """Tentative allocations of one gang (or of a whole plan): kept as they are, or undone by
+    `discard`. Bound to a `Cluster`, every allocation keeps its index in step."""
 
-    def __init__(self) -> None:
+    def __init__(self, cluster: Cluster | None = None) -> None:
+        self.cluster = cluster
         self.done: list[tuple[NodeState, int, int, list[int]]] = []
 
     def allocate(self, node: NodeState, cpus: int, memory_mb: int, gpus: list[int]) -> None:
-        _take(node, cpus, memory_mb, gpus)
+        if self.cluster is not None:
+            self.cluster.take(node.name, cpus, memory_mb, gpus)
+        else:
+            _take(node, cpus, memory_mb, gpus)
         self.done.append((node, cpus, memory_mb, gpus))
 
-    def discard(self) -> None:
-        for node, cpus, memory_mb, gpus in reversed(self.done):
-            _give_back(node, cpus, memory_mb, gpus)
-        self.done.clear()
+    def discard(self, mark: int = 0) -> None:
+        """Undo the allocations made since `mark` (a length of `done`; 0: all of them)."""
+        while len(self.done) > mark:
+            node, cpus, memory_mb, gpus = self.done.pop()
+            if self.cluster is not None:
+                self.cluster.give(node.name, cpus, memory_mb, gpus)
+            else:
+                _give_back(node, cpus, memory_mb, gpus)
 
     def claims(self) -> dict[str, Claim]:
         out: dict[str, Claim] = {}
@@ -307,6 +322,7 @@ def _place_gang(
     groups: Groups, nodes: list[NodeState], claims: Mapping[str, Claim], rank: Ranker, stmt: _Statement
 ) -> tuple[list[TaskSpec], tuple[_Shape, _Task] | None]:
     """Place tasks into `stmt` until one finds no node; returns the specs and that task (or None).
+    A pass over `nodes` with any `rank` (the reservation's); `Cluster.best` does best fit faster.
 
     Tasks of one shape share a heap of feasible nodes: placing a task changes only its node's rank."""
     specs: list[TaskSpec] = []
@@ -349,10 +365,11 @@ def _closest_to_free(live: Mapping[str, NodeState]) -> Ranker:
     return rank
 
 
-def _reserve(groups: Groups, live: list[NodeState], empty: list[NodeState]) -> dict[str, Claim]:
-    """Where the head would go once enough frees up: packed on empty nodes, nearest-to-free first."""
+def _reserve(groups: Groups, live: Cluster, empty: list[NodeState]) -> dict[str, Claim]:
+    """Where the head would go once enough frees up: packed on empty nodes, nearest-to-free first.
+    A pass over every node, but only for the head, once per plan."""
     stmt = _Statement()
-    _, failed = _place_gang(groups, empty, {}, _closest_to_free({n.name: n for n in live}), stmt)
+    _, failed = _place_gang(groups, empty, {}, _closest_to_free(live.nodes), stmt)
     if failed is not None:  # the spread-out packing failed; the best-fit one is known to succeed
         stmt.discard()
         _place_gang(groups, empty, {}, _best_fit, stmt)
@@ -387,75 +404,36 @@ def _gpu_demand(config: JobConfig) -> str:
     return " + ".join(parts) + f" on one node{each}"
 
 
-@dataclass
-class _Largest:
-    """The most of each resource free on any one node, with that node's name (the greatest name on
-    a tie: best fit breaks ties the other way, so placing rarely touches these nodes).
-    A cheap necessary test before a full placement, and the numbers a reason quotes."""
-
-    gpus: dict[str | None, tuple[int, str]] = field(default_factory=dict)  # model (None: any) -> most
-    cpus: tuple[int, str] = (0, "")
-    memory_mb: tuple[int, str] = (0, "")
-
-    @classmethod
-    def of(cls, nodes: Iterable[NodeState]) -> _Largest:
-        out = cls()
-        for n in nodes:
-            counts: dict[str | None, int] = {None: n.free_gpu_count}
-            for i, m in n.devices():
-                if i not in n.used_gpus:
-                    counts[m] = counts.get(m, 0) + 1
-            for model, k in counts.items():
-                out.gpus[model] = max(out.gpu_block(model), (k, n.name))
-            out.cpus = max(out.cpus, (n.free_cpus, n.name))
-            out.memory_mb = max(out.memory_mb, (n.free_memory_mb, n.name))
-        return out
-
-    def holders(self) -> set[str]:
-        """The nodes the numbers come from: placing on other nodes leaves every maximum as it is."""
-        return {name for _, name in self.gpus.values()} | {self.cpus[1], self.memory_mb[1]}
-
-    def gpu_block(self, model: str | None) -> tuple[int, str]:
-        return self.gpus.get(model, (0, ""))
-
-    def could_host(self, shape: _Shape) -> bool:
-        return (
-            self.gpu_block(shape.model)[0] >= shape.gpus
-            and self.cpus[0] >= shape.cpus
-            and self.memory_mb[0] >= shape.memory_mb
-        )
-
-
 def _role_never_fits(
-    role: TaskRole, shape: _Shape, label: str | None, empty: list[NodeState], largest: _Largest
+    role: TaskRole, shape: _Shape, label: str | None, empty: Cluster, avoid: Set[str]
 ) -> str | None:
-    gpus, cpus, memory = largest.gpu_block(shape.model)[0], largest.cpus[0], largest.memory_mb[0]
+    gpus = empty.gpu_block(shape.model, avoid)[0]
+    cpus, memory = empty.cpu_block(avoid)[0], empty.memory_block(avoid)[0]
     if gpus < shape.gpus:
         return f"task {role.name} needs {_gpus(shape.gpus, label)} on one node; the largest node has {gpus}"
     if cpus < shape.cpus:
         return f"task {role.name} needs {shape.cpus} CPUs; the largest node has {cpus}"
     if memory < shape.memory_mb:
         return f"task {role.name} needs {shape.memory_mb} MB of memory; the largest node has {memory} MB"
-    if any(_fits(n, shape, None) for n in empty):
+    if empty.best(shape, {}, avoid) is not None:
         return None
     return f"task {role.name} needs {_shape_text(shape, label)} on one node; no node has all of them"
 
 
-def _gang_never_fits(
-    config: JobConfig, groups: Groups, empty: list[NodeState], largest: _Largest
-) -> str | None:
-    if _place(groups, empty, {}, largest, keep=False)[1] is None:
+def _gang_never_fits(config: JobConfig, groups: Groups, empty: Cluster, avoid: Set[str]) -> str | None:
+    if _place(groups, empty, {}, _Free(empty, avoid), _Statement(empty), keep=False)[1] is None:
         return None
     n = config.total_tasks
     model = config.gpuType.lower() if config.gpuType else None
+    nodes = [e for name, e in empty.nodes.items() if name not in avoid]
     totals: list[tuple[int, int, Callable[[int], str]]] = [
         (
             sum(s.gpus * len(t) for s, t in groups),
-            sum(len(e.free_gpus(model)) for e in empty),
+            sum(len(e.free_gpus(model)) for e in nodes),
             lambda k: _gpus(k, config.gpuType),
         ),
-        (sum(s.cpus * len(t) for s, t in groups), sum(e.cpus for e in empty), lambda k: f"{k} CPUs"),
-        (sum(s.memory_mb * len(t) for s, t in groups), sum(e.memory_mb for e in empty), lambda k: f"{k} MB"),
+        (sum(s.cpus * len(t) for s, t in groups), sum(e.cpus for e in nodes), lambda k: f"{k} CPUs"),
+        (sum(s.memory_mb * len(t) for s, t in groups), sum(e.memory_mb for e in nodes), lambda k: f"{k} MB"),
     ]
     for need, have, show in totals:
         if need > have:
@@ -463,22 +441,23 @@ def _gang_never_fits(
     return f"its {n} tasks do not pack onto the nodes even when they are empty"
 
 
-def _never_fits(config: JobConfig, groups: Groups, empty: list[NodeState], largest: _Largest) -> str | None:
+def _never_fits(config: JobConfig, groups: Groups, empty: Cluster, avoid: Set[str]) -> str | None:
     """Why the job cannot fit even when every schedulable node is empty; None if it can."""
     model = config.gpuType.lower() if config.gpuType else None
-    if model and any(s.gpus for s, _ in groups) and not any(e.free_gpus(model) for e in empty):
-        have = sorted({d.model.lower(): d.model for e in empty for d in e.gpus}.values())
+    if model and any(s.gpus for s, _ in groups) and empty.gpu_block(model, avoid)[0] == 0:
+        nodes = [e for name, e in empty.nodes.items() if name not in avoid]
+        have = sorted({d.model.lower(): d.model for e in nodes for d in e.gpus}.values())
         has = f"cluster has: {', '.join(have)}" if have else "cluster has no GPUs"
         return f"no node has a GPU of type {config.gpuType} ({has})"
     for shape, tasks in groups:
         role = config.taskRoles[tasks[0].role_no]
-        why = _role_never_fits(role, shape, config.gpuType, empty, largest)
+        why = _role_never_fits(role, shape, config.gpuType, empty, avoid)
         if why:
             return why
-    return _gang_never_fits(config, groups, empty, largest)
+    return _gang_never_fits(config, groups, empty, avoid)
 
 
-def _why_not_now(config: JobConfig, shape: _Shape, failed: _Task, placed: int, free: _Largest) -> str:
+def _why_not_now(config: JobConfig, shape: _Shape, failed: _Task, placed: int, free: _Free) -> str:
     """Why a job that fits on empty nodes does not fit on what is free now (`free`)."""
     label = config.gpuType
     if shape.gpus:
@@ -504,86 +483,416 @@ def _why_not_now(config: JobConfig, shape: _Shape, failed: _Task, placed: int, f
     )
 
 
-# ------------------------------------------------------------------ the queue
+# ------------------------------------------------------------------ the index
 
 
-def plan(nodes: Iterable[NodeState], queue: Sequence[PendingJob], avoid: Set[str] = frozenset()) -> Plan:
-    """Place the queue in FIFO order with backfill around the head (see the module docstring).
+Entry = tuple[int, int, str]  # (free CPUs, free memory MB, name): a node's place in its group
+Top = tuple[int, str]  # (free amount, name): a node's place in a "most free" list
 
-    `nodes` and the jobs are not changed; nodes named in `avoid` get nothing."""
-    all_nodes = list(nodes)
-    live = [n.copy() for n in all_nodes if n.name not in avoid]
-    capacity = _Capacity(all_nodes, avoid)
-    result = Plan()
-    free = _Largest.of(live)  # kept current: placing only lowers what is free
-    for job in queue:
-        groups = _demand(job.config)
-        specs, failed = _place(groups, live, result.reserved, free)
-        if failed is None:
-            result.placements[job.job_id] = sorted(specs, key=lambda t: (t.role_no, t.index))
-            if {t.node for t in specs} & free.holders():
-                free = _Largest.of(live)
-            continue
-        never = capacity.never(job.config, groups)
-        if never is not None:
-            result.pending[job.job_id] = never
-            result.unschedulable.add(job.job_id)
-            continue
-        if result.head is not None:  # did it fail only because of the head's claims?
-            specs, failed = _place(groups, live, {}, free, keep=False)
-            if failed is None:
-                result.pending[job.job_id] = (
-                    f"waiting behind job {result.head} (FIFO): "
-                    f"it fits now only on resources held for {result.head}"
-                )
+
+def _drop(entries: list[Any], entry: Any) -> None:
+    i = bisect.bisect_left(entries, entry)
+    if i == len(entries) or entries[i] != entry:
+        raise AssertionError(f"index out of step: {entry} is not where it should be")
+    del entries[i]
+
+
+def _top(entries: list[Top], avoid: Set[str]) -> Top:
+    """The largest entry whose node is not avoided; (0, "") if none."""
+    for entry in reversed(entries):
+        if entry[1] not in avoid:
+            return entry
+    return (0, "")
+
+
+class Cluster:
+    """Nodes and what placed tasks use of them, kept indexed so that finding the best node for a
+    task costs about log(nodes) rather than a pass over all of them.
+
+    Nodes are grouped by (has GPUs, free GPUs); in a group, by the models they carry, and each of
+    those lists is ordered by (free CPUs, free memory, name): exactly the order of the best-fit
+    rank. The best node for a task is the first feasible entry of the first group that has one,
+    found by bisecting to enough CPUs and stepping over the few entries short of memory or of
+    the model. Lists of (free, name) per GPU model, CPUs and memory give the largest free block
+    of each, which reasons quote and which rule out a task no node can host without a search.
+
+    Every change of a node goes through `take`/`give` (or a `_Statement` bound to this cluster)
+    so the lists never go stale; nodes join and leave with `add`/`remove`."""
+
+    def __init__(self, nodes: Iterable[NodeState] = ()) -> None:
+        self.nodes: dict[str, NodeState] = {n.name: n.copy() for n in nodes}
+        self._sig: dict[str, tuple[str, ...]] = {}  # node -> its GPU models, lower-cased, sorted
+        self._groups: dict[tuple[bool, int], dict[tuple[str, ...], list[Entry]]] = {}
+        self._most: dict[str | None, list[Top]] = {None: []}  # model (None: any) -> free GPUs
+        self._cpus: list[Top] = []
+        self._memory: list[Top] = []
+        self.most_gpus = 0  # the most GPUs any node has (free-GPU groups go up to it)
+        for node in self.nodes.values():
+            self._learn(node)
+            self._index(node, sort=False)
+        for group in self._groups.values():
+            for entries in group.values():
+                entries.sort()
+        for tops in (*self._most.values(), self._cpus, self._memory):
+            tops.sort()
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    # -------------------------------------------------------- keeping the index
+
+    def _learn(self, node: NodeState) -> None:
+        models = {m for _, m in node.devices()}
+        self._sig[node.name] = tuple(sorted(models))
+        self.most_gpus = max(self.most_gpus, len(node.gpus))
+
+    def _entries(self, node: NodeState) -> list[tuple[list[Any], Any]]:
+        """Every (list, entry) that stands for `node` as it is now."""
+        name, sig = node.name, self._sig[node.name]
+        cpus, memory_mb, gpus = node.free_cpus, node.free_memory_mb, node.free_gpu_count
+        group = self._groups.setdefault((bool(node.gpus), gpus), {})
+        out: list[tuple[list[Any], Any]] = [
+            (group.setdefault(sig, []), (cpus, memory_mb, name)),
+            (self._most[None], (gpus, name)),
+            (self._cpus, (cpus, name)),
+            (self._memory, (memory_mb, name)),
+        ]
+        if len(sig) == 1:  # the usual node: one model, so its free GPUs are all of that model
+            out.append((self._most.setdefault(sig[0], []), (gpus, name)))
+        elif sig:
+            free = Counter(m for i, m in node.devices() if i not in node.used_gpus)
+            out += [(self._most.setdefault(m, []), (free[m], name)) for m in sig]
+        return out
+
+    def _index(self, node: NodeState, sort: bool = True) -> None:
+        for entries, entry in self._entries(node):
+            if sort:
+                bisect.insort(entries, entry)
+            else:
+                entries.append(entry)
+
+    def _unindex(self, node: NodeState) -> None:
+        for entries, entry in self._entries(node):
+            _drop(entries, entry)
+
+    def add(self, node: NodeState) -> None:
+        """A node joins (a copy of `node` is kept); a node of that name already here is replaced."""
+        if node.name in self.nodes:
+            self.remove(node.name)
+        mine = node.copy()
+        self.nodes[mine.name] = mine
+        self._learn(mine)
+        self._index(mine)
+
+    def remove(self, name: str) -> None:
+        node = self.nodes.pop(name, None)
+        if node is not None:
+            self._unindex(node)
+            del self._sig[name]
+
+    def take(self, name: str, cpus: int, memory_mb: int, gpus: Sequence[int]) -> None:
+        node = self.nodes[name]
+        self._unindex(node)
+        try:
+            _take(node, cpus, memory_mb, gpus)
+        finally:
+            self._index(node)
+
+    def give(self, name: str, cpus: int, memory_mb: int, gpus: Sequence[int]) -> None:
+        node = self.nodes[name]
+        self._unindex(node)
+        try:
+            _give_back(node, cpus, memory_mb, gpus)
+        finally:
+            self._index(node)
+
+    def allocate(self, config: JobConfig, tasks: Iterable[TaskSpec]) -> None:
+        """`allocate` on this cluster's nodes, through the index (all or nothing)."""
+        stmt = _Statement(self)
+        try:
+            for task in tasks:
+                role = _role_of(config, task)
+                node = self.nodes.get(task.node)
+                if node is None:
+                    raise ValueError(f"task {task.key} is on unknown node {task.node}")
+                if len(task.gpus) != role.gpuNumber:
+                    raise ValueError(
+                        f"task {task.key} holds {len(task.gpus)} GPUs, its role needs {role.gpuNumber}"
+                    )
+                stmt.allocate(node, role.cpuNumber, role.memoryMB, list(task.gpus))
+        except ValueError:
+            stmt.discard()
+            raise
+
+    def release(self, config: JobConfig, tasks: Iterable[TaskSpec]) -> None:
+        """`release` on this cluster's nodes, through the index (tasks of gone nodes skipped)."""
+        done: list[tuple[str, int, int, list[int]]] = []
+        try:
+            for task in tasks:
+                role = _role_of(config, task)
+                if task.node in self.nodes:
+                    self.give(task.node, role.cpuNumber, role.memoryMB, list(task.gpus))
+                    done.append((task.node, role.cpuNumber, role.memoryMB, list(task.gpus)))
+        except ValueError:
+            for name, cpus, memory_mb, gpus in reversed(done):
+                self.take(name, cpus, memory_mb, gpus)
+            raise
+
+    # -------------------------------------------------------- questions
+
+    def best(self, shape: _Shape, claims: Mapping[str, Claim], avoid: Set[str]) -> NodeState | None:
+        """The node the best-fit rank puts first for one task of `shape`, or None if none fits;
+        avoided nodes are never chosen, claimed ones only with what their claim leaves."""
+        found: NodeState | None = None
+        if shape.gpus:
+            order = [(True, k) for k in range(shape.gpus, self.most_gpus + 1)]
+        else:
+            order = [(False, 0), *((True, k) for k in range(self.most_gpus + 1))]
+        for key in order:
+            group = self._groups.get(key)
+            if not group:
                 continue
-        assert failed is not None
-        result.pending[job.job_id] = _why_not_now(job.config, *failed, len(specs), free)
-        if result.head is None:
-            result.head = job.job_id
-            result.reserved = _reserve(groups, live, capacity.nodes)
-            held = ", ".join(sorted(result.reserved))
-            result.pending[job.job_id] += f"; first in line, holding resources on {held}"
-    return result
+            for sig, entries in group.items():
+                if shape.model is not None and shape.model not in sig:
+                    continue
+                node = self._first(entries, shape, claims, avoid)
+                if node is not None and (
+                    found is None or _best_fit(node, shape, None) < _best_fit(found, shape, None)
+                ):
+                    found = node
+            if found is not None:
+                break
+        for name, claim in claims.items():
+            node = self.nodes.get(name)
+            if node is None or name in avoid or not _fits(node, shape, claim):
+                continue
+            if found is None or _best_fit(node, shape, claim) < _best_fit(
+                found, shape, claims.get(found.name)
+            ):
+                found = node
+        return found
+
+    def _first(
+        self, entries: list[Entry], shape: _Shape, claims: Mapping[str, Claim], avoid: Set[str]
+    ) -> NodeState | None:
+        """The first unclaimed, not avoided node of one ordered list that can host `shape`."""
+        for i in range(bisect.bisect_left(entries, (shape.cpus,)), len(entries)):
+            _, memory_mb, name = entries[i]
+            if memory_mb < shape.memory_mb or name in claims or name in avoid:
+                continue
+            node = self.nodes[name]
+            if shape.model is not None and len(node.free_gpus(shape.model)) < shape.gpus:
+                continue
+            return node
+        return None
+
+    def gpu_block(self, model: str | None, avoid: Set[str] = frozenset()) -> Top:
+        """The most free GPUs of `model` (any when None) on one node, and that node."""
+        return _top(self._most.get(model, []), avoid)
+
+    def cpu_block(self, avoid: Set[str] = frozenset()) -> Top:
+        return _top(self._cpus, avoid)
+
+    def memory_block(self, avoid: Set[str] = frozenset()) -> Top:
+        return _top(self._memory, avoid)
+
+    def could_host(self, shape: _Shape, avoid: Set[str]) -> bool:
+        """A cheap necessary test: some node has the GPUs, some the CPUs, some the memory."""
+        return (
+            self.gpu_block(shape.model, avoid)[0] >= shape.gpus
+            and self.cpu_block(avoid)[0] >= shape.cpus
+            and self.memory_block(avoid)[0] >= shape.memory_mb
+        )
+
+    # -------------------------------------------------------- planning
+
+    def plan(
+        self,
+        queue: Sequence[PendingJob],
+        capacity: Capacity | None = None,
+        avoid: Set[str] = frozenset(),
+        window: int | None = None,
+    ) -> Plan:
+        """Place the queue in FIFO order with backfill around the head (see the module docstring),
+        as tentative allocations that are all undone before returning: the cluster is unchanged.
+
+        `capacity`: the same nodes as if empty (kept by the caller across plans; built here when
+        None). `window`: how many jobs behind the head are tried at most (like Slurm's
+        bf_max_job_test); later ones wait with a reason saying so, unless they can never run."""
+        capacity = capacity or Capacity(self.nodes.values())
+        free = _Free(self, avoid)
+        result = Plan()
+        stmt = _Statement(self)
+        # Placing only lowers what is free, so while nothing has been placed, a job shaped like
+        # one that just failed fails the same way: its reason is reused, not worked out again.
+        placed = 0
+        known: dict[Hashable, tuple[int, str | None, str, bool]] = {}
+        tried_behind = 0
+        try:
+            for job in queue:
+                key = _shape_key(job.config)
+                seen = known.get(key)
+                if seen is not None and seen[:2] == (placed, result.head):
+                    result.pending[job.job_id] = seen[2]
+                    if seen[3]:
+                        result.unschedulable.add(job.job_id)
+                    continue
+                groups = _demand(job.config)
+                if window is not None and result.head is not None and tried_behind >= window:
+                    never = capacity.never(job.config, groups, avoid)
+                    result.pending[job.job_id] = never or (
+                        f"waiting in the queue: backfill tries the first {window} jobs behind job "
+                        f"{result.head}, which is first in line"
+                    )
+                    if never:
+                        result.unschedulable.add(job.job_id)
+                    continue
+                if result.head is not None:
+                    tried_behind += 1
+                specs, failed = _place(groups, self, result.reserved, free, stmt)
+                if failed is None:
+                    result.placements[job.job_id] = sorted(specs, key=lambda t: (t.role_no, t.index))
+                    placed += 1
+                    continue
+                never = capacity.never(job.config, groups, avoid)
+                if never is not None:
+                    result.pending[job.job_id] = never
+                    result.unschedulable.add(job.job_id)
+                    known[key] = (placed, result.head, never, True)
+                    continue
+                if result.head is not None:  # did it fail only because of the head's claims?
+                    specs, failed = _place(groups, self, {}, free, stmt, keep=False)
+                    if failed is None:
+                        result.pending[job.job_id] = (
+                            f"waiting behind job {result.head} (FIFO): "
+                            f"it fits now only on resources held for {result.head}"
+                        )
+                        known[key] = (placed, result.head, result.pending[job.job_id], False)
+                        continue
+                assert failed is not None
+                result.pending[job.job_id] = _why_not_now(job.config, *failed, len(specs), free)
+                if result.head is None:
+                    result.head = job.job_id
+                    result.reserved = _reserve(groups, self, capacity.empty_nodes(avoid))
+                    held = ", ".join(sorted(result.reserved))
+                    result.pending[job.job_id] += f"; first in line, holding resources on {held}"
+                else:
+                    known[key] = (placed, result.head, result.pending[job.job_id], False)
+        finally:
+            stmt.discard()
+        return result
+
+
+def _shape_key(config: JobConfig) -> Hashable:
+    """What placement and its reasons depend on in a job: equal keys, equal outcomes."""
+    return (
+        config.gpuType,
+        tuple((r.name, r.taskNumber, r.cpuNumber, r.memoryMB, r.gpuNumber) for r in config.taskRoles),
+    )
+
+
+class _Free:
+    """What is free now on the cluster's schedulable nodes, as the reasons quote it."""
+
+    def __init__(self, cluster: Cluster, avoid: Set[str]) -> None:
+        self.cluster, self.avoid = cluster, avoid
+
+    def gpu_block(self, model: str | None) -> Top:
+        return self.cluster.gpu_block(model, self.avoid)
+
+    @property
+    def cpus(self) -> Top:
+        return self.cluster.cpu_block(self.avoid)
+
+    @property
+    def memory_mb(self) -> Top:
+        return self.cluster.memory_block(self.avoid)
+
+    def could_host(self, shape: _Shape) -> bool:
+        return self.cluster.could_host(shape, self.avoid)
 
 
 def _place(
-    groups: Groups, live: list[NodeState], claims: Mapping[str, Claim], free: _Largest, keep: bool = True
+    groups: Groups,
+    cluster: Cluster,
+    claims: Mapping[str, Claim],
+    free: _Free,
+    stmt: _Statement,
+    keep: bool = True,
 ) -> tuple[list[TaskSpec], tuple[_Shape, _Task] | None]:
-    """Best-fit placement of a gang on `live`, kept only if `keep` and every task found a node.
-    A shape no single node could host fails at once, without a pass over the nodes."""
+    """Best-fit placement of a gang on `cluster` into `stmt`, kept only if `keep` and every task
+    found a node (else this gang's allocations are undone). A shape no single node could host
+    fails at once, without a search."""
     for shape, tasks in groups:
         if not free.could_host(shape):
             return [], (shape, tasks[0])
-    stmt = _Statement()
-    specs, failed = _place_gang(groups, live, claims, _best_fit, stmt)
+    mark = len(stmt.done)
+    specs: list[TaskSpec] = []
+    failed: tuple[_Shape, _Task] | None = None
+    for shape, tasks in groups:
+        for task in tasks:
+            node = cluster.best(shape, claims, free.avoid)
+            if node is None:
+                failed = (shape, task)
+                break
+            gpus = _usable_gpus(node, shape.model, claims.get(node.name))[: shape.gpus]
+            stmt.allocate(node, shape.cpus, shape.memory_mb, gpus)
+            specs.append(
+                TaskSpec(role=task.role, role_no=task.role_no, index=task.index, node=node.name, gpus=gpus)
+            )
+        if failed is not None:
+            break
     if failed is not None or not keep:
-        stmt.discard()
+        stmt.discard(mark)
     return specs, failed
 
 
-class _Capacity:
-    """The schedulable nodes as if empty: answers "can this job ever run here?", once per job shape."""
+class Capacity:
+    """The nodes as if empty: answers "can this job ever run here?", once per job shape and set
+    of avoided nodes, until a node joins or leaves (`add`/`remove`)."""
 
-    def __init__(self, all_nodes: list[NodeState], avoid: Set[str]) -> None:
-        self.registered = len(all_nodes)
-        self.avoided = sorted(n.name for n in all_nodes if n.name in avoid)
-        self.nodes = [n.copy(empty=True) for n in all_nodes if n.name not in avoid]
-        self.largest = _Largest.of(self.nodes)
-        self._answers: dict[tuple[str | None, tuple[tuple[str, int, int, int, int], ...]], str | None] = {}
+    def __init__(self, nodes: Iterable[NodeState] = ()) -> None:
+        self.cluster = Cluster(n.copy(empty=True) for n in nodes)
+        self._answers: dict[Hashable, str | None] = {}
 
-    def never(self, config: JobConfig, groups: Groups) -> str | None:
+    def add(self, node: NodeState) -> None:
+        self.cluster.add(node.copy(empty=True))
+        self._answers.clear()
+
+    def remove(self, name: str) -> None:
+        if name in self.cluster.nodes:
+            self.cluster.remove(name)
+            self._answers.clear()
+
+    def empty_nodes(self, avoid: Set[str]) -> list[NodeState]:
+        """Empty copies of the schedulable nodes, to plan a reservation on."""
+        return [n.copy(empty=True) for name, n in self.cluster.nodes.items() if name not in avoid]
+
+    def never(self, config: JobConfig, groups: Groups, avoid: Set[str] = frozenset()) -> str | None:
         """Why the job can never run on the current schedulable nodes; None if it can."""
-        if not self.registered:
+        nodes = self.cluster.nodes
+        if not nodes:
             return "no nodes registered"
-        if not self.nodes:
-            return f"no schedulable nodes: every node is avoided ({', '.join(self.avoided)})"
-        key = (
-            config.gpuType and config.gpuType.lower(),
-            tuple((r.name, r.taskNumber, r.cpuNumber, r.memoryMB, r.gpuNumber) for r in config.taskRoles),
-        )
+        avoided = sorted(name for name in avoid if name in nodes)
+        if len(avoided) == len(nodes):
+            return f"no schedulable nodes: every node is avoided ({', '.join(avoided)})"
+        key = (_shape_key(config), tuple(avoided))
         if key not in self._answers:
-            why = _never_fits(config, groups, self.nodes, self.largest)
-            note = f" (avoided nodes not counted: {', '.join(self.avoided)})" if self.avoided else ""
+            why = _never_fits(config, groups, self.cluster, avoid)
+            note = f" (avoided nodes not counted: {', '.join(avoided)})" if avoided else ""
             self._answers[key] = NEVER + why + note if why else None
         return self._answers[key]
+
+
+def plan(
+    nodes: Iterable[NodeState],
+    queue: Sequence[PendingJob],
+    avoid: Set[str] = frozenset(),
+    window: int | None = None,
+) -> Plan:
+    """Place the queue in FIFO order with backfill around the head (see the module docstring).
+
+    `nodes` and the jobs are not changed; nodes named in `avoid` get nothing. A planner that
+    runs often keeps a `Cluster` and a `Capacity` up to date instead and calls `Cluster.plan`."""
+    all_nodes = list(nodes)
+    return Cluster(all_nodes).plan(queue, Capacity(all_nodes), avoid, window)

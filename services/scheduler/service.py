@@ -2,12 +2,17 @@
 
 Leadership is a lease in the KV bucket `muster_leases` (its entries expire LEASE_TTL seconds
 after their last write): the leader renews it every second and stops placing the moment a
-renewal fails; the renewal runs in a task of its own, and planning runs off the event loop, so a
-large queue never costs the lease. A standby creates the key once it has expired. The leader's
+renewal fails; the renewal runs in a task of its own and a plan is bounded (the backfill window),
+so a large queue never costs the lease. A standby creates the key once it has expired. The leader's
 view (nodes, jobs, attempts) is kept by KV watchers (records that do not decode are skipped and
 counted), so a new leader rebuilds it from the bus, and every placement is fenced: the attempt
-record `<job>.<n>` is created only if absent, so no attempt is placed twice. The placement
-itself is the pure `placement.plan`; when a job may be placed is the supervisor policy's
+record `<job>.<n>` is created only if absent, so no attempt is placed twice.
+
+The view is incremental (`view.View`): allocations follow the attempt records change by change,
+nodes join and leave the placement index as their records do, and only a change a plan could
+see wakes a cycle. A cycle plans the waiting queue with the indexed core (`Cluster.plan`, a
+bounded backfill window behind the head) and commits its placements and reasons concurrently,
+so the bus's round trips overlap. When a job may be placed is the supervisor policy's
 `attempt_to_place`."""
 
 from __future__ import annotations
@@ -15,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import uuid
-from datetime import timedelta
 from typing import Any
 
 import structlog
@@ -24,11 +29,11 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 from services.scheduler import placement
 from services.scheduler.avoid import nodes_to_avoid, plan_around
-from services.supervisor.policy import attempt_to_place
+from services.scheduler.view import View
 from shared import bus, subjects
 from shared.jobconfig import REDACTED, with_secrets
 from shared.messages import (
@@ -42,7 +47,6 @@ from shared.messages import (
     TaskSpec,
     TaskState,
     TaskStatus,
-    attempt_key,
     node_refusal,
     now,
 )
@@ -53,7 +57,15 @@ log = structlog.get_logger(service="scheduler")
 PLACED = Counter("muster_scheduler_placements_total", "Attempts placed")
 PENDING = Gauge("muster_scheduler_pending_jobs", "Jobs waiting for resources")
 LEADER = Gauge("muster_scheduler_leader", "1 while this replica is the active scheduler")
+CYCLE_SECONDS = Histogram(
+    "muster_scheduler_plan_seconds",
+    "Time to plan the waiting queue, once per cycle",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
 RENEW_EVERY = 1.0  # seconds between lease renewals, whatever a cycle is doing
+# Jobs behind the head that one plan tries at most (Slurm's bf_max_job_test); later ones wait.
+BACKFILL_WINDOW = int(os.environ.get("MUSTER_BACKFILL_WINDOW", "500"))
+IN_FLIGHT = 128  # commits and reason writes of one cycle in flight at once
 
 
 class Scheduler:
@@ -68,9 +80,8 @@ class Scheduler:
         self.secrets = buckets[subjects.SECRETS_BUCKET]
         self.leases = buckets[subjects.LEASES_BUCKET]
         self.identity = uuid.uuid4().hex[:12]
-        self.nodes: dict[str, NodeInfo] = {}
-        self.jobs: dict[str, JobRecord] = {}
-        self.attempts: dict[str, AttemptRecord] = {}
+        self.view = View(self.node_timeout)
+        self.nodes, self.jobs, self.attempts = self.view.nodes, self.view.jobs, self.view.attempts
         self.wake = asyncio.Event()
         self.synced = {name: asyncio.Event() for name in ("nodes", "jobs", "attempts")}
 
@@ -82,13 +93,22 @@ class Scheduler:
     # ------------------------------------------------------------ leadership
 
     async def run(self, stop: asyncio.Event) -> None:
-        def changed(_key: str) -> None:
-            self.wake.set()
+        def node(key: str) -> None:
+            if self.view.node_changed(key, now()):
+                self.wake.set()
+
+        def job(key: str) -> None:
+            if self.view.job_changed(key):
+                self.wake.set()
+
+        def attempt(key: str) -> None:
+            if self.view.attempt_changed(key):
+                self.wake.set()
 
         watchers = [
-            asyncio.create_task(self.kv_nodes.mirror(self.nodes, self.synced["nodes"], changed)),
-            asyncio.create_task(self.kv_jobs.mirror(self.jobs, self.synced["jobs"], changed)),
-            asyncio.create_task(self.kv_attempts.mirror(self.attempts, self.synced["attempts"], changed)),
+            asyncio.create_task(self.kv_nodes.mirror(self.nodes, self.synced["nodes"], node)),
+            asyncio.create_task(self.kv_jobs.mirror(self.jobs, self.synced["jobs"], job)),
+            asyncio.create_task(self.kv_attempts.mirror(self.attempts, self.synced["attempts"], attempt)),
         ]
         try:
             while not stop.is_set():
@@ -139,12 +159,17 @@ class Scheduler:
             synced = asyncio.gather(*(e.wait() for e in self.synced.values()))
             await asyncio.wait_for(synced, 30)
             await self._finish_interrupted_commits()
+            self.wake.set()  # the first cycle of a new leader plans whatever waits
             while not stop.is_set() and not lost.is_set():
-                self.wake.clear()
-                try:
-                    await self.cycle(lost)
-                except Exception:
-                    log.error("scheduler.cycle_failed", exc_info=True)
+                if self.view.expire(now()):
+                    self.wake.set()
+                if self.wake.is_set():
+                    self.wake.clear()
+                    try:
+                        await self.cycle(lost)
+                    except Exception:
+                        log.error("scheduler.cycle_failed", exc_info=True)
+                        self.wake.set()  # try again after the wait below, not in a tight loop
                 waits = [asyncio.ensure_future(e.wait()) for e in (self.wake, stop, lost)]
                 await asyncio.wait(waits, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
                 for w in waits:
@@ -154,60 +179,39 @@ class Scheduler:
 
     # ------------------------------------------------------------ one cycle
 
-    def live_nodes(self) -> dict[str, placement.NodeState]:
-        cutoff = now() - timedelta(seconds=self.node_timeout)
-        return {
-            name: placement.NodeState.from_info(info)
-            for name, info in self.nodes.items()
-            if info.heartbeat_at >= cutoff and info.restarting_until is None and not info.drained
-        }
-
-    def queue(self) -> list[tuple[JobRecord, int]]:
-        """Jobs to place now, with the number of the attempt to place (the policy's rule)."""
-        waiting, at = [], now()
-        for job in self.jobs.values():
-            if job.state != JobState.WAITING:
-                continue
-            n = attempt_to_place(job, self.attempts.get(attempt_key(job.job_id, job.attempt)), at)
-            if n is not None:
-                waiting.append((job, n))
-        return sorted(waiting, key=lambda jn: (jn[0].submitted_at, jn[0].job_id))
-
     async def cycle(self, lost: asyncio.Event | None = None) -> None:
-        nodes = self.live_nodes()
-        for attempt in self.attempts.values():
-            job = self.jobs.get(attempt.job_id)
-            live = [_spec(t) for t in attempt.tasks if not t.state.ended and t.node in nodes]
-            if job is None or not live:
-                continue
-            try:
-                placement.allocate(nodes, job.config, live)
-            except ValueError as exc:
-                # Never place on top of a view that does not add up: say so loudly and wait.
-                log.error("scheduler.inconsistent_view", attempt=attempt.key, error=str(exc))
-                return
-        waiting = self.queue()
-        PENDING.set(len(waiting))
+        at = now()
+        waiting = self.view.queue(at)
+        PENDING.set(self.view.waiting)
         if not waiting:
             return
         queue = [placement.PendingJob(j.job_id, j.config) for j, _ in waiting]
-        avoid = nodes_to_avoid(self.attempts.values(), now())
-        # The plan is pure CPU work over copies: off the event loop, so heartbeats of the bus
-        # connection and the lease renewal go on while a large queue is planned.
-        plan = await asyncio.to_thread(plan_around, nodes, queue, avoid)
-        for job, n in waiting:
-            if lost is not None and lost.is_set():
-                return  # no longer the leader: place nothing more
-            if job.job_id in plan.placements:
-                await self.commit(job, n, plan.placements[job.job_id])
-            elif job.job_id in plan.pending:
-                await self.set_reason(
-                    # With no node registered at all, the cluster is starting, not too small.
-                    job.job_id,
-                    job.attempt,
-                    plan.pending[job.job_id],
-                    job.job_id in plan.unschedulable and bool(nodes),
-                )
+        avoid = nodes_to_avoid(self.view.avoid_candidates(at), at)
+        plan = plan_around(self.view.cluster, self.view.capacity, queue, avoid, BACKFILL_WINDOW)
+        CYCLE_SECONDS.observe((now() - at).total_seconds())
+        # Commits and reasons go out together, at most IN_FLIGHT at a time: their round trips
+        # overlap instead of adding up.
+        gate = asyncio.Semaphore(IN_FLIGHT)
+        # With no node registered at all, the cluster is starting, not too small.
+        registered = bool(self.view.capacity.cluster.nodes)
+
+        async def one(job: JobRecord, n: int) -> None:
+            async with gate:
+                if lost is not None and lost.is_set():
+                    return  # no longer the leader: place nothing more
+                if job.job_id in plan.placements:
+                    await self.commit(job, n, plan.placements[job.job_id])
+                elif job.job_id in plan.pending:
+                    reason = plan.pending[job.job_id]
+                    unschedulable = job.job_id in plan.unschedulable and registered
+                    if (job.reason, job.unschedulable) != (reason, unschedulable):
+                        await self.set_reason(job.job_id, job.attempt, reason, unschedulable)
+
+        results = await asyncio.gather(*(one(job, n) for job, n in waiting), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            log.warning("scheduler.commit_errors", count=len(failures), first=repr(failures[0])[:300])
+            self.wake.set()
 
     async def commit(self, job: JobRecord, n: int, tasks: list[TaskSpec]) -> None:
         """Place attempt n. The job record is moved to attempt n first (the fence: a job killed or
@@ -233,6 +237,7 @@ class Scheduler:
             return
         if updated is not None:
             self.jobs[job.job_id] = updated
+            self.view.job_changed(job.job_id)
         record = AttemptRecord(
             job_id=job.job_id,
             attempt=n,
@@ -248,6 +253,7 @@ class Scheduler:
                 return
             record = existing
         self.attempts[record.key] = record
+        self.view.attempt_changed(record.key)  # held at once: the next plan cannot reuse it
         await self._send_assignments(job, record)
         PLACED.inc()
         await self.js.publish(
@@ -321,6 +327,7 @@ class Scheduler:
         updated = await self.kv_jobs.update(job_id, change)
         if updated is not None:
             self.jobs[job_id] = updated
+            self.view.job_changed(job_id)
 
 
 def _spec(t: TaskStatus) -> TaskSpec:

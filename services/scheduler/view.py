@@ -1,0 +1,244 @@
+"""The scheduler's view, kept up to date from records as they change: a pure core (records in,
+no I/O). It holds the records the KV watchers mirror (nodes, jobs, attempts) and, derived from
+them change by change rather than rebuilt each cycle:
+- the schedulable nodes with what their placed tasks use, indexed for placement
+  (`placement.Cluster`), and the same nodes as if empty (`placement.Capacity`);
+- the jobs waiting, in queue order (submission time, then job id);
+- the attempts that failed for platform reasons, from which nodes to avoid are worked out.
+
+Each `*_changed` says whether the change could change a plan: a heartbeat that only moves the
+clock, a reason the scheduler wrote itself, or a task event that frees nothing wakes nothing.
+A node whose placed tasks do not add up (more GPUs or CPUs held than it has: records that
+disagree) is kept out of placement and named in `inconsistent` until they do."""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import structlog
+
+from services.scheduler import placement
+from services.scheduler.avoid import AVOID_WINDOW
+from services.supervisor.policy import attempt_to_place
+from shared.messages import (
+    AttemptRecord,
+    FailureKind,
+    JobRecord,
+    JobState,
+    NodeInfo,
+    attempt_key,
+)
+
+log = structlog.get_logger(service="scheduler")
+
+
+@dataclass(frozen=True)
+class Use:
+    """What one placed, not yet ended task holds on its node."""
+
+    node: str
+    cpus: int
+    memory_mb: int
+    gpus: tuple[int, ...]
+
+
+def job_of(key: str) -> str:
+    """The job id of an attempt key (`<job_id>.<attempt>`)."""
+    return key.rsplit(".", 1)[0]
+
+
+class View:
+    def __init__(self, node_timeout: float) -> None:
+        self.node_timeout = timedelta(seconds=node_timeout)
+        # The records, as the watchers mirror them (the service writes its own changes in too).
+        self.nodes: dict[str, NodeInfo] = {}
+        self.jobs: dict[str, JobRecord] = {}
+        self.attempts: dict[str, AttemptRecord] = {}
+        # Derived.
+        self.cluster = placement.Cluster()
+        self.capacity = placement.Capacity()
+        self.inconsistent: dict[str, str] = {}  # node -> why its tasks do not add up
+        self.failed: dict[str, AttemptRecord] = {}  # attempts ended by a platform failure, recent
+        self._shape: dict[str, tuple[Any, ...]] = {}  # schedulable node -> its capacity
+        self._held: dict[str, dict[str, Use]] = {}  # attempt key -> task key -> use
+        self._on: dict[str, dict[tuple[str, str], Use]] = {}  # node -> (attempt, task) -> use
+        self._attempts_of: dict[str, set[str]] = {}  # job id -> its attempt keys
+        self._known: set[str] = set()  # job ids with a record
+        self._waiting: list[tuple[datetime, str]] = []  # (submitted_at, job id), sorted
+        self._queued: dict[str, tuple[datetime, str]] = {}  # job id -> its entry in _waiting
+        self._policy: dict[str, tuple[Any, ...]] = {}  # waiting job -> what attempt_to_place reads
+        self._due: list[tuple[datetime, str]] = []  # heap: (not_before, job id) of backoffs
+
+    # -------------------------------------------------------- nodes
+
+    def _schedulable(self, info: NodeInfo | None, at: datetime) -> bool:
+        return (
+            info is not None
+            and info.heartbeat_at >= at - self.node_timeout
+            and info.restarting_until is None
+            and not info.drained
+        )
+
+    def node_changed(self, name: str, at: datetime) -> bool:
+        info = self.nodes.get(name)
+        if info is None or not self._schedulable(info, at):
+            return self._drop(name)
+        shape = (info.cpus, info.memory_mb, tuple((d.index, d.model) for d in info.gpus))
+        if self._shape.get(name) == shape:
+            return False  # a heartbeat: nothing a plan reads has changed
+        self._shape[name] = shape
+        self.capacity.add(placement.NodeState.from_info(info))
+        self._rebuild(name)
+        return True
+
+    def _drop(self, name: str) -> bool:
+        if name not in self._shape:
+            return False
+        del self._shape[name]
+        self.cluster.remove(name)
+        self.capacity.remove(name)
+        self.inconsistent.pop(name, None)
+        return True
+
+    def _rebuild(self, name: str) -> None:
+        """The node as its record declares it, less what its placed tasks hold."""
+        state = placement.NodeState.from_info(self.nodes[name])
+        try:
+            for use in self._on.get(name, {}).values():
+                state.use(use.cpus, use.memory_mb, use.gpus)
+        except ValueError as exc:
+            # Never place on top of a view that does not add up: say so loudly, keep it out.
+            if self.inconsistent.get(name) != str(exc):
+                log.error("scheduler.inconsistent_view", node=name, error=str(exc))
+            self.inconsistent[name] = str(exc)
+            self.cluster.remove(name)
+            return
+        self.inconsistent.pop(name, None)
+        self.cluster.add(state)
+
+    def expire(self, at: datetime) -> bool:
+        """Time passed: nodes whose heartbeat is now too old leave; backoffs that end wake a plan."""
+        changed = False
+        cutoff = at - self.node_timeout
+        for name in [n for n in self._shape if self.nodes[n].heartbeat_at < cutoff]:
+            changed |= self._drop(name)
+        while self._due and self._due[0][0] <= at:
+            _, job_id = heapq.heappop(self._due)
+            changed |= job_id in self._queued
+        return changed
+
+    # -------------------------------------------------------- attempts
+
+    def attempt_changed(self, key: str) -> bool:
+        record = self.attempts.get(key)
+        job_id = record.job_id if record is not None else job_of(key)
+        if record is not None:
+            self._attempts_of.setdefault(job_id, set()).add(key)
+        else:
+            self._attempts_of.get(job_id, set()).discard(key)
+        if record is not None and record.failure and record.failure.kind == FailureKind.PLATFORM:
+            self.failed[key] = record
+        else:
+            self.failed.pop(key, None)
+        freed = self._hold(key, record)
+        # A waiting job's next attempt may go once its current one has ended with all its tasks.
+        ended = record is None or record.ended or all(t.state.ended for t in record.tasks)
+        return freed or (job_id in self._queued and ended)
+
+    def _hold(self, key: str, record: AttemptRecord | None) -> bool:
+        """Bring what the attempt's live tasks hold up to date; whether a schedulable node's
+        free resources changed."""
+        job = self.jobs.get(record.job_id) if record is not None else None
+        new: dict[str, Use] = {}
+        if record is not None and job is not None:
+            roles = job.config.taskRoles
+            for t in record.tasks:
+                if not t.state.ended and 0 <= t.role_no < len(roles):
+                    role = roles[t.role_no]
+                    new[t.key] = Use(t.node, role.cpuNumber, role.memoryMB, tuple(t.gpus))
+        old = self._held.pop(key, {})
+        if new:
+            self._held[key] = new
+        touched = set()
+        for task, use in old.items():
+            if new.get(task) != use:
+                self._on[use.node].pop((key, task), None)
+                touched.add(use.node)
+        for task, use in new.items():
+            if old.get(task) != use:
+                self._on.setdefault(use.node, {})[(key, task)] = use
+                touched.add(use.node)
+        moved = False
+        for node in touched:
+            if not self._on.get(node):
+                self._on.pop(node, None)
+            if node in self._shape:
+                self._rebuild(node)
+                moved = True
+        return moved
+
+    def avoid_candidates(self, at: datetime) -> Iterable[AttemptRecord]:
+        """The recent platform failures (older ones are forgotten), for `nodes_to_avoid`."""
+        since = at - timedelta(seconds=AVOID_WINDOW)
+        for key in [k for k, a in self.failed.items() if a.ended_at is not None and a.ended_at < since]:
+            del self.failed[key]
+        return self.failed.values()
+
+    # -------------------------------------------------------- jobs
+
+    def job_changed(self, job_id: str) -> bool:
+        job = self.jobs.get(job_id)
+        changed = False
+        if (job is not None) != (job_id in self._known):
+            # A job's record arrived (or went): what its attempts hold can be counted now.
+            if job is None:
+                self._known.discard(job_id)
+            else:
+                self._known.add(job_id)
+            for key in list(self._attempts_of.get(job_id, ())):
+                changed |= self._hold(key, self.attempts.get(key))
+        if job is None or job.state != JobState.WAITING:
+            return self._unqueue(job_id) or changed
+        entry = (job.submitted_at, job_id)
+        if self._queued.get(job_id) != entry:
+            self._unqueue(job_id)
+            self._queued[job_id] = entry
+            bisect.insort(self._waiting, entry)
+            changed = True
+        policy = (job.attempt, job.settled, job.not_before)
+        if self._policy.get(job_id) != policy:
+            self._policy[job_id] = policy
+            if job.not_before is not None:
+                heapq.heappush(self._due, (job.not_before, job_id))
+            changed = True
+        return changed
+
+    def _unqueue(self, job_id: str) -> bool:
+        entry = self._queued.pop(job_id, None)
+        self._policy.pop(job_id, None)
+        if entry is None:
+            return False
+        i = bisect.bisect_left(self._waiting, entry)
+        if i < len(self._waiting) and self._waiting[i] == entry:
+            del self._waiting[i]
+        return True
+
+    def queue(self, at: datetime) -> list[tuple[JobRecord, int]]:
+        """Jobs to place now, in queue order, with the number of the attempt to place (the
+        supervisor policy's rule)."""
+        out = []
+        for _, job_id in self._waiting:
+            job = self.jobs[job_id]
+            n = attempt_to_place(job, self.attempts.get(attempt_key(job_id, job.attempt)), at)
+            if n is not None:
+                out.append((job, n))
+        return out
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)

@@ -1,0 +1,183 @@
+"""The scheduler's incremental view (services/scheduler/view.py), a pure core: records go in one
+change at a time and the placement index, the queue and the wake decisions follow; checked
+against a `placement.Cluster` built from scratch out of the same records."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from services.scheduler import placement
+from services.scheduler.view import View
+from shared.jobconfig import JobConfig
+from shared.messages import (
+    AttemptRecord,
+    Failure,
+    FailureKind,
+    GpuDevice,
+    JobRecord,
+    JobState,
+    NodeInfo,
+    TaskState,
+    TaskStatus,
+)
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def node(name: str, gpus: int = 4, at: datetime = T0, **kw: object) -> NodeInfo:
+    devices = [GpuDevice(index=i, model="V100") for i in range(gpus)]
+    return NodeInfo(
+        node=name, address="10.0.0.1", cpus=16, memory_mb=65536, gpus=devices, runtime="sim", agent_id="a",
+        heartbeat_at=at, **kw,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def job(job_id: str, tasks: int = 1, gpus: int = 1, at: datetime = T0, **kw: object) -> JobRecord:
+    role = {"name": "w", "taskNumber": tasks, "cpuNumber": 2, "memoryMB": 1024, "gpuNumber": gpus}
+    config = JobConfig.model_validate(
+        {"jobName": job_id, "image": "x", "taskRoles": [role | {"command": "x"}]}
+    )
+    return JobRecord(
+        job_id=job_id, job_name=job_id, submission_id=job_id, user="u", config=config, submitted_at=at,
+        **kw,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def attempt(job_id: str, n: int, *tasks: tuple[str, list[int], TaskState], **kw: object) -> AttemptRecord:
+    return AttemptRecord(
+        job_id=job_id,
+        attempt=n,
+        tasks=[
+            TaskStatus(role="w", role_no=0, index=i, node=where, gpus=gpus, state=state)
+            for i, (where, gpus, state) in enumerate(tasks)
+        ],
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def put_node(v: View, info: NodeInfo, at: datetime = T0) -> bool:
+    v.nodes[info.node] = info
+    return v.node_changed(info.node, at)
+
+
+def put_job(v: View, record: JobRecord) -> bool:
+    v.jobs[record.job_id] = record
+    return v.job_changed(record.job_id)
+
+
+def put_attempt(v: View, record: AttemptRecord) -> bool:
+    v.attempts[record.key] = record
+    return v.attempt_changed(record.key)
+
+
+def used(v: View) -> dict[str, tuple[int, set[int]]]:
+    return {n.name: (n.used_cpus, set(n.used_gpus)) for n in v.cluster.nodes.values()}
+
+
+R = TaskState.RUNNING
+
+
+def test_a_heartbeat_that_changes_nothing_wakes_nothing():
+    v = View(node_timeout=5)
+    assert put_node(v, node("a"))
+    assert not put_node(v, node("a", at=T0 + timedelta(seconds=2)), T0 + timedelta(seconds=2))
+    assert put_node(v, node("a", gpus=8, at=T0 + timedelta(seconds=3)), T0 + timedelta(seconds=3))
+    assert len(v.cluster.nodes["a"].gpus) == 8 and len(v.capacity.cluster.nodes["a"].gpus) == 8
+    assert put_node(v, node("a", drained=True), T0)
+    assert "a" not in v.cluster.nodes and "a" not in v.capacity.cluster.nodes
+
+
+def test_a_node_whose_heartbeat_stops_leaves_and_comes_back_with_its_tasks():
+    v = View(node_timeout=5)
+    put_node(v, node("a"))
+    put_job(v, job("j"))
+    put_attempt(v, attempt("j", 1, ("a", [2], R)))
+    assert not v.expire(T0 + timedelta(seconds=4))
+    assert v.expire(T0 + timedelta(seconds=6))
+    assert "a" not in v.cluster.nodes
+    later = T0 + timedelta(seconds=7)
+    assert put_node(v, node("a", at=later), later)
+    assert used(v) == {"a": (2, {2})}
+
+
+def test_tasks_hold_until_they_end_and_an_attempt_can_come_before_its_job():
+    v = View(node_timeout=5)
+    put_node(v, node("a"))
+    put_node(v, node("b"))
+    put_attempt(v, attempt("j", 1, ("a", [0], R), ("b", [1], R)))
+    assert used(v) == {"a": (0, set()), "b": (0, set())}  # its job (the sizes) is not known yet
+    assert put_job(v, job("j", tasks=2, state=JobState.RUNNING, attempt=1))
+    assert used(v) == {"a": (2, {0}), "b": (2, {1})}
+    assert put_attempt(v, attempt("j", 1, ("a", [0], TaskState.SUCCEEDED), ("b", [1], R)))
+    assert used(v) == {"a": (0, set()), "b": (2, {1})}
+    assert not put_attempt(v, attempt("j", 1, ("a", [0], TaskState.SUCCEEDED), ("b", [1], R)))
+    del v.attempts["j.1"]
+    assert v.attempt_changed("j.1")
+    assert used(v) == {"a": (0, set()), "b": (0, set())}
+
+
+def test_records_that_do_not_add_up_keep_the_node_out_until_they_do():
+    v = View(node_timeout=5)
+    put_node(v, node("a"))
+    put_job(v, job("j"))
+    put_job(v, job("k"))
+    put_attempt(v, attempt("j", 1, ("a", [3], R)))
+    put_attempt(v, attempt("k", 1, ("a", [3], R)))  # the same GPU twice: a view that does not add up
+    assert "a" not in v.cluster.nodes and "GPU 3" in v.inconsistent["a"]
+    assert "a" in v.capacity.cluster.nodes  # it still counts for "can this job ever run"
+    put_attempt(v, attempt("k", 1, ("a", [3], TaskState.FAILED)))
+    assert used(v) == {"a": (2, {3})} and not v.inconsistent
+
+
+def test_the_queue_is_in_submission_order_and_a_reason_wakes_nothing():
+    v = View(node_timeout=5)
+    assert put_job(v, job("late", at=T0 + timedelta(seconds=5)))
+    assert put_job(v, job("b", at=T0))
+    assert put_job(v, job("a", at=T0))
+    assert [j.job_id for j, _ in v.queue(T0)] == ["a", "b", "late"]
+    assert not put_job(v, job("a", at=T0, reason="needs 1 GPU; no GPU is free now"))
+    assert put_job(v, job("a", at=T0, attempt=1))  # placed: attempt 1 written, record to come
+    assert [(j.job_id, n) for j, n in v.queue(T0)] == [("a", 1), ("b", 1), ("late", 1)]
+    assert not put_attempt(v, attempt("a", 1, ("x", [0], R)))  # on no known node: frees nothing
+    assert [j.job_id for j, _ in v.queue(T0)] == ["b", "late"]
+    assert put_job(v, job("b", at=T0, state=JobState.STOPPED))
+    assert [j.job_id for j, _ in v.queue(T0)] == ["late"] and v.waiting == 2
+
+
+def test_a_backoff_that_ends_wakes_a_plan():
+    v = View(node_timeout=5)
+    put_job(v, job("j"))
+    ended = attempt("j", 1, ("a", [0], TaskState.FAILED), ended_at=T0, rule="failed")
+    put_attempt(v, ended)
+    due = T0 + timedelta(seconds=30)
+    assert put_job(v, job("j", attempt=1, settled=1, not_before=due))
+    assert v.queue(T0) == []
+    assert not v.expire(T0 + timedelta(seconds=29))
+    assert v.expire(due)
+    assert [(j.job_id, n) for j, n in v.queue(due)] == [("j", 2)]
+
+
+def test_platform_failures_are_kept_for_the_avoid_window_only():
+    v = View(node_timeout=5)
+    put_job(v, job("j"))
+    failure = Failure(kind=FailureKind.PLATFORM, task="w.0", node="a", reason="lost")
+    put_attempt(v, attempt("j", 1, ("a", [0], TaskState.FAILED), ended_at=T0, failure=failure))
+    assert [a.key for a in v.avoid_candidates(T0)] == ["j.1"]
+    assert list(v.avoid_candidates(T0 + timedelta(days=1))) == []
+
+
+def test_the_kept_index_equals_one_built_from_the_records():
+    v = View(node_timeout=5)
+    for name in "abcd":
+        put_node(v, node(name, gpus=8))
+    for i in range(6):
+        put_job(v, job(f"j{i}", tasks=2, gpus=2))
+    plan = v.cluster.plan([placement.PendingJob(f"j{i}", v.jobs[f"j{i}"].config) for i in range(6)])
+    for job_id, specs in plan.placements.items():
+        put_attempt(v, attempt(job_id, 1, *((t.node, t.gpus, R) for t in specs)))
+    put_attempt(v, attempt("j0", 1, *((t.node, t.gpus, TaskState.SUCCEEDED) for t in plan.placements["j0"])))
+    fresh = {name: placement.NodeState.from_info(info) for name, info in v.nodes.items()}
+    for record in v.attempts.values():
+        live = [t.spec() for t in record.tasks if not t.state.ended]
+        placement.allocate(fresh, v.jobs[record.job_id].config, live)
+    assert used(v) == {n.name: (n.used_cpus, set(n.used_gpus)) for n in fresh.values()}
