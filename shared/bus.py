@@ -378,11 +378,41 @@ async def durable(
 
 
 async def consume(
-    sub: Any, handle: Callable[[Any], Awaitable[None]], stop: asyncio.Event, logger: Any, batch: int = 64
+    sub: Any,
+    handle: Callable[[Any], Awaitable[None]],
+    stop: asyncio.Event,
+    logger: Any,
+    batch: int = 64,
+    parallel: int = 1,
 ) -> None:
-    """Pull from a durable consumer and handle each message until `stop`. A fetch that fails
-    (disconnected, server restarting) is logged once per outage and retried; nats-py resumes the
-    subscription after a reconnect."""
+    """Pull from a durable consumer and handle each message until `stop`, up to `parallel`
+    at a time (their round trips overlap; handlers in flight are waited for before returning).
+    A fetch that fails (disconnected, server restarting) is logged once per outage and retried;
+    nats-py resumes the subscription after a reconnect."""
+    if parallel > 1:
+        slots = asyncio.Semaphore(parallel)
+        running: set[asyncio.Task[None]] = set()
+
+        async def one(msg: Any) -> None:
+            try:
+                await handle(msg)
+            except Exception:  # a handler that failed to ack or nak must not end the loop
+                logger.error("consumer.handler_failed", subject=msg.subject, exc_info=True)
+            finally:
+                slots.release()
+
+        async def take(msg: Any) -> None:
+            await slots.acquire()
+            task = asyncio.create_task(one(msg))
+            running.add(task)
+            task.add_done_callback(running.discard)
+
+        try:
+            await consume(sub, take, stop, logger, batch)
+        finally:
+            if running:
+                await asyncio.wait(list(running))
+        return
     failing = False
     while not stop.is_set():
         try:

@@ -100,3 +100,23 @@ async def test_a_redelivered_submission_is_not_counted_twice(nc, monkeypatch):
     again = await v.judge("once", "erin", config("e1"), now())
     # Its 2 tasks are the user's whole allowance: counted once, the redelivery is the same job.
     assert first.accepted and again.accepted and again.job_id == first.job_id
+
+
+async def test_concurrent_submissions_never_overshoot_a_users_limit(nc, monkeypatch):
+    """Submissions are judged concurrently (their round trips overlap); a user's live tasks are
+    still counted exactly: 20 jobs of 2 tasks at once against a limit of 10 accept 5."""
+    monkeypatch.setenv("MUSTER_MAX_TASKS_PER_USER", "10")
+    js, buckets = await bus.ensure_jetstream(nc)
+    v = Validator(nc, js, buckets)
+    stop = asyncio.Event()
+    task = asyncio.create_task(v.run(stop))
+    try:
+        verdicts = await asyncio.gather(*(submit_as(nc, "frank", f"f{i}") for i in range(20)))
+        accepted = [x for x in verdicts if x.accepted]
+        assert len(accepted) == 5
+        assert all("the limit is 10 per user" in x.errors[0].reason for x in verdicts if not x.accepted)
+        assert v.live.of("frank") == 10
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 30)

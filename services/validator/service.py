@@ -32,6 +32,7 @@ import json
 import os
 import re
 from datetime import datetime
+from typing import Any
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -55,6 +56,7 @@ LATENCY = Histogram("muster_validator_seconds", "Time to judge one submission")
 # After this many deliveries that crashed the handler, the submission is rejected rather than
 # retried forever (a poison message must not block the queue).
 MAX_DELIVERIES = 5
+PARALLEL = int(os.environ.get("MUSTER_VALIDATOR_PARALLEL", "64"))  # submissions judged at once
 
 log = structlog.get_logger(service="validator")
 
@@ -71,6 +73,7 @@ class Validator:
         self.roots = hostpaths.parse_roots(os.environ.get("MUSTER_DATA_ROOTS", ""))
         self.view: dict[str, JobRecord] = {}  # the jobs bucket, kept by a watcher while running
         self.live = limits.LiveTasks()
+        self._admitted: dict[str, JobRecord] = {}  # created here, not yet seen by the watcher
         self.synced = asyncio.Event()
 
     @classmethod
@@ -93,7 +96,10 @@ class Validator:
                 subjects.SUBMISSIONS_STREAM,
                 max_ack_pending=1000,
             )
-            await bus.consume(sub, self.handle, stop, log, self.batch)
+            # Submissions are judged concurrently: their KV writes and publishes overlap. A
+            # user's limits stay exact (each acceptance is counted before its first await) and
+            # a job name is claimed atomically, so order between them does not matter.
+            await bus.consume(sub, self.handle, stop, log, self.batch, parallel=PARALLEL)
         finally:
             watching.cancel()
 
@@ -180,6 +186,29 @@ class Validator:
         errors += hostpaths.check_dirs(config, user, self.roots) if self.roots else []
         if errors:
             return await self.reject(sid, user, config.jobName, errors, data)
+        # Secret-looking jobEnvs values live apart, where only the scheduler reads them; the
+        # record (and every view of it) shows REDACTED.
+        shown, hidden = split_secrets(config)
+        record = JobRecord(
+            job_id=job_id,
+            job_name=config.jobName,
+            submission_id=sid,
+            user=user,
+            config=shown,
+            digest=digest,
+            submitted_at=received,
+        )
+        # Counted now, before any await: a submission judged meanwhile sees these tasks.
+        self.live.update(job_id, record)
+        try:
+            return await self._admit(record, hidden, data)
+        finally:
+            self.live.update(job_id, self.view.get(job_id) or self._admitted.pop(job_id, None))
+
+    async def _admit(self, record: JobRecord, hidden: dict[str, Any], data: bytes) -> Verdict:
+        """Claim the job's name, store its secrets and record: the accepted job, or a rejection."""
+        sid, user, config, job_id = record.submission_id, record.user, record.config, record.job_id
+        digest = record.digest
         holder = await self.claim_name(subjects.name_key(user, config.jobName), job_id)
         if holder is not None:
             return await self.reject(
@@ -194,23 +223,11 @@ class Validator:
                 ],
                 data,
             )
-        # Secret-looking jobEnvs values live apart, where only the scheduler reads them; the
-        # record (and every view of it) shows REDACTED. Stored first: a record never lacks them.
-        shown, hidden = split_secrets(config)
-        if hidden:
+        if hidden:  # stored first: a record never lacks them
             await self.secrets.put(job_id, json.dumps(hidden).encode())
-        record = JobRecord(
-            job_id=job_id,
-            job_name=config.jobName,
-            submission_id=sid,
-            user=user,
-            config=shown,
-            digest=digest,
-            submitted_at=received,
-        )
         if await self.jobs.create(job_id, record):
-            if job_id not in self.view:  # count it now, not only once the watcher sees it
-                self.live.update(job_id, record)
+            if job_id not in self.view:  # counted until the watcher has it
+                self._admitted[job_id] = record
         else:
             # Another replica got there first with this submission id (ack wait passed, or the
             # same id published twice at once): the same config is the same job.
@@ -225,7 +242,9 @@ class Validator:
         return await self.accept(record, data)
 
     async def accept(self, record: JobRecord, data: bytes) -> Verdict:
-        """Announce an accepted job (again, on a redelivery: every publish is deduplicated)."""
+        """Announce an accepted job (again, on a redelivery: every publish is deduplicated).
+        The three publishes leave in this order and their acks are awaited together."""
+        sends = []
         for kind in (JobEventKind.SUBMITTED, JobEventKind.ACCEPTED):
             event = JobEvent(
                 job_id=record.job_id,
@@ -235,10 +254,12 @@ class Validator:
                 submission_id=record.submission_id,
                 user=record.user,
             )
-            await self.js.publish(
-                subjects.job_event(record.job_id, kind),
-                event.to_bytes(),
-                headers={Headers.MSG_ID: f"{record.job_id}:{kind}"},
+            sends.append(
+                self.js.publish(
+                    subjects.job_event(record.job_id, kind),
+                    event.to_bytes(),
+                    headers={Headers.MSG_ID: f"{record.job_id}:{kind}"},
+                )
             )
         verdict = Verdict(
             submission_id=record.submission_id,
@@ -247,7 +268,8 @@ class Validator:
             job_id=record.job_id,
             job_name=record.job_name,
         )
-        await self.publish_verdict(verdict, data)
+        sends.append(self.publish_verdict(verdict, data))
+        await asyncio.gather(*sends)
         return verdict
 
     async def claim_name(self, name: str, job_id: str) -> str | None:
