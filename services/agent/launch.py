@@ -107,6 +107,7 @@ def build_launch(
             LABEL_PORTS: ",".join(map(str, ports)),
             LABEL_HOME: where.work_root,
         },
+        extras=config.extras,
     )
 
 

@@ -1,11 +1,11 @@
 """The runtime seam of the agent: what it takes to start one task, and the interface every
-runtime (docker, process) implements. The agent decides *what* runs; a runtime only runs it."""
+runtime (docker, process, sim) implements. The agent decides *what* runs; a runtime only runs it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from shared.messages import TaskCause
 
@@ -49,6 +49,8 @@ class TaskLaunch:
     workdir: str | None = None
     auth: RegistryAuth | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    # The job's `extras`, as submitted: hints for a runtime that reads them (sim: `extras.sim`).
+    extras: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
 # Called with each line the task writes (stdout and stderr merged, without the newline).
