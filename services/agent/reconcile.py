@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import structlog
@@ -29,6 +30,21 @@ from shared.messages import Assignment, AttemptRecord, Endpoint, TaskCause, Task
 
 log = structlog.get_logger(service="agent")
 LOST = "task lost: its agent restarted"
+
+
+# The tasks the bus places on one node and does not count as ended, with their attempts.
+Placed = dict[TaskKey, tuple[AttemptRecord, TaskStatus]]
+
+
+def placed_by_node(attempts: Iterable[AttemptRecord]) -> dict[str, Placed]:
+    """Every task not yet ended, by the node it is placed on: what each agent reconciles at
+    start. One pass over the attempts serves any number of nodes (a sim process has thousands)."""
+    out: dict[str, Placed] = {}
+    for attempt in attempts:
+        for t in attempt.tasks:
+            if not t.state.ended:
+                out.setdefault(t.node, {})[(attempt.job_id, attempt.attempt, t.role, t.index)] = (attempt, t)
+    return out
 
 
 class Assignments:
@@ -72,22 +88,20 @@ class Reconciler:
         self.log = log.bind(node=self.node)
         self._stopping: set[asyncio.Task[None]] = set()
 
-    async def placed_here(self) -> dict[TaskKey, tuple[AttemptRecord, TaskStatus]]:
+    async def placed_here(self) -> Placed:
         """Tasks the bus places on this node and does not count as ended, in any attempt: live
         ones, and the leftovers of attempts that ended while this agent was away."""
-        out: dict[TaskKey, tuple[AttemptRecord, TaskStatus]] = {}
-        async for _, attempt in self.tasks.attempts.items():
-            for t in attempt.tasks:
-                if t.node == self.node and not t.state.ended:
-                    out[(attempt.job_id, attempt.attempt, t.role, t.index)] = (attempt, t)
-        return out
+        records = [attempt async for _, attempt in self.tasks.attempts.items()]
+        return placed_by_node(records).get(self.node, {})
 
-    async def at_start(self) -> None:
+    async def at_start(self, placed: Placed | None = None) -> None:
         """Before taking new work: adopt the tasks of live attempts this runtime can take over,
         reap every other leftover, and report every task the bus still counts as placed here
         that is not adopted: with its real exit code when it ended while no agent watched, as
-        lost when it was taken on and is gone, as stopped when its attempt has ended."""
-        placed = await self.placed_here()
+        lost when it was taken on and is gone, as stopped when its attempt has ended.
+        `placed`: `placed_here()` when the caller has read it already."""
+        if placed is None:
+            placed = await self.placed_here()
         report = self.tasks.report_ended
         settled: set[TaskKey] = set()
         for found in await self.runtime.find({LABEL_NODE: self.node}):

@@ -23,6 +23,7 @@ import contextlib
 import os
 import re
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -37,11 +38,12 @@ from nats.js.kv import KeyValue
 
 from services.agent.inventory import PortPool
 from services.agent.launch import Where
-from services.agent.reconcile import Assignments, Reconciler
+from services.agent.reconcile import Assignments, Placed, Reconciler
 from services.agent.reporting import Reporter
 from services.agent.runtime import (
     Runtime,
 )
+from services.agent.sharing import Shared
 from services.agent.tasks import NOT_STARTED, LocalTask, Tasks
 from shared import bus, hostpaths, subjects
 from shared.messages import (
@@ -115,10 +117,12 @@ class Agent:
         buckets: dict[str, KeyValue],
         options: AgentOptions,
         runtime: Runtime,
+        shared: Shared | None = None,
     ):
+        """`shared`: what this agent shares with the others of its process (sim.py), if any."""
         self.nc, self.js, self.opts, self.runtime = nc, js, options, runtime
         self.nodes = buckets[subjects.NODES_BUCKET]
-        self.attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
+        self.attempts = shared.attempts if shared else Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
         ports = PortPool(options.port_low, options.port_high)
         # Tasks that ended here (or were reported as never started), so a late or repeated
         # order never runs one again.
@@ -131,13 +135,21 @@ class Agent:
             gpu_devices=options.gpu_devices,
             data_roots=tuple(options.data_roots),
         )
-        self.tasks = Tasks(nc, js, runtime, self.reporter, self.attempts, ports, where)
+        self.tasks = Tasks(
+            nc, js, runtime, self.reporter, self.attempts, ports, where, shared.specs if shared else None
+        )
         self.assignments = Assignments(Path(options.work_root) / "assignments")
         self.reconciler = Reconciler(self.tasks, self.assignments, js, options.address)
         self.agent_id = uuid.uuid4().hex[:12]
         self.started_at = now()
         self.drained = False  # an operator drained the node: no new work until undone
         self.log = log.bind(node=options.node)
+        # Orders of one attempt are handled in the order they came; other attempts' meanwhile.
+        self.handling = bus.Handling(
+            subjects.agent_consumer(options.node), _order, self._on_order, self.log, key=lambda o: o.key
+        )
+        self._last_beat = 0.0  # loop time of the last node record written
+        self._failing = False  # the last beat failed (logged once per outage)
 
     @classmethod
     def builder(cls, options: AgentOptions, runtime: Runtime):
@@ -170,15 +182,28 @@ class Agent:
         await self.nodes.put(self.opts.node, self.info(restarting_until).to_bytes())
 
     async def run(self, stop: asyncio.Event) -> None:
+        await self.start()
+        beat = asyncio.create_task(self._heartbeat(stop))
+        try:
+            await self._consume(stop)
+        finally:
+            beat.cancel()
+            await self.finish()
+
+    async def start(self, placed: Placed | None = None) -> None:
+        """Reconcile what an earlier run left, then register. `placed`: the tasks the bus places
+        here, when the caller has already read them (a sim process reads the attempts once for
+        all its nodes); else they are read here."""
         # Reconcile before the node record is (re)written, so nothing new is placed here meanwhile.
         pidfile = Path(self.opts.work_root) / "agent.pid"
         pidfile.parent.mkdir(parents=True, exist_ok=True)
         pidfile.write_text(str(os.getpid()))
-        await self.reconciler.at_start()
+        await self.reconciler.at_start(placed)
         # From here on, tasks do not outlive this agent unless it detaches on purpose.
         self.runtime.start_fence(self.opts.work_root, str(pidfile), 0.6 * bus.node_timeout())
         self.reporter.start()
         await self._write_node()
+        self._last_beat = asyncio.get_running_loop().time()
         await self.js.publish(subjects.node_event(self.opts.node, "registered"), self.info().to_bytes())
         self.log.info(
             "agent.registered",
@@ -188,18 +213,17 @@ class Agent:
             gpus=[f"{g.index}:{g.model}" for g in self.opts.gpus],
             runtime=self.runtime.name,
         )
-        beat = asyncio.create_task(self._heartbeat(stop))
-        try:
-            await self._consume(stop)
-        finally:
-            beat.cancel()
-            if self.runtime.can_adopt:
-                await self._detach()
-            else:
-                await self.tasks.stop_all("agent shutting down", self.opts.stop_grace)
-                await self.reporter.flush(10)
-            await self.reporter.close()
-            await self.runtime.close()
+
+    async def finish(self) -> None:
+        """Stop: leave the tasks for the next agent when the runtime can adopt them, else stop
+        them and report how they ended."""
+        if self.runtime.can_adopt:
+            await self._detach()
+        else:
+            await self.tasks.stop_all("agent shutting down", self.opts.stop_grace)
+            await self.reporter.flush(10)
+        await self.reporter.close()
+        await self.runtime.close()
 
     async def _detach(self) -> None:
         """Stop for a restart: say so, so the node is not declared lost before the restart grace
@@ -213,37 +237,39 @@ class Agent:
         self.log.info("agent.detached", tasks=len(self.tasks.live), restart_grace=self.opts.restart_grace)
 
     async def _heartbeat(self, stop: asyncio.Event) -> None:
-        """Rewrite the node record every beat. If the bus lost its state (a new server, a purged
-        bucket), set JetStream up again: the node registers again by itself."""
-        failing = False
-        loop = asyncio.get_running_loop()
-        last_beat = loop.time()
+        """A beat every `heartbeat` seconds until `stop`."""
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.opts.heartbeat)
             if stop.is_set():
                 return
-            try:
-                if loop.time() - last_beat > bus.node_timeout():
-                    # Silent for longer than a node may be (frozen, cut off): the attempts of our
-                    # tasks may have been failed and placed elsewhere. Stop what is no longer ours
-                    # before the node looks alive again and gets new work.
-                    self.log.warning("agent.back_after_silence", seconds=round(loop.time() - last_beat, 1))
-                    await self.reconciler.stop_obsolete(wait=True)
-                await self._write_node()
-                last_beat = loop.time()
-                if failing:
-                    self.log.info("agent.heartbeat_restored")
-                failing = False
-                await self.reconciler.stop_obsolete()
-            except Exception as exc:
-                if not failing:
-                    self.log.warning("agent.heartbeat_failed", error=str(exc) or type(exc).__name__)
-                failing = True
-                if self.nc.is_connected:  # connected but failing: the stream may be gone
-                    with contextlib.suppress(Exception):
-                        _, buckets = await bus.setup(self.nc, wait=0)
-                        self.nodes = buckets[subjects.NODES_BUCKET]
+            await self.beat()
+
+    async def beat(self) -> None:
+        """Rewrite the node record. If the bus lost its state (a new server, a purged bucket),
+        set JetStream up again: the node registers again by itself. Never raises."""
+        loop = asyncio.get_running_loop()
+        try:
+            if loop.time() - self._last_beat > bus.node_timeout():
+                # Silent for longer than a node may be (frozen, cut off): the attempts of our
+                # tasks may have been failed and placed elsewhere. Stop what is no longer ours
+                # before the node looks alive again and gets new work.
+                self.log.warning("agent.back_after_silence", seconds=round(loop.time() - self._last_beat, 1))
+                await self.reconciler.stop_obsolete(wait=True)
+            await self._write_node()
+            self._last_beat = loop.time()
+            if self._failing:
+                self.log.info("agent.heartbeat_restored")
+            self._failing = False
+            await self.reconciler.stop_obsolete()
+        except Exception as exc:
+            if not self._failing:
+                self.log.warning("agent.heartbeat_failed", error=str(exc) or type(exc).__name__)
+            self._failing = True
+            if self.nc.is_connected:  # connected but failing: the stream may be gone
+                with contextlib.suppress(Exception):
+                    _, buckets = await bus.setup(self.nc, wait=0)
+                    self.nodes = buckets[subjects.NODES_BUCKET]
 
     async def _subscribe(self):
         return await bus.durable(
@@ -254,34 +280,10 @@ class Agent:
         )
 
     async def _consume(self, stop: asyncio.Event) -> None:
-        sub = await self._subscribe()
-        # Orders of one attempt are handled in the order they came; other attempts' meanwhile.
-        handling = bus.Handling(
-            subjects.agent_consumer(self.opts.node), _order, self._on_order, self.log, key=lambda o: o.key
-        )
-        failures = 0
         try:
-            while not stop.is_set():
-                try:
-                    msgs = await sub.fetch(16, timeout=1)
-                    failures = 0
-                except (nats.errors.TimeoutError, TimeoutError):
-                    continue
-                except Exception as exc:
-                    failures += 1
-                    if failures == 1:
-                        self.log.warning("agent.fetch_failed", error=str(exc) or type(exc).__name__)
-                    await asyncio.sleep(0.5)
-                    if failures % 4 == 0 and self.nc.is_connected:
-                        # The consumer (or its stream) is gone: the bus lost its state. Set it up again.
-                        with contextlib.suppress(Exception):
-                            await bus.setup(self.nc, wait=0)
-                            sub = await self._subscribe()
-                    continue
-                for msg in msgs:
-                    await handling.take(msg)
+            await pull_orders(self._subscribe, self.handling.take, stop, self.nc, self.log)
         finally:
-            await handling.drain()
+            await self.handling.drain()
 
     async def _on_order(self, order: Assignment | KillOrder | DrainOrder) -> None:
         if isinstance(order, Assignment):
@@ -379,6 +381,39 @@ class Agent:
         self.log.warning("agent.drain", undo=order.undo, by=order.by, tasks=len(self.tasks.live))
         if self.drained:
             await self.tasks.stop_all(f"node {self.opts.node} drained by {order.by}", order.grace)
+
+
+async def pull_orders(
+    subscribe: Callable[[], Awaitable[Any]],
+    take: Callable[[Msg], Awaitable[None]],
+    stop: asyncio.Event,
+    nc: NATS,
+    logger: Any,
+    batch: int = 16,
+) -> None:
+    """Fetch orders from the pull consumer `subscribe` makes and `take` each, until `stop`. A
+    fetch that keeps failing while connected means the consumer (or its stream) is gone: the
+    bus lost its state, so JetStream is set up again and the consumer made again."""
+    sub = await subscribe()
+    failures = 0
+    while not stop.is_set():
+        try:
+            msgs = await sub.fetch(batch, timeout=1)
+            failures = 0
+        except (nats.errors.TimeoutError, TimeoutError):
+            continue
+        except Exception as exc:
+            failures += 1
+            if failures == 1:
+                logger.warning("agent.fetch_failed", error=str(exc) or type(exc).__name__)
+            await asyncio.sleep(0.5)
+            if failures % 4 == 0 and nc.is_connected:
+                with contextlib.suppress(Exception):
+                    await bus.setup(nc, wait=0)
+                    sub = await subscribe()
+            continue
+        for msg in msgs:
+            await take(msg)
 
 
 async def check_declaration(options: AgentOptions, runtime: Runtime) -> None:

@@ -11,22 +11,20 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
-import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 from prometheus_client import Counter, Gauge
 
 from services.agent.inventory import PortPool
 from services.agent.launch import Where, build_launch, task_name
 from services.agent.reporting import Reporter
 from services.agent.runtime import LaunchError, RunningTask, Runtime
+from services.agent.sharing import Specs
 from shared import subjects
 from shared.messages import (
     Assignment,
     AttemptRecord,
-    ClusterSpec,
     Endpoint,
     TaskCause,
     TaskEvent,
@@ -83,8 +81,10 @@ class Tasks:
         attempts: Store[AttemptRecord],
         ports: PortPool,
         where: Where,
+        specs: Specs | None = None,
     ):
         self.nc, self.js, self.runtime, self.reporter = nc, js, runtime, reporter
+        self.specs = specs or Specs(nc, js)  # cluster specs: one read per attempt
         self.attempts, self.ports, self.where = attempts, ports, where
         self.node = where.node
         self.live: dict[TaskKey, LocalTask] = {}
@@ -121,7 +121,7 @@ class Tasks:
     async def _run(self, key: TaskKey, task: LocalTask) -> None:
         a = task.assignment
         try:
-            cluster = await self._wait_spec(a.job_id, a.attempt)
+            cluster = await self.specs.wait(a.job_id, a.attempt)
             if await self.obsolete(key):
                 raise asyncio.CancelledError
             launch = build_launch(a, task.spec, task.ports, cluster, self.where)
@@ -185,24 +185,6 @@ class Tasks:
         if record is None:
             return False
         return record.ended or record.task(role, index).state.ended
-
-    async def _wait_spec(self, job_id: str, attempt: int) -> ClusterSpec:
-        subject = subjects.cluster_spec(job_id, attempt)
-        sub = await self.nc.subscribe(subject)
-        try:
-            while True:
-                try:
-                    stored = await self.js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)
-                    return ClusterSpec.from_bytes(stored.data)
-                except NotFoundError:
-                    pass
-                except Exception:
-                    await asyncio.sleep(0.5)
-                with contextlib.suppress(nats.errors.TimeoutError):
-                    return ClusterSpec.from_bytes((await sub.next_msg(timeout=5)).data)
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
 
     def output(self, task: LocalTask, line: str) -> None:
         a, spec = task.assignment, task.spec

@@ -1,0 +1,117 @@
+"""What the tasks of one connection read from the bus, read once: the cluster spec of an
+attempt (one subscription and one read however many of its tasks wait for it) and, for a
+process of many agents, attempt records (concurrent reads of one record share a single read).
+
+A gang's spec and attempt record grow with the gang: an 800-task attempt's are ~100 KB each.
+Read once per task they are 80 MB at once on one connection, which the server cuts off as a
+slow consumer; a sim process (services/agent/sim.py) holds hundreds of one gang's tasks on its
+one connection, and a real agent a handful."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import TypeVar
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+from nats.js.kv import KeyValue
+
+from shared import subjects
+from shared.messages import AttemptRecord, ClusterSpec, Message
+from shared.store import Store
+
+M = TypeVar("M", bound=Message)
+AttemptKey = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What the agents of one process share (a sim process: thousands on one connection)."""
+
+    attempts: Store[AttemptRecord]
+    specs: Specs
+
+    @classmethod
+    def of(cls, nc: NATS, js: JetStreamContext, attempts: KeyValue) -> Shared:
+        return cls(SharedStore(attempts, AttemptRecord), Specs(nc, js))
+
+
+class Specs:
+    """Cluster specs awaited here: one read per attempt, shared by every task waiting for it,
+    and dropped once no task waits (a late task reads the stored spec again)."""
+
+    def __init__(self, nc: NATS, js: JetStreamContext) -> None:
+        self.nc, self.js = nc, js
+        self._reads: dict[AttemptKey, asyncio.Task[ClusterSpec]] = {}
+        self._waiting: dict[AttemptKey, int] = {}
+
+    async def wait(self, job_id: str, attempt: int) -> ClusterSpec:
+        """The attempt's spec once the registry has published it (the rendezvous barrier)."""
+        key = (job_id, attempt)
+        read = self._reads.get(key)
+        if read is None:
+            read = self._reads[key] = asyncio.create_task(self._read(job_id, attempt))
+        self._waiting[key] = self._waiting.get(key, 0) + 1
+        try:
+            return await asyncio.shield(read)
+        finally:
+            self._waiting[key] -= 1
+            if not self._waiting[key]:  # the last waiter: nobody needs it any more
+                del self._waiting[key], self._reads[key]
+                read.cancel()
+
+    async def _read(self, job_id: str, attempt: int) -> ClusterSpec:
+        subject = subjects.cluster_spec(job_id, attempt)
+        sub = await self.nc.subscribe(subject)
+        try:
+            while True:
+                try:
+                    stored = await self.js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)
+                    return ClusterSpec.from_bytes(stored.data)
+                except NotFoundError:
+                    pass
+                except Exception:
+                    await asyncio.sleep(0.5)
+                with contextlib.suppress(nats.errors.TimeoutError):
+                    return ClusterSpec.from_bytes((await sub.next_msg(timeout=5)).data)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+
+class SharedStore(Store[M]):
+    """A `Store` whose concurrent reads of one key share a single read, and whose records are
+    reused for `ttl` seconds: for many agents on one connection, which all read the records of
+    the attempts they run (placing, starting, and checking every heartbeat that a task is still
+    live). A record up to `ttl` old is what the heartbeat check of a real agent sees at worst
+    anyway: it runs only every heartbeat."""
+
+    def __init__(self, kv: KeyValue, model: type[M], ttl: float = 1.0) -> None:
+        super().__init__(kv, model)
+        self.ttl = ttl
+        self._reads: dict[str, tuple[float, asyncio.Task[M | None]]] = {}
+        self._swept = 0.0
+
+    async def get(self, key: str) -> M | None:
+        now = asyncio.get_running_loop().time()
+        if now - self._swept > self.ttl:  # at most once a ttl: forget what is too old to reuse
+            self._reads = {
+                k: (at, r) for k, (at, r) in self._reads.items() if not _stale(at, r, now, self.ttl)
+            }
+            self._swept = now
+        at, read = self._reads.get(key, (now, None))
+        if read is None or _stale(at, read, now, self.ttl):
+            read = asyncio.create_task(super().get(key))
+            self._reads[key] = (now, read)
+        return await asyncio.shield(read)
+
+
+def _stale(at: float, read: asyncio.Task[M | None], now: float, ttl: float) -> bool:
+    """A read not to reuse: done more than `ttl` after it began, or failed (read again)."""
+    if not read.done():
+        return False
+    return now - at > ttl or read.cancelled() or read.exception() is not None
