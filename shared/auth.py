@@ -14,6 +14,10 @@ Roles:
   service uses, nothing else (no service may create, change or delete a stream).
 - agent (one identity per node): its own node's record, task events, endpoints and logs; its
   own node's orders; the cluster specs and attempt records it needs to run and recover tasks.
+- sim (`sim-agents`, benchmarks only): an agent on *every* node, for a process that holds
+  thousands of simulated nodes on one connection (services/agent/sim.py). It can act as any
+  node, so it must never be given out on a bus that runs real work; only `muster up --runtime
+  sim` and `muster admin keys --sim` make it.
 
 Files (in an auth directory, `<data dir>/auth` for `muster up`):
 - `identities.json`: name, role, node and public key of every identity (no secrets);
@@ -34,7 +38,8 @@ from shared import subjects
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 SERVICES = ("validator", "scheduler", "registry", "supervisor", "gateway")
-ROLES = ("admin", "user", "agent", *SERVICES)
+ROLES = ("admin", "user", "agent", "sim", *SERVICES)
+SIM_IDENTITY = "sim-agents"  # the one identity of role sim
 CREDENTIALS_ENV = "MUSTER_CREDENTIALS"
 
 
@@ -204,38 +209,16 @@ def permissions(ident: Identity | Credentials) -> dict[str, Any]:
             "subscribe": {"allow": [own_inbox, subjects.verdict(name, ">")]},
         }
     if role == "agent":
-        node = ident.node
-        if node is None:
+        if ident.node is None:
             raise AuthError(f"agent identity {name!r} has no node")
-        consumer = subjects.agent_consumer(node)
-        cmd = subjects.COMMANDS_STREAM
-        api = "$JS.API"
-        events, nodes_kv, attempts_kv = (
-            subjects.EVENTS_STREAM,
-            subjects.NODES_BUCKET,
-            subjects.ATTEMPTS_BUCKET,
-        )
-        publish = [
-            f"$KV.{nodes_kv}.{node}",
-            subjects.task_event("*", "*", "*", "*", "*", node),
-            subjects.node_event(node, ">"),
-            subjects.task_logs("*", "*", "*", "*", node),
-            *_lookup_all(),
-            f"{api}.DIRECT.GET.{kv(nodes_kv)}.$KV.{nodes_kv}.{node}",
-            # Attempt records (placements and states, no job specs) to recover after a restart.
-            *_read(kv(attempts_kv)),
-            # Cluster specs (peers' addresses), and this node's own endpoint reports.
-            f"{api}.DIRECT.GET.{events}.{subjects.cluster_spec('*', '*')}",
-            f"{api}.DIRECT.GET.{events}.{subjects.task_event('*', '*', '*', '*', 'endpoint', node)}",
-            # Its own orders, through its own durable consumer only.
-            f"{api}.CONSUMER.CREATE.{cmd}.{consumer}.{subjects.node_commands(node)}",
-            f"{api}.CONSUMER.INFO.{cmd}.{consumer}",
-            f"{api}.CONSUMER.MSG.NEXT.{cmd}.{consumer}",
-            f"$JS.ACK.{cmd}.{consumer}.>",
-        ]
-        # Cluster specs as they are published (only the registry may publish them).
-        subscribe = [own_inbox, subjects.cluster_spec("*", "*")]
-        return {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}}
+        return _agent(own_inbox, ident.node, subjects.agent_consumer(ident.node))
+    if role == "sim":
+        # Every node ("*" in each node token) and its orders through consumers of any name (the
+        # sim process's multi-filter ones); never as the platform, the supervisor's token.
+        rights = _agent(own_inbox, "*", "*")
+        rights["publish"]["allow"].append(f"$JS.API.CONSUMER.CREATE.{subjects.COMMANDS_STREAM}.*")
+        rights["publish"]["deny"] = [subjects.task_event("*", "*", "*", "*", "*", subjects.PLATFORM)]
+        return rights
     lookup = _lookup_all()
     if role == "validator":
         publish = [
@@ -304,6 +287,39 @@ def permissions(ident: Identity | Credentials) -> dict[str, Any]:
     else:
         raise AuthError(f"unknown role {role!r}")
     return {"publish": {"allow": publish}, "subscribe": {"allow": [own_inbox]}}
+
+
+def _agent(own_inbox: str, node: str, consumer: str) -> dict[str, Any]:
+    """An agent's rights on `node`, its orders through the consumer `consumer` ("*" in both:
+    every node, any consumer)."""
+    cmd = subjects.COMMANDS_STREAM
+    api = "$JS.API"
+    events, nodes_kv, attempts_kv = (
+        subjects.EVENTS_STREAM,
+        subjects.NODES_BUCKET,
+        subjects.ATTEMPTS_BUCKET,
+    )
+    publish = [
+        f"$KV.{nodes_kv}.{node}",
+        subjects.task_event("*", "*", "*", "*", "*", node),
+        subjects.node_event(node, ">"),
+        subjects.task_logs("*", "*", "*", "*", node),
+        *_lookup_all(),
+        f"{api}.DIRECT.GET.{kv(nodes_kv)}.$KV.{nodes_kv}.{node}",
+        # Attempt records (placements and states, no job specs) to recover after a restart.
+        *_read(kv(attempts_kv)),
+        # Cluster specs (peers' addresses), and this node's own endpoint reports.
+        f"{api}.DIRECT.GET.{events}.{subjects.cluster_spec('*', '*')}",
+        f"{api}.DIRECT.GET.{events}.{subjects.task_event('*', '*', '*', '*', 'endpoint', node)}",
+        # Its own orders, through its own durable consumer only.
+        f"{api}.CONSUMER.CREATE.{cmd}.{consumer}.{subjects.node_commands(node)}",
+        f"{api}.CONSUMER.INFO.{cmd}.{consumer}",
+        f"{api}.CONSUMER.MSG.NEXT.{cmd}.{consumer}",
+        f"$JS.ACK.{cmd}.{consumer}.>",
+    ]
+    # Cluster specs as they are published (only the registry may publish them).
+    subscribe = [own_inbox, subjects.cluster_spec("*", "*")]
+    return {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}}
 
 
 def authorization(identities: list[Identity]) -> dict[str, Any]:
