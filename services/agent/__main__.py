@@ -1,7 +1,10 @@
 import os
+from collections.abc import Awaitable, Callable
 
+import structlog
 from nats.aio.client import Client as NATS
 
+from services.agent import sim
 from services.agent.config import (
     WithHealth,
     add_agent_arguments,
@@ -12,6 +15,7 @@ from services.agent.config import (
     serve_health_in_range,
 )
 from services.agent.service import Agent
+from shared import auth, bus
 from shared.service import Service, base_parser, run_main
 
 if __name__ == "__main__":
@@ -26,13 +30,13 @@ if __name__ == "__main__":
     clear_port_file(port_file)
     data_dir = os.environ.get("MUSTER_DATA_DIR", "/tmp/muster")
 
-    def build():
+    def agent_builder() -> Callable[[NATS], Awaitable[Service]]:
         options = options_from_args(args, data_dir)
         # A directory of credentials (compose's demo agents): this node's own identity.
         creds_dir = os.environ.get("MUSTER_CREDENTIALS_DIR")
         if creds_dir and not os.environ.get("MUSTER_CREDENTIALS"):
             os.environ["MUSTER_CREDENTIALS"] = os.path.join(creds_dir, f"agent-{options.node}.creds")
-        build_agent = Agent.builder(
+        return Agent.builder(
             options,
             make_runtime(
                 args.runtime,
@@ -42,6 +46,27 @@ if __name__ == "__main__":
                 args.task_caps,
             ),
         )
+
+    def sim_builder() -> Callable[[NATS], Awaitable[Service]]:
+        """Many simulated nodes on one connection, as the one sim identity (services/agent/sim.py)."""
+        setup = sim.setup_from_args(args, data_dir)
+        creds_dir = os.environ.get("MUSTER_CREDENTIALS_DIR")
+        if creds_dir and not os.environ.get("MUSTER_CREDENTIALS"):
+            os.environ["MUSTER_CREDENTIALS"] = os.path.join(creds_dir, f"{auth.SIM_IDENTITY}.creds")
+        log = structlog.get_logger(service="sim")
+        log.info("sim.nodes", nodes=setup.describe())
+        if sim.node_timeout_for(setup.heartbeat) > bus.node_timeout():
+            log.warning(
+                "sim.node_timeout_too_short",
+                heartbeat=setup.heartbeat,
+                node_timeout=bus.node_timeout(),
+                detail=f"give the scheduler and supervisor MUSTER_NODE_TIMEOUT="
+                f"{sim.node_timeout_for(setup.heartbeat):g} or more, or these nodes come and go",
+            )
+        return setup.builder()
+
+    def build():
+        build_agent = sim_builder() if args.runtime == "sim" else agent_builder()
 
         async def build_with_health(nc: NATS) -> Service:
             if not low:

@@ -53,9 +53,17 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--runtime",
-        choices=("auto", "docker", "process"),
+        choices=("auto", "docker", "process", "sim"),
         default=env("MUSTER_AGENT_RUNTIME", "auto"),
-        help="auto: docker when an engine answers, else process",
+        help="auto: docker when an engine answers, else process; sim: simulated nodes for benchmarks "
+        "(tasks only wait, see --sim-nodes)",
+    )
+    p.add_argument(
+        "--sim-nodes",
+        type=int,
+        default=int(env("MUSTER_SIM_NODES", "1")),
+        help="with --runtime sim: how many simulated nodes this process holds, named NODE-00000.. "
+        "(--node is the prefix, default sim; defaults --gpus 8xV100 --cpus 64 --memory-mb 262144)",
     )
     p.add_argument("--ports", default=env("MUSTER_AGENT_PORTS", "5000-10000"), help="port range for tasks")
     p.add_argument("--work-root", default=env("MUSTER_AGENT_WORK_ROOT"), help="per-task scratch directories")
@@ -63,7 +71,12 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
         "--output-root", default=env("MUSTER_OUTPUT_ROOT"), help="outputDir default: ROOT/<jobName>"
     )
     p.add_argument("--default-fs-uri", default=env("MUSTER_DEFAULT_FS_URI", ""), help="PAI_DEFAULT_FS_URI")
-    p.add_argument("--heartbeat", type=float, default=float(env("MUSTER_AGENT_HEARTBEAT", "2")))
+    p.add_argument(
+        "--heartbeat",
+        type=float,
+        default=float(env("MUSTER_AGENT_HEARTBEAT") or 0) or None,
+        help="seconds between a node's heartbeats (default 2; sim: N/250, at least 2: 250 beats a second)",
+    )
     p.add_argument(
         "--data-roots",
         default=env("MUSTER_DATA_ROOTS"),
@@ -205,6 +218,13 @@ def clear_port_file(port_file: str | None) -> None:
 # ------------------------------------------------------------------ options
 
 
+def check_sim_flags(args: argparse.Namespace) -> None:
+    """--sim-nodes is for --runtime sim only: a real agent is one node."""
+    nodes = getattr(args, "sim_nodes", 1)
+    if nodes != 1 and args.runtime != "sim":
+        raise SystemExit(f"--sim-nodes {nodes}: only with --runtime sim (a real agent is one node)")
+
+
 def options_from_args(args: argparse.Namespace, data_dir: str = "/tmp/muster") -> AgentOptions:
     node = node_name(args.node)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", node):
@@ -213,6 +233,7 @@ def options_from_args(args: argparse.Namespace, data_dir: str = "/tmp/muster") -
     gpus = parse_gpus(args.gpus) if declared else discover_gpus() or []
     low, high = parse_port_range(args.ports)
     check_task_settings(args)
+    check_sim_flags(args)
     return AgentOptions(
         node=node,
         address=args.address or machine_address(),
@@ -225,7 +246,7 @@ def options_from_args(args: argparse.Namespace, data_dir: str = "/tmp/muster") -
         work_root=args.work_root or os.path.join(data_dir, "work", node),
         output_root=args.output_root or os.path.join(data_dir, "output"),
         default_fs_uri=args.default_fs_uri,
-        heartbeat=args.heartbeat,
+        heartbeat=args.heartbeat or 2.0,
         overcommit=args.overcommit,
         data_roots=data_roots(args.data_roots, data_dir),
         task_user=args.task_user,
@@ -282,6 +303,10 @@ def make_runtime(
     as the agent's user, with its capabilities and no limits (see process_runtime)."""
     from services.agent.process_runtime import ProcessRuntime
 
+    if choice == "sim":
+        from services.agent.sim_runtime import SimRuntime
+
+        return SimRuntime()
     if choice in ("auto", "docker"):
         from services.agent.docker_runtime import DockerRuntime
 

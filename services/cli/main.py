@@ -20,7 +20,7 @@ import re
 import signal
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import nats.errors
 from nats.aio.client import Client as NATS
@@ -33,6 +33,9 @@ from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
 from shared.messages import AttemptRecord, DrainOrder, JobRecord, JobState, KillRequest, NodeInfo
 from shared.store import Store
 from shared.subjects import Headers
+
+if TYPE_CHECKING:
+    from services.agent.sim import SimSetup
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
 
@@ -553,6 +556,8 @@ def admin_keys(args: argparse.Namespace) -> int:
         keys.ensure_services()
         for node in args.node:
             keys.ensure(auth.agent_name(node), "agent", node)
+        if args.sim:
+            keys.ensure(auth.SIM_IDENTITY, "sim")
         keys.ensure(args.admin_name, "admin")
     except auth.AuthError as exc:
         raise CliError(str(exc), EXIT_INVALID) from None
@@ -600,9 +605,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         roots = [] if here == "/" else [here]
         args.data_roots = ",".join([*roots, str(data_dir.absolute() / "users" / "{user}")])
     os.environ["MUSTER_DATA_ROOTS"] = args.data_roots  # the validator's too
-    options = None if args.no_agent else options_from_args(args, str(data_dir))
+    sim = None
+    if args.runtime == "sim" and not args.no_agent:
+        sim = sim_setup(args, str(data_dir))
+    options = None if args.no_agent or sim else options_from_args(args, str(data_dir))
 
     def agent():
+        if sim is not None:
+            out(f"muster: {sim.describe()}")
+            return sim.builder()
         assert options is not None
         out(
             f"muster: local agent {options.node} at {options.address}: {options.cpus} CPUs, "
@@ -625,13 +636,36 @@ def cmd_up(args: argparse.Namespace) -> int:
                 data_dir,
                 args.port,
                 lambda s: out(f"muster: {s}"),
-                None if options is None else agent,
-                node=None if options is None else options.node,
+                None if options is None and sim is None else agent,
+                node=sim.prefix if sim else (options.node if options else None),
                 open_bus=args.open,
+                sim=sim is not None,
             )
         )
     except (RuntimeError, TimeoutError, ConnectionError, FileNotFoundError, auth.AuthError) as exc:
         raise CliError(str(exc)) from None
+
+
+def sim_setup(args: argparse.Namespace, data_dir: str) -> SimSetup:
+    """`--runtime sim`: the simulated nodes, and a node timeout the mesh's scheduler and
+    supervisor (in this process) give their heartbeat period (services/agent/sim.py)."""
+    from services.agent import sim
+
+    try:
+        setup = sim.setup_from_args(args, data_dir)
+    except SystemExit as exc:
+        raise CliError(str(exc), EXIT_INVALID) from None
+    timeout = sim.node_timeout_for(setup.heartbeat)
+    if timeout > bus.node_timeout():
+        if "MUSTER_NODE_TIMEOUT" in os.environ:
+            err(
+                f"muster: MUSTER_NODE_TIMEOUT={bus.node_timeout():g} is short for nodes beating every "
+                f"{setup.heartbeat:g}s: they will come and go (give {timeout:g} or more)"
+            )
+        else:
+            os.environ["MUSTER_NODE_TIMEOUT"] = f"{timeout:g}"
+            out(f"muster: MUSTER_NODE_TIMEOUT={timeout:g}: nodes beat every {setup.heartbeat:g}s")
+    return setup
 
 
 def _gpu_text(gpus) -> str:
@@ -758,6 +792,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("auth_dir")
     s.add_argument("--node", action="append", default=[], help="an agent node (repeat)")
     s.add_argument("--admin-name", default="admin")
+    s.add_argument(
+        "--sim",
+        action="store_true",
+        help=f"add {auth.SIM_IDENTITY}, the identity of simulated nodes (benchmarks only: it acts as "
+        "any node)",
+    )
     s.set_defaults(func=admin_keys)
 
     for s in (

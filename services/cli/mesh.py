@@ -114,9 +114,12 @@ async def up(
     agent: Callable[[], Builder] | None = None,
     node: str | None = None,
     open_bus: bool = False,
+    sim: bool = False,
 ) -> int:
     """Run the mesh until SIGTERM/SIGINT. `node`: the local agent's node name (its identity);
-    `open_bus`: an embedded server without authentication (anyone who reaches it may do anything)."""
+    `sim`: the agent is a process of simulated nodes, as the one sim identity (it can act as any
+    node: a benchmark's, see shared/auth.py); `open_bus`: an embedded server without
+    authentication (anyone who reaches it may do anything)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -132,13 +135,16 @@ async def up(
             keys = auth.AuthDir(auth_dir)
             creds = {n: auth.load_credentials(keys.creds(n)) for n in SERVICES}
             if node is not None:
-                creds["agent"] = auth.load_credentials(keys.creds(auth.agent_name(node)))
+                name = auth.SIM_IDENTITY if sim else auth.agent_name(node)
+                creds["agent"] = auth.load_credentials(keys.creds(name))
     else:
         keys = auth.AuthDir(data_dir / "auth")
         admin = None
         if not open_bus:
             creds = dict(keys.ensure_services())
-            if node is not None:
+            if sim:
+                creds["agent"] = keys.ensure(auth.SIM_IDENTITY, "sim")
+            elif node is not None:
                 creds["agent"] = keys.ensure(auth.agent_name(node), "agent", node)
             admin = keys.ensure(local_user(), "admin")
         cert, key = os.environ.get("MUSTER_TLS_SERVER_CERT"), os.environ.get("MUSTER_TLS_SERVER_KEY")
