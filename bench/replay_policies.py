@@ -1,0 +1,320 @@
+"""The placement policies `bench.replay` compares, each as `(nodes, queue) -> {job_id: [TaskSpec]}`.
+
+  * `muster`: the scheduler's own core, `services.scheduler.placement.plan` (FIFO, best fit,
+    backfill around a reserved head), with the service's backfill window.
+  * `fifo`: strict FIFO. Jobs start in arrival order only; the first that does not fit blocks
+    every later one (no backfill). Nodes are chosen by the same best-fit rank as Muster's.
+  * `firstfit`: FIFO order, greedy: any job that fits starts, each task on the first node in name
+    order that can host it (no best fit, no reservation).
+
+A policy decides, it does not commit: it may place tentatively on `nodes` but leaves them as they
+were; the replay allocates what it returns. Jobs that can never fit on the nodes are kept out of
+the queue by the replay (with Muster's reason), so no policy is asked to wait for them.
+
+Only the public names of the placement core are used (`plan`, `allocate`, `release`,
+`NodeState`, `PendingJob`). `muster` hands `plan` a snapshot, so every decision rebuilds the core's
+node index: a pass over the cluster per decision. A core that keeps its own state between
+decisions (an indexed, incremental one) subclasses `Policy` and keeps it in step in
+`started`/`ended`, as the baselines do with their `NodeIndex` (`Indexed`); registering it in
+`POLICIES` is the one line that swaps it in.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from services.scheduler.placement import NodeState, PendingJob, allocate, plan, release
+from shared.jobconfig import JobConfig
+from shared.messages import TaskSpec
+
+Placements = dict[str, list[TaskSpec]]
+Decide = Callable[[Mapping[str, NodeState], Sequence[PendingJob]], Placements]
+WINDOW = 500  # the scheduler service's default backfill window (MUSTER_BACKFILL_WINDOW)
+
+
+class Policy:
+    """A policy as the replay drives it: `place` decides; `started`/`ended` tell a stateful core
+    what the replay committed (a stateless one, like all three here, ignores them)."""
+
+    def __init__(self, name: str, decide: Decide) -> None:
+        self.name = name
+        self._decide = decide
+
+    def place(self, nodes: Mapping[str, NodeState], queue: Sequence[PendingJob]) -> Placements:
+        return self._decide(nodes, queue)
+
+    def started(self, job: PendingJob, tasks: Sequence[TaskSpec]) -> None:
+        """`tasks` of `job` were allocated on the replay's nodes."""
+
+    def ended(self, job: PendingJob, tasks: Sequence[TaskSpec]) -> None:
+        """`tasks` of `job` were released from the replay's nodes."""
+
+
+# ------------------------------------------------------------------ one task's needs
+
+
+@dataclass(frozen=True)
+class Need:
+    """What one task needs on one node (the baselines' view of a task, as Muster's feasibility)."""
+
+    gpus: int
+    cpus: int
+    memory_mb: int
+    model: str | None  # lower-cased gpuType of a GPU task; None: any model
+
+
+def needs(config: JobConfig) -> list[tuple[int, int, Need]]:
+    """(role number, task index, need) of every task, largest first (GPUs, CPUs, memory), as
+    Muster places a gang's tasks."""
+    model = config.gpuType.lower() if config.gpuType else None
+    out = [
+        (role_no, index, Need(r.gpuNumber, r.cpuNumber, r.memoryMB, model if r.gpuNumber else None))
+        for role_no, r in enumerate(config.taskRoles)
+        for index in range(r.taskNumber)
+    ]
+    return sorted(out, key=lambda t: (-t[2].gpus, -t[2].cpus, -t[2].memory_mb, t[0], t[1]))
+
+
+def fits(node: NodeState, need: Need) -> bool:
+    """Enough free CPUs, memory and GPUs of the model on the node (cheap checks first)."""
+    if node.free_cpus < need.cpus or node.free_memory_mb < need.memory_mb:
+        return False
+    if node.free_gpu_count < need.gpus:
+        return False
+    return need.model is None or not need.gpus or len(node.free_gpus(need.model)) >= need.gpus
+
+
+def best_fit_rank(node: NodeState, need: Need) -> tuple[int | str, ...]:
+    """Muster's best-fit rank (smaller first): fewest GPUs left, then CPUs, memory, name; CPU-only
+    tasks prefer nodes without GPUs."""
+    after = (
+        node.free_gpu_count - need.gpus,
+        node.free_cpus - need.cpus,
+        node.free_memory_mb - need.memory_mb,
+    )
+    return (*after, node.name) if need.gpus else (bool(node.gpus), *after, node.name)
+
+
+def best_fit(candidates: Iterable[NodeState], need: Need) -> NodeState | None:
+    """The fitting node of least `best_fit_rank`, by a pass over `candidates` (the reference that
+    `NodeIndex.best` answers faster)."""
+    best: NodeState | None = None
+    rank: tuple[int | str, ...] = ()
+    for node in candidates:
+        if fits(node, need):
+            mine = best_fit_rank(node, need)
+            if best is None or mine < rank:
+                best, rank = node, mine
+    return best
+
+
+def first_fit(candidates: Iterable[NodeState], need: Need) -> NodeState | None:
+    """The first of `candidates` that fits (pass them in name order), by a pass over them."""
+    return next((node for node in candidates if fits(node, need)), None)
+
+
+# ------------------------------------------------------------------ an index for the baselines
+
+Group = tuple[bool, int]  # (has GPUs, free GPUs)
+Entry = tuple[int, int, str]  # (free CPUs, free memory, name): best-fit order inside a group
+
+
+class NodeIndex:
+    """The nodes grouped by (has GPUs, free GPUs), each group kept in best-fit order and in name
+    order, so that a baseline finds its node without a pass over the cluster: the first group a
+    need can use, then the first entry there with the CPUs, memory and model, is the node of least
+    `best_fit_rank`; the least name over the groups' first fitting nodes is the first fit.
+
+    It reads the `NodeState`s it was built on: `touch(name)` after every change of a node."""
+
+    def __init__(self, nodes: Mapping[str, NodeState]) -> None:
+        self.nodes = nodes
+        self._at: dict[str, tuple[Group, Entry]] = {}
+        self._ranked: dict[Group, list[Entry]] = {}
+        self._named: dict[Group, list[str]] = {}
+        self.most_gpus = 0
+        for name in nodes:
+            self.touch(name)
+
+    def touch(self, name: str) -> None:
+        """Put the node where its state now says."""
+        old = self._at.pop(name, None)
+        if old is not None:
+            ranked, named = self._ranked[old[0]], self._named[old[0]]
+            del ranked[bisect.bisect_left(ranked, old[1])]
+            del named[bisect.bisect_left(named, name)]
+        node = self.nodes[name]
+        group = (bool(node.gpus), node.free_gpu_count)
+        entry = (node.free_cpus, node.free_memory_mb, name)
+        bisect.insort(self._ranked.setdefault(group, []), entry)
+        bisect.insort(self._named.setdefault(group, []), name)
+        self._at[name] = (group, entry)
+        self.most_gpus = max(self.most_gpus, len(node.gpus))
+
+    def _groups(self, need: Need) -> list[Group]:
+        """The groups a need may use, in best-fit order (fewest GPUs left first; for a CPU-only
+        task, nodes without GPUs first)."""
+        if need.gpus:
+            return [(True, k) for k in range(need.gpus, self.most_gpus + 1)]
+        return [(False, 0), *((True, k) for k in range(self.most_gpus + 1))]
+
+    def best(self, need: Need) -> NodeState | None:
+        for group in self._groups(need):
+            entries = self._ranked.get(group, [])
+            for i in range(bisect.bisect_left(entries, (need.cpus,)), len(entries)):
+                node = self.nodes[entries[i][2]]
+                if entries[i][1] >= need.memory_mb and fits(node, need):
+                    return node
+        return None
+
+    def first(self, need: Need) -> NodeState | None:
+        found: str | None = None
+        for group in self._groups(need):
+            for name in self._named.get(group, []):
+                if found is not None and name >= found:
+                    break
+                if fits(self.nodes[name], need):
+                    found = name
+                    break
+        return None if found is None else self.nodes[found]
+
+
+Choose = Callable[[NodeIndex, Need], NodeState | None]
+
+
+class Kept:
+    """What a baseline keeps between decisions: the index (kept in step with the nodes by
+    `touch`) and each job's task needs, worked out once per job rather than once per decision."""
+
+    def __init__(self, nodes: Mapping[str, NodeState]) -> None:
+        self.nodes = nodes
+        self.index = NodeIndex(nodes)
+        self._needs: dict[str, list[tuple[int, int, Need]]] = {}
+
+    def needs(self, job: PendingJob) -> list[tuple[int, int, Need]]:
+        if job.job_id not in self._needs:
+            self._needs[job.job_id] = needs(job.config)
+        return self._needs[job.job_id]
+
+    def forget(self, job_id: str) -> None:
+        self._needs.pop(job_id, None)
+
+
+class _Tentative:
+    """Placements made on the live nodes during one decision, all released (and the index put
+    back) before it returns. A need that found no node is remembered: placing only lowers what is
+    free, so it finds none again until the decision ends."""
+
+    def __init__(self, kept: Kept) -> None:
+        self.kept, self.nodes, self.index = kept, kept.nodes, kept.index
+        self.failed: set[Need] = set()
+        self.done: list[tuple[JobConfig, list[TaskSpec]]] = []
+
+    def _change(self, apply: Callable[..., None], config: JobConfig, specs: list[TaskSpec]) -> None:
+        apply(self.nodes, config, specs)
+        for spec in specs:
+            self.index.touch(spec.node)
+
+    def place(self, job: PendingJob, choose: Choose) -> list[TaskSpec] | None:
+        """The job's tasks, each where `choose` puts it, kept; None (nothing kept) if one fails."""
+        specs: list[TaskSpec] = []
+        for role_no, index, need in self.kept.needs(job):
+            node = None if need in self.failed else choose(self.index, need)
+            if node is None:
+                if not specs:  # failed on the decision's own state, not beside this gang's tasks
+                    self.failed.add(need)
+                else:
+                    self._change(release, job.config, specs)
+                return None
+            role = job.config.taskRoles[role_no]
+            gpus = node.free_gpus(need.model)[: need.gpus]
+            spec = TaskSpec(role=role.name, role_no=role_no, index=index, node=node.name, gpus=gpus)
+            self._change(allocate, job.config, [spec])
+            specs.append(spec)
+        specs.sort(key=lambda t: (t.role_no, t.index))
+        self.done.append((job.config, specs))
+        return specs
+
+    def undo(self) -> None:
+        for config, specs in reversed(self.done):
+            self._change(release, config, specs)
+        self.done.clear()
+
+
+# ------------------------------------------------------------------ the policies
+
+
+def muster(nodes: Mapping[str, NodeState], queue: Sequence[PendingJob]) -> Placements:
+    """The scheduler's placement core on a snapshot of the nodes (it copies them)."""
+    return plan(nodes.values(), queue, window=WINDOW).placements
+
+
+def strict_fifo(
+    nodes: Mapping[str, NodeState], queue: Sequence[PendingJob], kept: Kept | None = None
+) -> Placements:
+    """Arrival order only: stop at the first job that does not fit (best-fit nodes). `kept`: the
+    state kept in step with `nodes` since an earlier decision (built here when None)."""
+    out: Placements = {}
+    tentative = _Tentative(kept or Kept(nodes))
+    try:
+        for job in queue:
+            specs = tentative.place(job, NodeIndex.best)
+            if specs is None:
+                break
+            out[job.job_id] = specs
+    finally:
+        tentative.undo()
+    return out
+
+
+def greedy_first_fit(
+    nodes: Mapping[str, NodeState], queue: Sequence[PendingJob], kept: Kept | None = None
+) -> Placements:
+    """Arrival order, skipping what does not fit; each task on the first node by name that fits."""
+    out: Placements = {}
+    tentative = _Tentative(kept or Kept(nodes))
+    try:
+        for job in queue:
+            specs = tentative.place(job, NodeIndex.first)
+            if specs is not None:
+                out[job.job_id] = specs
+    finally:
+        tentative.undo()
+    return out
+
+
+class Indexed(Policy):
+    """A baseline with its `Kept` state (built on the first decision, for the nodes it is handed
+    then, kept in step by `started`/`ended`): a decision costs what it tries, not a pass over the
+    cluster."""
+
+    def __init__(
+        self, name: str, decide: Callable[[Mapping[str, NodeState], Sequence[PendingJob], Kept], Placements]
+    ) -> None:
+        super().__init__(name, lambda nodes, queue: decide(nodes, queue, self._kept_for(nodes)))
+        self._kept: Kept | None = None
+
+    def _kept_for(self, nodes: Mapping[str, NodeState]) -> Kept:
+        if self._kept is None or self._kept.nodes is not nodes:
+            self._kept = Kept(nodes)
+        return self._kept
+
+    def started(self, job: PendingJob, tasks: Sequence[TaskSpec]) -> None:
+        if self._kept is not None:
+            self._kept.forget(job.job_id)
+            for task in tasks:
+                self._kept.index.touch(task.node)
+
+    def ended(self, job: PendingJob, tasks: Sequence[TaskSpec]) -> None:
+        if self._kept is not None:
+            for task in tasks:
+                self._kept.index.touch(task.node)
+
+
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "muster": lambda: Policy("muster", muster),
+    "fifo": lambda: Indexed("fifo", strict_fifo),
+    "firstfit": lambda: Indexed("firstfit", greedy_first_fit),
+}
