@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import structlog
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
@@ -107,11 +107,16 @@ class Store(Generic[M]):
                 yield key, record
 
     async def mirror(
-        self, into: dict[str, M], synced: asyncio.Event, changed: Callable[[str], None] | None = None
+        self,
+        into: dict[str, Any],
+        synced: asyncio.Event,
+        changed: Callable[[str], None] | None = None,
+        keep: Callable[[M], Any] | None = None,
     ) -> None:
         """Keep `into` equal to the bucket (records that decode) for as long as it runs, with one
         watcher: no polling, no consumer per read. `synced` is set once the current content is
-        in; `changed(key)` is called after each change. A broken watch is restarted."""
+        in; `changed(key)` is called after each change. `keep(record)`: what to hold of each
+        record (default: the record). A broken watch is restarted."""
         while True:
             try:
                 watcher = await self.kv.watchall()
@@ -125,7 +130,7 @@ class Store(Generic[M]):
                     if record is None:
                         into.pop(entry.key, None)
                     else:
-                        into[entry.key] = record
+                        into[entry.key] = record if keep is None else keep(record)
                     if changed is not None:
                         changed(entry.key)
             except asyncio.CancelledError:

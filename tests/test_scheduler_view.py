@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from services.scheduler import placement
-from services.scheduler.view import View
+from services.scheduler.view import Job, View
 from shared.jobconfig import JobConfig
 from shared.messages import (
     AttemptRecord,
@@ -61,7 +61,7 @@ def put_node(v: View, info: NodeInfo, at: datetime = T0) -> bool:
 
 
 def put_job(v: View, record: JobRecord) -> bool:
-    v.jobs[record.job_id] = record
+    v.jobs[record.job_id] = Job.of(record)  # what the watcher keeps of a record
     return v.job_changed(record.job_id)
 
 

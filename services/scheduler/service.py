@@ -33,7 +33,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.scheduler import placement
 from services.scheduler.avoid import nodes_to_avoid, plan_around
-from services.scheduler.view import View
+from services.scheduler.view import Job, View
 from shared import bus, subjects
 from shared.jobconfig import REDACTED, with_secrets
 from shared.messages import (
@@ -107,7 +107,7 @@ class Scheduler:
 
         watchers = [
             asyncio.create_task(self.kv_nodes.mirror(self.nodes, self.synced["nodes"], node)),
-            asyncio.create_task(self.kv_jobs.mirror(self.jobs, self.synced["jobs"], job)),
+            asyncio.create_task(self.kv_jobs.mirror(self.jobs, self.synced["jobs"], job, Job.of)),
             asyncio.create_task(self.kv_attempts.mirror(self.attempts, self.synced["attempts"], attempt)),
         ]
         try:
@@ -195,7 +195,7 @@ class Scheduler:
         # With no node registered at all, the cluster is starting, not too small.
         registered = bool(self.view.capacity.cluster.nodes)
 
-        async def one(job: JobRecord, n: int) -> None:
+        async def one(job: Job, n: int) -> None:
             async with gate:
                 if lost is not None and lost.is_set():
                     return  # no longer the leader: place nothing more
@@ -213,7 +213,7 @@ class Scheduler:
             log.warning("scheduler.commit_errors", count=len(failures), first=repr(failures[0])[:300])
             self.wake.set()
 
-    async def commit(self, job: JobRecord, n: int, tasks: list[TaskSpec]) -> None:
+    async def commit(self, job: Job, n: int, tasks: list[TaskSpec]) -> None:
         """Place attempt n. The job record is moved to attempt n first (the fence: a job killed or
         placed by another leader meanwhile is left alone), then the attempt record is created
         (or an earlier leader's is reused), then the agents get their orders."""
@@ -236,7 +236,7 @@ class Scheduler:
         if not fenced:
             return
         if updated is not None:
-            self.jobs[job.job_id] = updated
+            self.jobs[job.job_id] = Job.of(updated)
             self.view.job_changed(job.job_id)
         record = AttemptRecord(
             job_id=job.job_id,
@@ -270,7 +270,7 @@ class Scheduler:
         )
         log.info("scheduler.placed", job_id=job.job_id, attempt=n, nodes=nodes)
 
-    async def _send_assignments(self, job: JobRecord, record: AttemptRecord) -> None:
+    async def _send_assignments(self, job: Job, record: AttemptRecord) -> None:
         gang = [_spec(t) for t in record.tasks]
         config = with_secrets(job.config, await self._secrets(job))
         for node in sorted({t.node for t in gang}):
@@ -288,7 +288,7 @@ class Scheduler:
                 headers={Headers.MSG_ID: f"assign:{record.key}:{node}"},
             )
 
-    async def _secrets(self, job: JobRecord) -> dict[str, Any]:
+    async def _secrets(self, job: Job) -> dict[str, Any]:
         """The job's secret jobEnvs values (kept apart by the validator), for its tasks' orders
         only: orders go to the placed nodes' own subjects, which no other identity may read."""
         if REDACTED not in job.config.jobEnvs.values():
@@ -326,7 +326,7 @@ class Scheduler:
 
         updated = await self.kv_jobs.update(job_id, change)
         if updated is not None:
-            self.jobs[job_id] = updated
+            self.jobs[job_id] = Job.of(updated)
             self.view.job_changed(job_id)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Protocol
 
 from shared import subjects
 from shared.jobconfig import JobConfig
@@ -203,7 +204,20 @@ def _describe(failure: Failure | None) -> str:
 # ------------------------------------------------------------------ the next attempt
 
 
-def attempt_to_place(job: JobRecord, current: AttemptRecord | None, at: datetime) -> int | None:
+class Placeable(Protocol):
+    """What `attempt_to_place` reads of a job: a `JobRecord`, or the scheduler's slim copy."""
+
+    @property
+    def state(self) -> JobState: ...
+    @property
+    def attempt(self) -> int: ...
+    @property
+    def settled(self) -> int: ...
+    @property
+    def not_before(self) -> datetime | None: ...
+
+
+def attempt_to_place(job: Placeable, current: AttemptRecord | None, at: datetime) -> int | None:
     """Which attempt of a WAITING job may be placed now, or None: the first when never placed;
     the current one when the job was moved to it but its record was never written (a leader
     died mid-commit); the next once the current one has ended, the supervisor has settled it as
