@@ -11,12 +11,11 @@ A policy decides, it does not commit: it may place tentatively on `nodes` but le
 were; the replay allocates what it returns. Jobs that can never fit on the nodes are kept out of
 the queue by the replay (with Muster's reason), so no policy is asked to wait for them.
 
-Only the public names of the placement core are used (`plan`, `allocate`, `release`,
-`NodeState`, `PendingJob`). `muster` hands `plan` a snapshot, so every decision rebuilds the core's
-node index: a pass over the cluster per decision. A core that keeps its own state between
-decisions (an indexed, incremental one) subclasses `Policy` and keeps it in step in
-`started`/`ended`, as the baselines do with their `NodeIndex` (`Indexed`); registering it in
-`POLICIES` is the one line that swaps it in.
+`muster` is the core as the scheduler service runs it (`Kept`): one `Cluster` and `Capacity`
+built on the first decision and kept in step by `started`/`ended`, so a decision costs what it
+tries, not a rebuild of the node index. `muster_snapshot` hands `plan` a snapshot instead (an
+index rebuilt per decision, a pass over the cluster); both start exactly the same jobs on the same
+nodes (a test holds them to it), only the replay's speed differs.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import bisect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from services.scheduler.placement import NodeState, PendingJob, allocate, plan, release
+from services.scheduler.placement import Capacity, Cluster, NodeState, PendingJob, allocate, plan, release
 from shared.jobconfig import JobConfig
 from shared.messages import TaskSpec
 
@@ -251,6 +250,35 @@ def muster(nodes: Mapping[str, NodeState], queue: Sequence[PendingJob]) -> Place
     return plan(nodes.values(), queue, window=WINDOW).placements
 
 
+class MusterKept(Policy):
+    """The scheduler's placement core as the service keeps it: a `Cluster` (the indexed nodes)
+    and a `Capacity` (the same nodes empty) built for the nodes of the first decision, then kept
+    in step with what the replay commits, as the service's view keeps them with the bus."""
+
+    def __init__(self) -> None:
+        super().__init__("muster", self._decide)
+        self._nodes: Mapping[str, NodeState] | None = None
+        self._cluster = Cluster()
+        self._capacity = Capacity()
+
+    def _decide(self, nodes: Mapping[str, NodeState], queue: Sequence[PendingJob]) -> Placements:
+        if self._nodes is not nodes:
+            self._nodes, self._cluster, self._capacity = (
+                nodes,
+                Cluster(nodes.values()),
+                Capacity(nodes.values()),
+            )
+        return self._cluster.plan(queue, self._capacity, window=WINDOW).placements
+
+    def started(self, job: PendingJob, tasks: Sequence[TaskSpec]) -> None:
+        if self._nodes is not None:
+            self._cluster.allocate(job.config, tasks)
+
+    def ended(self, job: PendingJob, tasks: Sequence[TaskSpec]) -> None:
+        if self._nodes is not None:
+            self._cluster.release(job.config, tasks)
+
+
 def strict_fifo(
     nodes: Mapping[str, NodeState], queue: Sequence[PendingJob], kept: Kept | None = None
 ) -> Placements:
@@ -314,7 +342,8 @@ class Indexed(Policy):
 
 
 POLICIES: dict[str, Callable[[], Policy]] = {
-    "muster": lambda: Policy("muster", muster),
+    "muster": MusterKept,
+    "muster_snapshot": lambda: Policy("muster_snapshot", muster),
     "fifo": lambda: Indexed("fifo", strict_fifo),
     "firstfit": lambda: Indexed("firstfit", greedy_first_fit),
 }

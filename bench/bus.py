@@ -1,0 +1,252 @@
+"""Through the bus: jobs/s from submission to running on simulated nodes, beside the bus's floor.
+
+    python -m bench.bus [--nodes 1000] [--rates 50,100,200] [--seconds 30] [--task-seconds 5]
+
+A fresh mesh (`bench.cluster`: nats-server with authentication, each service its own process,
+one process of N sim nodes, 8 V100s each). Then, measured on that same server:
+
+  * the floor: raw JetStream publish+ack of a job-sized message to a scratch stream, one at a
+    time (latency) and 256 in flight (throughput);
+  * for each offered rate R: single-task jobs (1 GPU, 1 CPU, running `--task-seconds` in the sim)
+    submitted at R a second, open loop, for `--seconds`, each through the submit subject as a user
+    would (JetStream publish, acknowledged). A job counts as running when its `running` job event
+    arrives (the supervisor publishes it once the task reported running); submit→running is from
+    just before the publish to that event. Jobs still not running `--drain` seconds after the
+    last submission are counted as missing. Sustained = jobs running / time from the first
+    submission to the last running event.
+
+Prints a table, then one JSON line. Everything is on this machine: the services, the sim nodes,
+nats-server and this load generator share its cores, so the figures are the whole system's."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from bench.cluster import BENCH_USER, Mesh
+from shared import subjects
+from shared.subjects import Headers
+
+IMAGE = "muster/bench:sim"  # never pulled: the sim runtime starts nothing
+
+
+def job(name: str, task_seconds: float) -> bytes:
+    return json.dumps(
+        {
+            "jobName": name,
+            "image": IMAGE,
+            "gpuType": "V100",
+            "taskRoles": [
+                {
+                    "name": "worker",
+                    "taskNumber": 1,
+                    "cpuNumber": 1,
+                    "memoryMB": 1024,
+                    "gpuNumber": 1,
+                    "command": "python train.py",
+                }
+            ],
+            "extras": {"sim": {"seconds": task_seconds, "exitCode": 0}},
+        }
+    ).encode()
+
+
+def pct(values: list[float], q: float) -> float | None:
+    """The q-quantile (nearest rank) in ms to 0.1, None when there are no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
+
+
+async def floor(nc: NATS, size: int, count: int = 3000) -> dict[str, float]:
+    """Raw JetStream publish+ack to a scratch file stream on the same server."""
+    js = nc.jetstream()
+    stream = f"BENCH_FLOOR_{uuid.uuid4().hex[:8]}"
+    await js.add_stream(name=stream, subjects=[f"bench.floor.{stream}"])
+    payload = b"x" * size
+    try:
+        lat = []
+        for _ in range(300):
+            t = time.perf_counter()
+            await js.publish(f"bench.floor.{stream}", payload)
+            lat.append((time.perf_counter() - t) * 1000)
+        start = time.perf_counter()
+        for low in range(0, count, 256):
+            await asyncio.gather(
+                *(js.publish(f"bench.floor.{stream}", payload) for _ in range(min(256, count - low)))
+            )
+        rate = count / (time.perf_counter() - start)
+    finally:
+        await js.delete_stream(stream)
+    return {"publish_ack_per_s": round(rate), "publish_ack_ms_p50": round(statistics.median(lat), 3)}
+
+
+class Tracker:
+    """Submission times by job name, and when each job's running event arrived."""
+
+    def __init__(self) -> None:
+        self.submitted: dict[str, float] = {}
+        self.running: dict[str, float] = {}
+        self.rejected: list[str] = []
+        self.changed = asyncio.Event()
+
+    async def on_running(self, msg: Msg) -> None:
+        at = time.perf_counter()
+        try:
+            name = json.loads(msg.data)["job_name"]
+        except (ValueError, KeyError, TypeError):
+            return
+        if name in self.submitted and name not in self.running:
+            self.running[name] = at
+            self.changed.set()
+
+    async def on_verdict(self, msg: Msg) -> None:
+        try:
+            verdict = json.loads(msg.data)
+        except ValueError:
+            return
+        if not verdict.get("accepted"):
+            self.rejected.append(json.dumps(verdict.get("errors"))[:300])
+
+
+async def offer(
+    nc: NATS, tracker: Tracker, rate: float, seconds: float, task_seconds: float, drain: float, tag: str
+) -> dict[str, Any]:
+    js = nc.jetstream(timeout=30)
+    subject = subjects.submit(BENCH_USER)
+    names: list[str] = []
+    pending: set[asyncio.Future[Any]] = set()
+    failed = 0
+
+    def done(f: asyncio.Future[Any]) -> None:
+        nonlocal failed
+        pending.discard(f)
+        if f.cancelled() or f.exception() is not None:
+            failed += 1
+
+    start = time.perf_counter()
+    total = int(rate * seconds)
+    for i in range(total):
+        due = start + i / rate
+        delay = due - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        name = f"{tag}-{i}"
+        data = job(name, task_seconds)
+        sid = f"{tag}-{i}"
+        tracker.submitted[name] = time.perf_counter()
+        names.append(name)
+        f = asyncio.ensure_future(
+            js.publish(subject, data, headers={Headers.SUBMISSION_ID: sid, Headers.MSG_ID: sid})
+        )
+        pending.add(f)
+        f.add_done_callback(done)
+    offered_s = time.perf_counter() - start
+    if pending:
+        await asyncio.wait(pending, timeout=30)
+    deadline = time.perf_counter() + drain
+    while time.perf_counter() < deadline and any(n not in tracker.running for n in names):
+        tracker.changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(tracker.changed.wait(), max(0.01, deadline - time.perf_counter()))
+    latencies = [(tracker.running[n] - tracker.submitted[n]) * 1000 for n in names if n in tracker.running]
+    ran = [tracker.running[n] for n in names if n in tracker.running]
+    span = (max(ran) - start) if ran else 0.0
+    return {
+        "offered_per_s": rate,
+        "submitted": total,
+        "offered_s": round(offered_s, 2),
+        "publish_failed": failed,
+        "running": len(latencies),
+        "missing": total - len(latencies),
+        "sustained_per_s": round(len(latencies) / span, 1) if ran else 0.0,
+        "submit_to_running_ms": {
+            "p50": pct(latencies, 0.5),
+            "p99": pct(latencies, 0.99),
+            "max": pct(latencies, 1.0),
+            "mean": round(statistics.fmean(latencies), 1) if latencies else None,
+        },
+    }
+
+
+async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    with Mesh(workdir, args.nodes) as mesh:
+        ready_s = await mesh.wait_ready()
+        nc = await mesh.connect()
+        try:
+            tracker = Tracker()
+            await nc.subscribe(subjects.job_event("*", "running"), cb=tracker.on_running)
+            await nc.subscribe(subjects.verdict(BENCH_USER, "*"), cb=tracker.on_verdict)
+            the_floor = await floor(nc, len(job("x" * 16, args.task_seconds)))
+            rows = []
+            for n, rate in enumerate(args.rates):
+                cpu0, t0 = mesh.cpu(), time.monotonic()
+                row = await offer(
+                    nc, tracker, rate, args.seconds, args.task_seconds, args.drain, f"r{n}-{int(rate)}"
+                )
+                cpu1, elapsed = mesh.cpu(), time.monotonic() - t0
+                row["cpu_percent"] = {k: round(100 * (cpu1[k] - cpu0[k]) / elapsed, 1) for k in cpu1}
+                mesh.check()
+                rows.append(row)
+                await asyncio.sleep(args.task_seconds + 2)  # let the last jobs end before the next rate
+            return {
+                "nodes": args.nodes,
+                "ready_s": round(ready_s, 1),
+                "floor": the_floor,
+                "rows": rows,
+                "rejected": tracker.rejected[:5],
+            }
+        finally:
+            await nc.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, default=1000)
+    p.add_argument("--rates", default="50,100,200", help="offered jobs/s, comma-separated, each in turn")
+    p.add_argument("--seconds", type=float, default=30.0, help="seconds each rate is offered")
+    p.add_argument("--task-seconds", type=float, default=5.0, help="how long each sim task runs")
+    p.add_argument("--drain", type=float, default=30.0, help="seconds to wait for the last jobs to run")
+    p.add_argument("--workdir", type=Path, default=None, help="keep logs and data here (default: a temp dir)")
+    args = p.parse_args(argv)
+    args.rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    with tempfile.TemporaryDirectory(prefix="muster-bus-") as tmp:
+        report = asyncio.run(run(args, args.workdir or Path(tmp)))
+    f = report["floor"]
+    print(
+        f"{report['nodes']} sim nodes (registered in {report['ready_s']} s); floor on the same server: "
+        f"JetStream publish+ack {f['publish_ack_per_s']}/s (256 in flight), "
+        f"{f['publish_ack_ms_p50']} ms one at a time"
+    )
+    print(
+        f"{'offered/s':>9} {'jobs':>6} {'running':>7} {'missing':>7} {'sustained/s':>11} "
+        f"{'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}  busiest (% of a core)"
+    )
+    for r in report["rows"]:
+        lat = r["submit_to_running_ms"]
+        busiest = sorted(r["cpu_percent"].items(), key=lambda kv: -kv[1])[:4]
+        print(
+            f"{r['offered_per_s']:>9g} {r['submitted']:>6} {r['running']:>7} {r['missing']:>7} "
+            f"{r['sustained_per_s']:>11} {lat['p50']:>8} {lat['p99']:>8} {lat['max']:>8}  "
+            + ", ".join(f"{k} {v:g}" for k, v in busiest)
+        )
+    if report["rejected"]:
+        print("rejected (first):", *report["rejected"], sep="\n  ")
+    print(json.dumps({"bench": "bus", **report}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,167 @@
+"""A Muster cluster for benchmarks: an authenticated nats-server, each service as its own process
+(as compose runs them, one identity each) and one process of simulated nodes (the sim runtime:
+tasks "run" `extras.sim.seconds` and exit, nothing is started). Used by `bench.bus` and
+`bench.idle`; logs and data stay in the work directory for a look after a run.
+
+CPU per process is read from /proc (utime + stime), so a figure is what that process burned,
+whatever else runs on the machine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from nats.aio.client import Client as NATS
+
+from services.agent import sim
+from shared import auth, bus, subjects
+from shared.natsserver import NatsServer
+
+SERVICES = ("validator", "scheduler", "registry", "supervisor", "gateway")
+BENCH_USER = "bench"  # an admin identity: it submits, and makes the floor's scratch stream
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) a live process has used, from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+class Mesh:
+    """`with Mesh(workdir, nodes=1000) as mesh:` — started, then everything killed on exit."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        nodes: int,
+        gpus: str = "8xV100",
+        cpus: int = 64,
+        memory_mb: int = 262144,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.workdir, self.nodes = workdir, nodes
+        self.gpus, self.cpus, self.memory_mb = gpus, cpus, memory_mb
+        self.extra_env = env or {}
+        self.keys = auth.AuthDir(workdir / "auth")
+        self.server: NatsServer | None = None
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return self.server.url
+
+    def credentials(self, name: str = BENCH_USER) -> auth.Credentials:
+        return auth.load_credentials(self.keys.creds(name))
+
+    def __enter__(self) -> Mesh:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _env(self, identity: str) -> dict[str, str]:
+        beat = sim.heartbeat_for(self.nodes, None)
+        return {
+            **os.environ,
+            "MUSTER_NATS_URL": self.url,
+            "MUSTER_CREDENTIALS": str(self.keys.creds(identity)),
+            "MUSTER_DATA_DIR": str(self.workdir / "data"),
+            "MUSTER_NODE_TIMEOUT": str(sim.node_timeout_for(beat)),
+            "MUSTER_LOG_LEVEL": "warning",
+            "PYTHONUNBUFFERED": "1",
+            **self.extra_env,
+        }
+
+    def _spawn(self, name: str, identity: str, *args: str) -> None:
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 (the child keeps it)
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", *args], env=self._env(identity), stdout=log, stderr=subprocess.STDOUT
+        )
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.keys.ensure_services()
+        self.keys.ensure(auth.SIM_IDENTITY, "sim")
+        self.keys.ensure(BENCH_USER, "admin")
+        self.server = NatsServer(self.workdir / "nats", auth_config=self.keys.server_config).start()
+        for name in SERVICES:
+            self._spawn(name, name, f"services.{name}")
+        self._spawn(
+            "sim",
+            auth.SIM_IDENTITY,
+            "services.agent",
+            "--runtime=sim",
+            f"--sim-nodes={self.nodes}",
+            f"--gpus={self.gpus}",
+            f"--cpus={self.cpus}",
+            f"--memory-mb={self.memory_mb}",
+            f"--work-root={self.workdir / 'work'}",
+        )
+
+    def check(self) -> None:
+        """Raise if a process of the mesh has died (its log's tail in the message)."""
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                tail = (self.workdir / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds used so far by each process of the mesh, nats-server included."""
+        pids = {name: p.pid for name, p in self.procs.items()}
+        if self.server is not None and self.server.proc is not None:
+            pids["nats-server"] = self.server.proc.pid
+        out = {}
+        for name, pid in pids.items():
+            with contextlib.suppress(OSError):
+                out[name] = cpu_seconds(pid)
+        return out
+
+    async def connect(self) -> NATS:
+        return await bus.connect("bench", self.url, credentials=self.credentials())
+
+    async def wait_ready(self, timeout: float = 300.0) -> float:
+        """Declare Muster's streams and buckets (as `muster admin init` does), then wait until
+        every sim node is registered; seconds taken."""
+        start = time.monotonic()
+        nc = await self.connect()
+        try:
+            await bus.ensure_jetstream(nc)
+            js = nc.jetstream()
+            while True:
+                self.check()
+                with contextlib.suppress(Exception):
+                    kv = await js.key_value(subjects.NODES_BUCKET)
+                    if (await kv.status()).values >= self.nodes:
+                        return time.monotonic() - start
+                if time.monotonic() - start > timeout:
+                    raise TimeoutError(f"{self.nodes} sim nodes not all registered in {timeout:g}s")
+                await asyncio.sleep(0.5)
+        finally:
+            await nc.close()
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.server is not None:
+            self.server.stop()

@@ -1,0 +1,66 @@
+"""Idle cost: CPU of each service while N simulated nodes beat and nothing else happens.
+
+    python -m bench.idle [--nodes 1000,10000] [--settle 15] [--window 30]
+
+For each size: a fresh mesh (`bench.cluster`: nats-server with authentication, each service its
+own process, one process of N sim nodes), wait until every node is registered, let it settle
+(`--settle` seconds: start-up work done), then CPU per process over `--window` seconds, as a
+percentage of one core. The sim process (all N nodes' heartbeats, ~250 node writes a second
+spread over the heartbeat period) and nats-server are the load and the floor beside the services:
+a service can cost no less than reading what they write. Prints a table, then one JSON line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.cluster import Mesh
+
+
+async def measure(nodes: int, settle: float, window: float, workdir: Path) -> dict[str, Any]:
+    with Mesh(workdir, nodes) as mesh:
+        ready_s = await mesh.wait_ready()
+        await asyncio.sleep(settle)
+        mesh.check()
+        before, t0 = mesh.cpu(), time.monotonic()
+        await asyncio.sleep(window)
+        mesh.check()
+        after, elapsed = mesh.cpu(), time.monotonic() - t0
+        percent = {name: round(100 * (after[name] - before[name]) / elapsed, 2) for name in after}
+        return {
+            "nodes": nodes,
+            "ready_s": round(ready_s, 1),
+            "window_s": round(elapsed, 1),
+            "cpu_percent": percent,
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", default="1000,10000", help="comma-separated sizes")
+    p.add_argument("--settle", type=float, default=15.0, help="seconds after registration before measuring")
+    p.add_argument("--window", type=float, default=30.0, help="seconds measured")
+    p.add_argument("--workdir", type=Path, default=None, help="keep logs and data here (default: a temp dir)")
+    args = p.parse_args(argv)
+    sizes = [int(s) for s in args.nodes.split(",") if s.strip()]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="muster-idle-") as tmp:
+        root = args.workdir or Path(tmp)
+        for n in sizes:
+            rows.append(asyncio.run(measure(n, args.settle, args.window, root / f"n{n}")))
+    names = list(rows[0]["cpu_percent"]) if rows else []
+    print("CPU, % of one core, idle (nodes registered, no jobs)")
+    print(f"{'process':>12} " + " ".join(f"{r['nodes']:>8} nodes" for r in rows))
+    for name in names:
+        print(f"{name:>12} " + " ".join(f"{r['cpu_percent'].get(name, 0):>13.1f}%" for r in rows))
+    print(json.dumps({"bench": "idle", "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
