@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import statistics
 import tempfile
@@ -99,24 +100,34 @@ class Tracker:
     def __init__(self) -> None:
         self.submitted: dict[str, float] = {}
         self.running: dict[str, float] = {}
+        self.accepted: dict[str, float] = {}  # the verdict arrived
+        self.placed: dict[str, float] = {}  # the scheduler's placed event arrived
         self.rejected: list[str] = []
         self.changed = asyncio.Event()
 
-    async def on_running(self, msg: Msg) -> None:
+    async def on_job_event(self, msg: Msg) -> None:
         at = time.perf_counter()
         try:
-            name = json.loads(msg.data)["job_name"]
+            event = json.loads(msg.data)
+            name, kind = event["job_name"], event["kind"]
         except (ValueError, KeyError, TypeError):
             return
-        if name in self.submitted and name not in self.running:
+        if name not in self.submitted:
+            return
+        if kind == "placed":
+            self.placed.setdefault(name, at)
+        elif kind == "running" and name not in self.running:
             self.running[name] = at
             self.changed.set()
 
     async def on_verdict(self, msg: Msg) -> None:
+        at = time.perf_counter()
         try:
             verdict = json.loads(msg.data)
         except ValueError:
             return
+        if verdict.get("job_name"):
+            self.accepted.setdefault(verdict["job_name"], at)
         if not verdict.get("accepted"):
             self.rejected.append(json.dumps(verdict.get("errors"))[:300])
 
@@ -163,6 +174,14 @@ async def offer(
             await asyncio.wait_for(tracker.changed.wait(), max(0.01, deadline - time.perf_counter()))
     latencies = [(tracker.running[n] - tracker.submitted[n]) * 1000 for n in names if n in tracker.running]
     ran = [tracker.running[n] for n in names if n in tracker.running]
+    # Where the time went: submit -> verdict (validator), -> placed event (scheduler), -> running
+    # event (agent started it and reported; supervisor recorded it).
+    stages: dict[str, list[float]] = {"verdict": [], "placed": [], "running": []}
+    for n in names:
+        marks = [tracker.submitted[n], tracker.accepted.get(n), tracker.placed.get(n), tracker.running.get(n)]
+        if None not in marks:
+            for stage, (a, b) in zip(stages, itertools.pairwise(marks), strict=True):
+                stages[stage].append((b - a) * 1000)  # type: ignore[operator]
     span = (max(ran) - start) if ran else 0.0
     return {
         "offered_per_s": rate,
@@ -178,6 +197,9 @@ async def offer(
             "max": pct(latencies, 1.0),
             "mean": round(statistics.fmean(latencies), 1) if latencies else None,
         },
+        "stage_ms": {
+            k: {"p50": pct(v, 0.5), "p99": pct(v, 0.99), "max": pct(v, 1.0)} for k, v in stages.items()
+        },
     }
 
 
@@ -187,7 +209,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         nc = await mesh.connect()
         try:
             tracker = Tracker()
-            await nc.subscribe(subjects.job_event("*", "running"), cb=tracker.on_running)
+            await nc.subscribe(subjects.job_event("*", "running"), cb=tracker.on_job_event)
+            await nc.subscribe(subjects.job_event("*", "placed"), cb=tracker.on_job_event)
             await nc.subscribe(subjects.verdict(BENCH_USER, "*"), cb=tracker.on_verdict)
             the_floor = await floor(nc, len(job("x" * 16, args.task_seconds)))
             rows = []
@@ -241,6 +264,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['offered_per_s']:>9g} {r['submitted']:>6} {r['running']:>7} {r['missing']:>7} "
             f"{r['sustained_per_s']:>11} {lat['p50']:>8} {lat['p99']:>8} {lat['max']:>8}  "
             + ", ".join(f"{k} {v:g}" for k, v in busiest)
+        )
+    print(
+        "stages, p50/p99/max ms: submit→verdict (validator), →placed (scheduler), →running (agent+supervisor)"
+    )
+    for r in report["rows"]:
+        st = r["stage_ms"]
+        print(
+            f"{r['offered_per_s']:>9g}  "
+            + "   ".join(f"{k} {v['p50']}/{v['p99']}/{v['max']}" for k, v in st.items())
         )
     if report["rejected"]:
         print("rejected (first):", *report["rejected"], sep="\n  ")

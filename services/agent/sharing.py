@@ -65,8 +65,13 @@ class Specs:
                 read.cancel()
 
     async def _read(self, job_id: str, attempt: int) -> ClusterSpec:
+        """Subscribe, then read the stored spec; wait on the subscription between reads. The
+        server hands a published message to subscribers before the stream has stored it, so a
+        spec published just as we subscribe can be missed by both: the reads come soon at first
+        (50 ms, doubling to 5 s), not a whole wait later."""
         subject = subjects.cluster_spec(job_id, attempt)
         sub = await self.nc.subscribe(subject)
+        wait = 0.05
         try:
             while True:
                 try:
@@ -77,7 +82,8 @@ class Specs:
                 except Exception:
                     await asyncio.sleep(0.5)
                 with contextlib.suppress(nats.errors.TimeoutError):
-                    return ClusterSpec.from_bytes((await sub.next_msg(timeout=5)).data)
+                    return ClusterSpec.from_bytes((await sub.next_msg(timeout=wait)).data)
+                wait = min(wait * 2, 5.0)
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
