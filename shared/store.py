@@ -29,11 +29,34 @@ _named: set[tuple[str, str, str]] = set()  # (bucket, key, why) already logged: 
 
 
 class Store(Generic[M]):
-    def __init__(self, kv: KeyValue, model: type[M], check: Callable[[str, M], str | None] | None = None):
+    def __init__(
+        self,
+        kv: KeyValue,
+        model: type[M],
+        check: Callable[[str, M], str | None] | None = None,
+        cache: bool = False,
+    ):
         """`check(key, record)`: why a record that decodes may still not be believed (a node
-        record from the future), or None; such records are skipped like undecodable ones."""
+        record from the future), or None; such records are skipped like undecodable ones.
+
+        `cache`: keep the latest (revision, bytes) of each key that `mirror` and this store's
+        own writes saw, so that `update` can write on a known revision without reading first
+        (half the round trips of a read-modify-write). A stale copy costs nothing but the read
+        it would have saved: the write is conditional on its revision."""
         self.kv, self.model, self.check = kv, model, check
         self.bucket = kv._name
+        self._latest: dict[str, tuple[int, bytes]] | None = {} if cache else None
+
+    def _saw(self, key: str, revision: int, data: bytes | None) -> None:
+        if self._latest is None:
+            return
+        known = self._latest.get(key)
+        if known is not None and known[0] >= revision:
+            return
+        if data is None:
+            self._latest.pop(key, None)
+        else:
+            self._latest[key] = (revision, data)
 
     def decode(self, key: str, data: bytes | None) -> M | None:
         """The record, or None (counted and named once) when it does not decode or check."""
@@ -63,8 +86,9 @@ class Store(Generic[M]):
 
     async def create(self, key: str, record: M) -> bool:
         """Write `record` only if `key` has none; whether it was written."""
+        data = record.to_bytes()
         try:
-            await self.kv.create(key, record.to_bytes())
+            self._saw(key, await self.kv.create(key, data), data)
             return True
         except KeyWrongLastSequenceError:
             return False
@@ -72,26 +96,39 @@ class Store(Generic[M]):
     async def update(self, key: str, change: Callable[[M], M | None]) -> M | None:
         """Read-modify-write with the revision read, retried until no other writer got in
         between. `change` returns the new record, or None to leave it as it is. Returns the
-        record written, or None (nothing written: no record, a bad one, or no change)."""
+        record written, or None (nothing written: no record, a bad one, or no change).
+
+        With `cache`, the first try is on the cached copy; only a write proves it current, so
+        when it says "no change" (or does not decode) the stored record decides."""
+        cached = self._latest.get(key) if self._latest is not None else None
         while True:
-            try:
-                entry = await self.kv.get(key)
-            except KeyNotFoundError:
-                return None
-            current = self.decode(key, entry.value)
-            if current is None:
-                return None
-            updated = change(current)
+            fresh = cached is None
+            if cached is not None:
+                (revision, data), cached = cached, None
+            else:
+                try:
+                    entry = await self.kv.get(key)
+                except KeyNotFoundError:
+                    return None
+                revision, data = entry.revision, entry.value
+            current = self.decode(key, data)
+            updated = change(current) if current is not None else None
             if updated is None:
-                return None
+                if fresh:
+                    return None
+                continue
+            new = updated.to_bytes()
             try:
-                await self.kv.update(key, updated.to_bytes(), last=entry.revision)
-                return updated
+                written = await self.kv.update(key, new, last=revision)
             except KeyWrongLastSequenceError:
                 continue
+            self._saw(key, written, new)
+            return updated
 
     async def delete(self, key: str) -> None:
         await self.kv.purge(key)
+        if self._latest is not None:
+            self._latest.pop(key, None)
 
     async def keys(self) -> list[str]:
         try:
@@ -127,6 +164,7 @@ class Store(Generic[M]):
                     record = None
                     if entry.operation not in ("DEL", "PURGE"):
                         record = self.decode(entry.key, entry.value)
+                    self._saw(entry.key, entry.revision, entry.value if record is not None else None)
                     if record is None:
                         into.pop(entry.key, None)
                     else:

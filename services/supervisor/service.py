@@ -77,8 +77,9 @@ class Supervisor:
             platform=int(os.environ.get("MUSTER_PLATFORM_RETRIES", "10")),
             backoff=float(os.environ.get("MUSTER_RETRY_BACKOFF", "1")),
         )
-        self.jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord)
-        self.attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
+        # Jobs and attempts are mirrored below anyway: their writes start from the mirrored revision.
+        self.jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord, cache=True)
+        self.attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord, cache=True)
         self.nodes = Store(buckets[subjects.NODES_BUCKET], NodeInfo, check=node_refusal)
         self.names = buckets[subjects.JOB_NAMES_BUCKET]
         self.secrets = buckets[subjects.SECRETS_BUCKET]
@@ -145,12 +146,14 @@ class Supervisor:
 
     async def on_task_event(self, sent: bus.Sent[TaskEvent]) -> None:
         ev = sent.message
-        job = await self.jobs.get(ev.job_id)
+        # Read for what never changes (the job's config; where the attempt's tasks were placed):
+        # the mirrored copy serves, the stored record only when the mirror has none yet.
+        job = self.view_jobs.get(ev.job_id) or await self.jobs.get(ev.job_id)
         if job is None:
             log.warning("supervisor.unknown_job", job_id=ev.job_id)
             return
         key = attempt_key(ev.job_id, ev.attempt)
-        known = await self.attempts.get(key)
+        known = self.view_attempts.get(key) or await self.attempts.get(key)
         why = "no such attempt" if known is None else policy.event_refusal(ev, sent.subject, sent.by, known)
         if why is not None:
             bus.REFUSED.labels("task_event").inc()

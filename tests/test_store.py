@@ -1,0 +1,72 @@
+"""shared.store: read-modify-write on a real KV bucket, with and without the revision cache."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from shared import bus, subjects
+from shared.messages import AttemptRecord, TaskStatus
+from shared.store import Store
+
+
+def record(n: int) -> AttemptRecord:
+    return AttemptRecord(
+        job_id="j1", attempt=n, tasks=[TaskStatus(role="w", role_no=0, index=0, node="n1", gpus=[0])]
+    )
+
+
+def counting(store: Store[AttemptRecord]) -> list[str]:
+    reads: list[str] = []
+    real = store.kv.get
+
+    async def get(key: str, *args: object, **kwargs: object) -> object:
+        reads.append(key)
+        return await real(key, *args, **kwargs)
+
+    store.kv.get = get  # type: ignore[method-assign]
+    return reads
+
+
+def bump(r: AttemptRecord) -> AttemptRecord:
+    return r.model_copy(update={"attempt": r.attempt + 1})
+
+
+async def test_a_cached_store_writes_on_the_mirrored_revision_and_stays_right_when_it_is_stale(nats_url):
+    nc = await bus.connect("test", nats_url)
+    try:
+        js, buckets = await bus.ensure_jetstream(nc)
+        cached = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord, cache=True)
+        # Another replica, writing behind the cache's back (its own handle: its reads are not counted).
+        other = Store(await js.key_value(subjects.ATTEMPTS_BUCKET), AttemptRecord)
+        view: dict[str, AttemptRecord] = {}
+        synced = asyncio.Event()
+        mirror = asyncio.create_task(cached.mirror(view, synced))
+        await asyncio.wait_for(synced.wait(), 10)
+        reads = counting(cached)
+
+        assert await cached.create("k", record(1))
+        assert (await cached.update("k", bump)).attempt == 2 and reads == []  # its own write: no read
+        for _ in range(100):  # the mirror catches up
+            if view.get("k") == record(2):
+                break
+            await asyncio.sleep(0.05)
+        assert (await cached.update("k", bump)).attempt == 3 and reads == []  # the mirror's revision
+
+        mirror.cancel()  # from now on the cache only goes stale
+        with contextlib.suppress(asyncio.CancelledError):
+            await mirror
+        assert (await other.update("k", bump)).attempt == 4
+        # Stale: the conditional write fails, the stored record is read, nothing is lost.
+        assert (await cached.update("k", bump)).attempt == 5 and reads == ["k"]
+        assert (await other.get("k")).attempt == 5
+
+        # A stale copy that says "nothing to do" is not believed: the stored record decides.
+        assert (await other.update("k", bump)).attempt == 6
+        only_at_6 = lambda r: bump(r) if r.attempt == 6 else None  # noqa: E731
+        assert (await cached.update("k", only_at_6)).attempt == 7
+        assert (await other.get("k")).attempt == 7
+        # And a real "nothing to do" on the stored record writes nothing.
+        assert await cached.update("k", lambda r: None) is None and (await other.get("k")).attempt == 7
+    finally:
+        await nc.close()
