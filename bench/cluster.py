@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,6 +54,11 @@ class Mesh:
         self.keys = auth.AuthDir(workdir / "auth")
         self.server: NatsServer | None = None
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        # The sim nodes stand in for agents on other machines: their per-task files (orders, task
+        # dirs, outbox) go to memory when it can, not to this machine's disk beside the services.
+        shm = Path("/dev/shm")
+        base = shm if shm.is_dir() and os.access(shm, os.W_OK) else workdir
+        self.scratch = Path(tempfile.mkdtemp(prefix="muster-bench-sim-", dir=base))
 
     @property
     def url(self) -> str:
@@ -108,7 +115,7 @@ class Mesh:
             f"--gpus={self.gpus}",
             f"--cpus={self.cpus}",
             f"--memory-mb={self.memory_mb}",
-            f"--work-root={self.workdir / 'work'}",
+            f"--work-root={self.scratch}",
         )
 
     def check(self) -> None:
@@ -165,3 +172,4 @@ class Mesh:
                 proc.wait()
         if self.server is not None:
             self.server.stop()
+        shutil.rmtree(self.scratch, ignore_errors=True)

@@ -59,10 +59,13 @@ class Assignments:
         return self.root / f"{attempt_key(job_id, attempt)}.json"
 
     def save(self, a: Assignment) -> None:
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = self.path(a.job_id, a.attempt)
         tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        except FileNotFoundError:  # the first order (or the directory was removed): make it
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(a.to_bytes())
         tmp.replace(path)
