@@ -215,12 +215,18 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             the_floor = await floor(nc, len(job("x" * 16, args.task_seconds)))
             rows = []
             for n, rate in enumerate(args.rates):
-                cpu0, t0 = mesh.cpu(), time.monotonic()
+                cpu0, msgs0, t0 = mesh.cpu(), mesh.messages(), time.monotonic()
                 row = await offer(
                     nc, tracker, rate, args.seconds, args.task_seconds, args.drain, f"r{n}-{int(rate)}"
                 )
-                cpu1, elapsed = mesh.cpu(), time.monotonic() - t0
+                cpu1, msgs1, elapsed = mesh.cpu(), mesh.messages(), time.monotonic() - t0
                 row["cpu_percent"] = {k: round(100 * (cpu1[k] - cpu0[k]) / elapsed, 1) for k in cpu1}
+                # Messages in and out of each client per job (the bench's own connection included):
+                # what the bus has to carry for one job, the floor's unit.
+                ran = max(row["running"], 1)
+                row["messages_per_job"] = {
+                    k: round((msgs1[k] - msgs0.get(k, 0)) / ran, 1) for k in sorted(msgs1) if k != "bench"
+                }
                 mesh.check()
                 rows.append(row)
                 await asyncio.sleep(args.task_seconds + 2)  # let the last jobs end before the next rate

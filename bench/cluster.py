@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -17,13 +18,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from nats.aio.client import Client as NATS
 
 from services.agent import sim
 from shared import auth, bus, subjects
-from shared.natsserver import NatsServer
+from shared.natsserver import NatsServer, free_port
 
 SERVICES = ("validator", "scheduler", "registry", "supervisor", "gateway")
 BENCH_USER = "bench"  # an admin identity: it submits, and makes the floor's scratch stream
@@ -103,7 +105,9 @@ class Mesh:
         self.keys.ensure_services()
         self.keys.ensure(auth.SIM_IDENTITY, "sim")
         self.keys.ensure(BENCH_USER, "admin")
-        self.server = NatsServer(self.workdir / "nats", auth_config=self.keys.server_config).start()
+        self.server = NatsServer(
+            self.workdir / "nats", auth_config=self.keys.server_config, monitor_port=free_port()
+        ).start()
         for name in SERVICES:
             self._spawn(name, name, f"services.{name}")
         self._spawn(
@@ -134,6 +138,19 @@ class Mesh:
         for name, pid in pids.items():
             with contextlib.suppress(OSError):
                 out[name] = cpu_seconds(pid)
+        return out
+
+    def messages(self) -> dict[str, int]:
+        """Messages each client has sent and received so far, by connection name (the server's
+        /connz: requests, replies, acks and publishes alike), summed over a name's connections."""
+        assert self.server is not None and self.server.monitor_port
+        url = f"http://{self.server.host}:{self.server.monitor_port}/connz?limit=100000"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            connz = json.load(reply)
+        out: dict[str, int] = {}
+        for c in connz.get("connections", []):
+            name = c.get("name") or "?"
+            out[name] = out.get(name, 0) + c.get("in_msgs", 0) + c.get("out_msgs", 0)
         return out
 
     async def connect(self) -> NATS:

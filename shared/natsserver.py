@@ -61,12 +61,15 @@ class NatsServer:
         log_file: str | Path | None = None,
         auth_config: str | Path | None = None,
         tls: dict[str, str] | None = None,
+        monitor_port: int | None = None,
     ):
         """`auth_config`: a file with the server's `authorization` block (see shared/auth.py),
         included so that `reload()` picks up changes to it; `tls`: cert_file, key_file and
-        optionally ca_file (then clients must present certificates signed by it)."""
+        optionally ca_file (then clients must present certificates signed by it); `monitor_port`:
+        serve nats-server's monitoring endpoints (/varz, /connz) there, on the same host."""
         self.auth_config = Path(auth_config).resolve() if auth_config else None
         self.tls = tls
+        self.monitor_port = monitor_port
         self.data_dir = Path(data_dir)
         self.host = host
         self.port = port or free_port()
@@ -91,6 +94,8 @@ class NatsServer:
         if self.auth_config:
             # nats-server resolves an include relative to the including file
             text += f'include "{os.path.relpath(self.auth_config, self.data_dir)}"\n'
+        if self.monitor_port:
+            text += f'http: "{self.host}:{self.monitor_port}"\n'
         if self.tls:
             text += "tls " + json.dumps({**self.tls, "verify": "ca_file" in self.tls}) + "\n"
         config.write_text(text)
