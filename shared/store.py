@@ -101,6 +101,8 @@ class Store(Generic[M]):
         With `cache`, the first try is on the cached copy; only a write proves it current, so
         when it says "no change" (or does not decode) the stored record decides."""
         cached = self._latest.get(key) if self._latest is not None else None
+        revision: int | None
+        data: bytes | None
         while True:
             fresh = cached is None
             if cached is not None:
