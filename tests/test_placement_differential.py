@@ -145,6 +145,7 @@ def test_a_cluster_kept_up_to_date_plans_like_a_fresh_one(
         result = cluster.plan(queue, capacity)
         fresh = new.plan(list(cluster.nodes.values()), queue)
         same(result, fresh)
+        same(cluster.plan(queue, capacity), fresh)  # again, on the capacity's lent empty nodes
         for j in queue:
             if j.job_id in result.placements:
                 cluster.allocate(j.config, result.placements[j.job_id])

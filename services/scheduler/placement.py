@@ -369,13 +369,14 @@ def _reserve(groups: Groups, live: Cluster, empty: list[NodeState]) -> dict[str,
     """Where the head would go once enough frees up: packed on empty nodes, nearest-to-free first.
     A pass over every node, but only for the head, once per plan."""
     stmt = _Statement()
-    _, failed = _place_gang(groups, empty, {}, _closest_to_free(live.nodes), stmt)
-    if failed is not None:  # the spread-out packing failed; the best-fit one is known to succeed
-        stmt.discard()
-        _place_gang(groups, empty, {}, _best_fit, stmt)
-    claims = stmt.claims()
-    stmt.discard()
-    return claims
+    try:
+        _, failed = _place_gang(groups, empty, {}, _closest_to_free(live.nodes), stmt)
+        if failed is not None:  # the spread-out packing failed; the best-fit one is known to succeed
+            stmt.discard()
+            _place_gang(groups, empty, {}, _best_fit, stmt)
+        return stmt.claims()
+    finally:
+        stmt.discard()  # the empty nodes are lent (Capacity.empty_nodes): left empty again
 
 
 # ------------------------------------------------------------------ reasons
@@ -854,19 +855,30 @@ class Capacity:
     def __init__(self, nodes: Iterable[NodeState] = ()) -> None:
         self.cluster = Cluster(n.copy(empty=True) for n in nodes)
         self._answers: dict[Hashable, str | None] = {}
+        self._empty: dict[frozenset[str], list[NodeState]] = {}
 
     def add(self, node: NodeState) -> None:
         self.cluster.add(node.copy(empty=True))
         self._answers.clear()
+        self._empty.clear()
 
     def remove(self, name: str) -> None:
         if name in self.cluster.nodes:
             self.cluster.remove(name)
             self._answers.clear()
+            self._empty.clear()
 
     def empty_nodes(self, avoid: Set[str]) -> list[NodeState]:
-        """Empty copies of the schedulable nodes, to plan a reservation on."""
-        return [n.copy(empty=True) for name, n in self.cluster.nodes.items() if name not in avoid]
+        """Empty copies of the schedulable nodes, to plan a reservation on: made once per set of
+        avoided nodes (until a node joins or leaves) and lent, so whoever plans on them must
+        leave them empty again (`_reserve` does)."""
+        key = frozenset(avoid)
+        if key not in self._empty:
+            if len(self._empty) > 16:
+                self._empty.clear()
+            nodes = self.cluster.nodes.items()
+            self._empty[key] = [n.copy(empty=True) for name, n in nodes if name not in avoid]
+        return self._empty[key]
 
     def never(self, config: JobConfig, groups: Groups, avoid: Set[str] = frozenset()) -> str | None:
         """Why the job can never run on the current schedulable nodes; None if it can."""
