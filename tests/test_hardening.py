@@ -20,7 +20,8 @@ import docker
 import pytest
 import structlog
 
-from services.agent.config import add_agent_arguments, check_task_settings, make_runtime
+from services.agent.args import add_agent_arguments
+from services.agent.config import check_task_settings, make_runtime
 from services.agent.docker_runtime import TASK_CAPS, DockerRuntime, parse_caps
 from services.agent.launch import Where, build_launch, image_registry, read_auth_file
 from services.agent.runtime import LaunchError, TaskLaunch

@@ -5,9 +5,9 @@ import structlog
 from nats.aio.client import Client as NATS
 
 from services.agent import sim
+from services.agent.args import add_agent_arguments
 from services.agent.config import (
     WithHealth,
-    add_agent_arguments,
     clear_port_file,
     make_runtime,
     metrics_ports,

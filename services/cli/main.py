@@ -26,7 +26,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
 
-from services.agent.config import add_agent_arguments
+from services.agent.args import add_agent_arguments
 from shared import auth, bus, client, logs, subjects
 from shared.jobconfig import FieldError, check_job
 from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
