@@ -1,7 +1,8 @@
 """A Muster cluster for benchmarks: an authenticated nats-server, each service as its own process
 (as compose runs them, one identity each) and one process of simulated nodes (the sim runtime:
-tasks "run" `extras.sim.seconds` and exit, nothing is started). Used by `bench.bus` and
-`bench.idle`; logs and data stay in the work directory for a look after a run.
+tasks "run" `extras.sim.seconds` and exit, nothing is started), or one real agent on the Docker
+runtime. Used by `bench.bus`, `bench.idle` and `bench.launch`; logs and data stay in the work
+directory for a look after a run.
 
 CPU per process is read from /proc (utime + stime), so a figure is what that process burned,
 whatever else runs on the machine."""
@@ -28,6 +29,7 @@ from shared import auth, bus, subjects
 from shared.natsserver import NatsServer, free_port
 
 SERVICES = ("validator", "scheduler", "registry", "supervisor", "gateway")
+DOCKER_NODE = "bench-docker"  # the one real agent of a `docker=True` mesh
 BENCH_USER = "bench"  # an admin identity: it submits, and makes the floor's scratch stream
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -39,7 +41,8 @@ def cpu_seconds(pid: int) -> float:
 
 
 class Mesh:
-    """`with Mesh(workdir, nodes=1000) as mesh:` — started, then everything killed on exit."""
+    """`with Mesh(workdir, nodes=1000) as mesh:` — started, then everything killed on exit.
+    `docker=True`: one real agent (node `DOCKER_NODE`, Docker runtime) instead of the sim nodes."""
 
     def __init__(
         self,
@@ -49,8 +52,9 @@ class Mesh:
         cpus: int = 64,
         memory_mb: int = 262144,
         env: dict[str, str] | None = None,
+        docker: bool = False,
     ) -> None:
-        self.workdir, self.nodes = workdir, nodes
+        self.workdir, self.nodes, self.docker = workdir, 1 if docker else nodes, docker
         self.gpus, self.cpus, self.memory_mb = gpus, cpus, memory_mb
         self.extra_env = env or {}
         self.keys = auth.AuthDir(workdir / "auth")
@@ -89,7 +93,7 @@ class Mesh:
             "MUSTER_CREDENTIALS": str(self.keys.creds(identity)),
             "MUSTER_DATA_DIR": str(self.workdir / "data"),
             "MUSTER_NODE_TIMEOUT": str(sim.node_timeout_for(beat)),
-            "MUSTER_LOG_LEVEL": "warning",
+            "MUSTER_LOG_LEVEL": os.environ.get("MUSTER_LOG_LEVEL", "warning"),
             "PYTHONUNBUFFERED": "1",
             **self.extra_env,
         }
@@ -103,16 +107,33 @@ class Mesh:
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.keys.ensure_services()
-        self.keys.ensure(auth.SIM_IDENTITY, "sim")
         self.keys.ensure(BENCH_USER, "admin")
+        agent = auth.agent_name(DOCKER_NODE) if self.docker else auth.SIM_IDENTITY
+        if self.docker:
+            self.keys.ensure(agent, "agent", DOCKER_NODE)
+        else:
+            self.keys.ensure(agent, "sim")
         self.server = NatsServer(
             self.workdir / "nats", auth_config=self.keys.server_config, monitor_port=free_port()
         ).start()
         for name in SERVICES:
             self._spawn(name, name, f"services.{name}")
+        if self.docker:
+            self._spawn(
+                "agent",
+                agent,
+                "services.agent",
+                "--runtime=docker",
+                f"--node={DOCKER_NODE}",
+                "--address=127.0.0.1",
+                f"--cpus={self.cpus}",
+                f"--memory-mb={self.memory_mb}",
+                f"--work-root={self.scratch}",
+            )
+            return
         self._spawn(
             "sim",
-            auth.SIM_IDENTITY,
+            agent,
             "services.agent",
             "--runtime=sim",
             f"--sim-nodes={self.nodes}",
@@ -158,7 +179,7 @@ class Mesh:
 
     async def wait_ready(self, timeout: float = 300.0) -> float:
         """Declare Muster's streams and buckets (as `muster admin init` does), then wait until
-        every sim node is registered; seconds taken."""
+        every node is registered; seconds taken."""
         start = time.monotonic()
         nc = await self.connect()
         try:
@@ -171,7 +192,7 @@ class Mesh:
                     if (await kv.status()).values >= self.nodes:
                         return time.monotonic() - start
                 if time.monotonic() - start > timeout:
-                    raise TimeoutError(f"{self.nodes} sim nodes not all registered in {timeout:g}s")
+                    raise TimeoutError(f"{self.nodes} nodes not all registered in {timeout:g}s")
                 await asyncio.sleep(0.5)
         finally:
             await nc.close()

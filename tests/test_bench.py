@@ -1,0 +1,110 @@
+"""Each benchmark at a small size, as a user runs it (`python -m bench.<name> ...`): it ends, prints
+its table and one JSON line, and what that line says holds. No figure is compared with a time
+(the machine may be loaded); the counts, the decisions and the memory bar are."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench(name: str, *args: str, timeout: float = 300) -> tuple[dict[str, Any], str]:
+    """Run `python -m bench.NAME ARGS`; its JSON line and the text before it."""
+    proc = subprocess.run(
+        [sys.executable, "-m", f"bench.{name}", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    *table, last = proc.stdout.strip().splitlines()
+    report = json.loads(last)
+    assert report["bench"] == name
+    return report, "\n".join(table)
+
+
+def test_decision_core_places_what_the_old_planner_placed():
+    report, table = bench("decision", "--quick")
+    rows = report["throughput"]
+    assert {(r["nodes"], r["tasks"], r["queue"]) for r in rows} == {
+        (n, t, q) for n in (100, 1000) for t in (1, 16, 64) for q in (1, 100)
+    }
+    for r in rows:
+        # 8 GPUs a node, one a task: as many jobs as fit, in order, up to the queue.
+        assert r["placed"] == min(r["queue"], r["nodes"] * 8 // r["tasks"]), r
+        # Compared with the planner before the index where that ends in seconds (the bench
+        # asserts both placed the same jobs on the same GPUs).
+        assert ("speedup" in r) == (r["nodes"] * r["queue"] * r["tasks"] <= 2_000_000), r
+    assert len(report["latency"]) == 6 and all(0 < r["p50_ms"] <= r["p99_ms"] for r in report["latency"])
+    assert "decision latency" in table
+
+
+def test_memory_per_queued_job_stays_under_a_kib_beyond_its_spec():
+    report, _ = bench("memory", "--jobs", "2000")
+    (row,) = report["rows"]
+    assert row["jobs"] == 2000
+    assert 0 < row["spec_bytes_per_job"] < row["view_bytes_per_job"]
+    assert row["beyond_spec_per_job"] <= 1024, row
+
+
+def test_through_the_bus_every_job_submitted_runs(tmp_path: Path):
+    report, table = bench(
+        "bus",
+        *("--nodes", "20", "--rates", "10", "--seconds", "2", "--task-seconds", "0.2", "--drain", "60"),
+        *("--workdir", str(tmp_path)),
+    )
+    (row,) = report["rows"]
+    assert report["floor"]["publish_ack_per_s"] > 0
+    assert row["submitted"] == 20 and row["running"] == 20 and row["missing"] == 0, (row, report["rejected"])
+    assert row["publish_failed"] == 0 and not report["rejected"]
+    lat = row["submit_to_running_ms"]
+    assert 0 < lat["p50"] <= lat["p99"] <= lat["max"]
+    assert set(row["cpu_percent"]) >= {
+        "validator",
+        "scheduler",
+        "registry",
+        "supervisor",
+        "sim",
+        "nats-server",
+    }
+    assert "sustained/s" in table
+
+
+def test_idle_cost_is_measured_for_every_process(tmp_path: Path):
+    report, _ = bench("idle", "--nodes", "30", "--settle", "1", "--window", "2", "--workdir", str(tmp_path))
+    (row,) = report["rows"]
+    assert row["nodes"] == 30 and row["window_s"] >= 2
+    assert set(row["cpu_percent"]) >= {
+        "validator",
+        "scheduler",
+        "registry",
+        "supervisor",
+        "sim",
+        "nats-server",
+    }
+    assert all(v >= 0 for v in row["cpu_percent"].values())
+    assert row["cpu_percent"]["sim"] > 0  # the nodes beat, and that costs something
+
+
+@pytest.mark.docker
+def test_launch_overhead_beside_bare_docker_run(base_image: str, tmp_path: Path):
+    report, table = bench(
+        "launch", "--rounds", "2", "--cli-rounds", "1", "--image", base_image, "--workdir", str(tmp_path)
+    )
+    for key in ("submit_to_running_ms", "docker_run_ms", "muster_submit_ms", "python_start_ms"):
+        figures = report[key]
+        assert 0 < figures["p50"] <= figures["max"], (key, figures)
+    assert report["overhead_p50_ms"] == round(
+        report["submit_to_running_ms"]["p50"] - report["docker_run_ms"]["p50"], 1
+    )
+    assert "overhead over bare docker run" in table
