@@ -7,19 +7,16 @@ Every service and the CLI connect through `connect()`; every JetStream resource 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import re
 import weakref
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import nats
 import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -37,11 +34,9 @@ from nats.js.errors import (
     ServiceUnavailableError,
 )
 from nats.js.kv import KeyValue
-from prometheus_client import Counter
 
 from shared import auth, subjects
 
-M = TypeVar("M")
 DEFAULT_URL = "nats://127.0.0.1:4222"
 LEASE_TTL = 4.0  # seconds a leader's lease lives without renewal
 LOGS_MAX_BYTES = int(os.environ.get("MUSTER_LOGS_MAX_BYTES", str(1 << 30)))
@@ -433,128 +428,3 @@ async def consume(
                 await handle(msg)
             except Exception:  # a handler that failed to ack or nak must not end the loop
                 logger.error("consumer.handler_failed", subject=msg.subject, exc_info=True)
-
-
-# ------------------------------------------------------------------ typed, concurrent handling
-
-REJECTED = Counter(
-    "muster_messages_rejected_total",
-    "Messages terminated without being handled: undecodable, or failing on every delivery",
-    ["consumer", "why"],
-)
-MAX_DELIVERIES = int(os.environ.get("MUSTER_MAX_DELIVERIES", "10"))
-REFUSED = Counter(
-    "muster_claims_refused_total",
-    "Messages that decoded but claimed what their sender may not: another node's task, another "
-    "user's job, an attempt that does not exist, a heartbeat from the future or beyond belief",
-    ["kind"],
-)
-
-
-class Handling(Generic[M]):
-    """How one consumer's messages are handled: decoded (a message that does not
-    decode is terminated at once, counted and logged — never redelivered), then `handle`d
-    concurrently up to `parallel` at a time, in order for messages of the same `key`, acked
-    when it returns. A handler that fails is retried after a delay, and given up on (terminated,
-    counted, logged) after MAX_DELIVERIES deliveries, so one bad message never stalls the rest."""
-
-    def __init__(
-        self,
-        consumer: str,
-        decode: Callable[[Msg], M],
-        handle: Callable[[M], Awaitable[None]],
-        logger: Any,
-        key: Callable[[M], str] | None = None,
-        parallel: int = 64,
-    ):
-        self.consumer, self.decode, self.handle, self.log, self.key = consumer, decode, handle, logger, key
-        self.slots = asyncio.Semaphore(parallel)
-        self.last: dict[str, asyncio.Task[None]] = {}  # per key, the newest message's handling
-        self.running: set[asyncio.Task[None]] = set()
-        self.rejected: dict[str, int] = {}
-
-    def _reject(self, msg: Msg, why: str, detail: str) -> None:
-        """Count a terminated message; log the 1st, 10th, 100th... of each kind, so a flood of
-        garbage cannot flood the log too."""
-        REJECTED.labels(self.consumer, why).inc()
-        n = self.rejected[why] = self.rejected.get(why, 0) + 1
-        if n & (n - 1) == 0 or n % 1000 == 0:  # powers of two, then every thousandth
-            self.log.warning(
-                "message.rejected",
-                consumer=self.consumer,
-                why=why,
-                subject=msg.subject,
-                error=detail,
-                count=n,
-            )
-
-    async def take(self, msg: Msg) -> None:
-        """Start handling one message; returns once a slot is free (back-pressure on fetch)."""
-        try:
-            decoded = self.decode(msg)
-        except Exception as exc:
-            self._reject(msg, "undecodable", str(exc)[:200])
-            with contextlib.suppress(Exception):
-                await msg.term()
-            return
-        await self.slots.acquire()
-        key = self.key(decoded) if self.key else None
-        before = self.last.get(key) if key is not None else None
-        task = asyncio.create_task(self._run(msg, decoded, before))
-        self.running.add(task)
-        task.add_done_callback(self.running.discard)
-        if key is not None:
-            self.last[key] = task
-            task.add_done_callback(lambda t: self.last.get(key) is t and self.last.pop(key))
-
-    async def _run(self, msg: Msg, decoded: M, before: asyncio.Task[None] | None) -> None:
-        try:
-            if before is not None:
-                await asyncio.wait([before])
-            await self.handle(decoded)
-            await msg.ack()
-        except Exception as exc:
-            delivered = msg.metadata.num_delivered or 1
-            if delivered >= MAX_DELIVERIES:
-                self._reject(msg, "handler_failed", f"{type(exc).__name__}: {exc}"[:200])
-                with contextlib.suppress(Exception):
-                    await msg.term()
-            else:
-                self.log.error("handler.failed", consumer=self.consumer, subject=msg.subject, exc_info=True)
-                with contextlib.suppress(Exception):
-                    await msg.nak(delay=min(30, delivered))
-        finally:
-            self.slots.release()
-
-    async def drain(self) -> None:
-        if self.running:
-            await asyncio.wait(list(self.running))
-
-
-def payload(model: Any) -> Callable[[Msg], Any]:
-    """A `Handling` decoder: the message's payload as `model` (a `Message`)."""
-    return lambda msg: model.from_bytes(msg.data)
-
-
-@dataclass(frozen=True)
-class Sent(Generic[M]):
-    """A message with who sent it: its subject's last token, which the server's permissions let
-    an authenticated identity set only to its own name (a node, a user, or PLATFORM)."""
-
-    by: str
-    subject: str
-    message: M
-
-
-def sent(model: Any) -> Callable[[Msg], Sent[Any]]:
-    """A `Handling` decoder: the payload as `model`, with its sender."""
-    return lambda msg: Sent(subjects.sender(msg.subject), msg.subject, model.from_bytes(msg.data))
-
-
-async def serve(sub: Any, handling: Handling[Any], stop: asyncio.Event, batch: int = 64) -> None:
-    """`consume` with typed, concurrent handling (see `Handling`); waits for the handlers in
-    flight before returning."""
-    try:
-        await consume(sub, handling.take, stop, handling.log, batch)
-    finally:
-        await handling.drain()

@@ -14,10 +14,6 @@ import json
 import re
 from typing import Any
 
-import yaml
-from yaml.composer import ComposerError
-from yaml.error import Mark
-
 MAX_CONFIG_BYTES = 1024 * 1024
 MAX_YAML_ALIASES = 100
 
@@ -129,88 +125,10 @@ def _path_of(root: Any, target: Any) -> str:
     return ""
 
 
-class _BoundedLoader(yaml.SafeLoader):
-    """PyYAML's safe loader with limits checked as each node is composed (PyYAML's own hooks):
-    aliases are counted, a node's size once every alias in it is expanded is worked out from
-    its children's (about its JSON length), and keys written twice are refused."""
-
-    def __init__(self, stream: str):
-        super().__init__(stream)
-        self.aliases = 0
-        self.sizes: dict[int, int] = {}  # id(node) -> expanded size, set once the node is complete
-        self.path: list[str] = []
-
-    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
-        # types-PyYAML leaves Parser.peek_event unannotated; it returns the next event.
-        event: yaml.Event = self.peek_event()  # type: ignore[no-untyped-call]
-        if parent is not None and index is not None:  # a list item, or a mapping's value
-            key = index.value if isinstance(index, yaml.ScalarNode) else "?"
-            self.path.append(f"[{index}]" if isinstance(index, int) else f".{key}")
-        try:
-            node = super().compose_node(parent, index)
-            # Composer.compose_node always returns a node; the stubs type it `Node | None`.
-            assert node is not None
-        finally:
-            if parent is not None and index is not None:
-                self.path.pop()
-        if isinstance(event, yaml.AliasEvent):
-            self.aliases += 1
-            if self.aliases > MAX_YAML_ALIASES:
-                raise ComposerError(None, None, f"more than {MAX_YAML_ALIASES} aliases", _mark(event))
-            if id(node) not in self.sizes:
-                raise ComposerError(
-                    None, None, "an alias inside the node it refers to (recursive)", _mark(event)
-                )
-            return node
-        size = _expanded_size(node, self.sizes)
-        if size > MAX_CONFIG_BYTES:
-            raise ComposerError(
-                None,
-                None,
-                f"aliases expand the config past {MAX_CONFIG_BYTES} bytes (1 MiB)",
-                _mark(event),
-            )
-        self.sizes[id(node)] = size
-        return node
-
-    # types-PyYAML types `anchor` as dict[Any, Node]; PyYAML passes the anchor's name (str | None).
-    def compose_mapping_node(self, anchor: str | None) -> yaml.MappingNode:  # type: ignore[override]
-        node = super().compose_mapping_node(anchor)  # type: ignore[arg-type]
-        seen: set[tuple[str, str]] = set()
-        for key, _ in node.value:
-            if isinstance(key, yaml.ScalarNode):
-                if (key.tag, key.value) in seen:
-                    where = "".join(self.path).lstrip(".")
-                    raise ComposerError(
-                        None,
-                        None,
-                        f"duplicate key {key.value!r}" + (f" in {where}" if where else ""),
-                        key.start_mark,
-                    )
-                seen.add((key.tag, key.value))
-        return node
-
-
-def _mark(event: yaml.Event) -> Mark | None:
-    """The event's start mark. SafeLoader's pure-Python parser makes only yaml.error.Mark; the
-    stubs also allow libyaml's Mark, which ComposerError's stubs do not take."""
-    mark = event.start_mark
-    return mark if isinstance(mark, Mark) else None
-
-
-def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
-    if isinstance(node, yaml.ScalarNode):
-        return len(node.value) + 2
-    if isinstance(node, yaml.SequenceNode):
-        return 2 + sum(sizes[id(item)] + 1 for item in node.value)
-    return 2 + sum(sizes[id(k)] + sizes[id(v)] + 2 for k, v in node.value)
-
-
 def _yaml(text: str) -> Any:
+    from shared.yamlload import ConfigYAMLError, load  # PyYAML only for YAML: a JSON submit skips it
+
     try:
-        return yaml.load(text, Loader=_BoundedLoader)  # a SafeLoader: no Python tags
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigSyntaxError(f"invalid YAML{where}: {problem}") from None
+        return load(text)
+    except ConfigYAMLError as exc:
+        raise ConfigSyntaxError(str(exc)) from None

@@ -45,7 +45,7 @@ from services.agent.runtime import (
 )
 from services.agent.sharing import Shared
 from services.agent.tasks import NOT_STARTED, LocalTask, Tasks
-from shared import bus, hostpaths, subjects
+from shared import bus, consume, hostpaths, subjects
 from shared.messages import (
     Assignment,
     AttemptRecord,
@@ -145,7 +145,7 @@ class Agent:
         self.drained = False  # an operator drained the node: no new work until undone
         self.log = log.bind(node=options.node)
         # Orders of one attempt are handled in the order they came; other attempts' meanwhile.
-        self.handling = bus.Handling(
+        self.handling = consume.Handling(
             subjects.agent_consumer(options.node), _order, self._on_order, self.log, key=lambda o: o.key
         )
         self._last_beat = 0.0  # loop time of the last node record written

@@ -31,7 +31,6 @@ from shared import auth, bus, client, logs, subjects
 from shared.jobconfig import FieldError, check_job
 from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
 from shared.messages import AttemptRecord, DrainOrder, JobRecord, JobState, KillRequest, NodeInfo
-from shared.store import Store
 from shared.subjects import Headers
 
 if TYPE_CHECKING:
@@ -420,6 +419,8 @@ async def drain(args: argparse.Namespace) -> int:
             raise CliError("draining a node takes an admin identity")
         js = nc.jetstream(timeout=10)
         try:
+            from shared.store import Store  # only here: it brings the metrics library
+
             nodes = Store(await js.key_value(subjects.NODES_BUCKET), NodeInfo)
         except NotFoundError:
             raise CliError("no nodes yet") from None

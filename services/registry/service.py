@@ -17,7 +17,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
-from shared import bus, subjects
+from shared import bus, consume, subjects
 from shared.messages import AttemptRecord, EndpointReported, Rendezvous, attempt_key
 from shared.store import Store
 from shared.subjects import Headers
@@ -42,16 +42,16 @@ class Registry:
         sub = await bus.durable(
             self.js, subjects.ENDPOINTS, subjects.REGISTRY_CONSUMER, subjects.EVENTS_STREAM
         )
-        handling = bus.Handling(
+        handling = consume.Handling(
             subjects.REGISTRY_CONSUMER,
-            bus.sent(EndpointReported),
+            consume.sent(EndpointReported),
             self.on_endpoint,
             log,
             key=lambda r: attempt_key(r.message.job_id, r.message.attempt),
         )
-        await bus.serve(sub, handling, stop)
+        await consume.serve(sub, handling, stop)
 
-    async def on_endpoint(self, sent: bus.Sent[EndpointReported]) -> None:
+    async def on_endpoint(self, sent: consume.Sent[EndpointReported]) -> None:
         """Collect an endpoint only from the node its task was placed on, for an attempt that
         exists and has not ended: a spec is only ever published for a real gang."""
         report = sent.message
@@ -60,7 +60,7 @@ class Registry:
             "no such attempt" if attempt is None else endpoint_refusal(report, sent.subject, sent.by, attempt)
         )
         if why is not None:
-            bus.REFUSED.labels("endpoint").inc()
+            consume.REFUSED.labels("endpoint").inc()
             log.warning("registry.endpoint_refused", subject=sent.subject[:200], why=why)
             return
         assert attempt is not None

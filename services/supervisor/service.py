@@ -30,7 +30,7 @@ from prometheus_client import Counter
 
 from services.supervisor import policy
 from services.supervisor.policy import NextStep, RetryLimits
-from shared import bus, subjects
+from shared import bus, consume, subjects
 from shared.messages import (
     AttemptRecord,
     JobEvent,
@@ -113,16 +113,16 @@ class Supervisor:
         kills = await bus.durable(
             self.js, subjects.KILL, subjects.SUPERVISOR_KILL_CONSUMER, subjects.SUBMISSIONS_STREAM
         )
-        on_event = bus.Handling(
+        on_event = consume.Handling(
             subjects.SUPERVISOR_CONSUMER,
-            bus.sent(TaskEvent),
+            consume.sent(TaskEvent),
             self.on_task_event,
             log,
             key=lambda e: e.message.job_id,
         )
-        on_kill = bus.Handling(
+        on_kill = consume.Handling(
             subjects.SUPERVISOR_KILL_CONSUMER,
-            bus.sent(KillRequest),
+            consume.sent(KillRequest),
             self.on_kill,
             log,
             key=lambda r: r.message.job_id,
@@ -134,8 +134,8 @@ class Supervisor:
         ]
         try:
             await asyncio.gather(
-                bus.serve(events, on_event, stop),
-                bus.serve(kills, on_kill, stop, 16),
+                consume.serve(events, on_event, stop),
+                consume.serve(kills, on_kill, stop, 16),
                 self.watch(stop),
             )
         finally:
@@ -144,7 +144,7 @@ class Supervisor:
 
     # ------------------------------------------------------------ task events
 
-    async def on_task_event(self, sent: bus.Sent[TaskEvent]) -> None:
+    async def on_task_event(self, sent: consume.Sent[TaskEvent]) -> None:
         ev = sent.message
         # Read for what never changes (the job's config; where the attempt's tasks were placed):
         # the mirrored copy serves, the stored record only when the mirror has none yet.
@@ -156,7 +156,7 @@ class Supervisor:
         known = self.view_attempts.get(key) or await self.attempts.get(key)
         why = "no such attempt" if known is None else policy.event_refusal(ev, sent.subject, sent.by, known)
         if why is not None:
-            bus.REFUSED.labels("task_event").inc()
+            consume.REFUSED.labels("task_event").inc()
             log.warning("supervisor.event_refused", subject=sent.subject[:200], why=why)
             return
         at = now()
@@ -215,12 +215,12 @@ class Supervisor:
 
     # ------------------------------------------------------------ kill
 
-    async def on_kill(self, sent: bus.Sent[KillRequest]) -> None:
+    async def on_kill(self, sent: consume.Sent[KillRequest]) -> None:
         """A kill request is honoured only from the job's owner (its subject names who sent it;
         an admin sends as the owner). Another user's job is refused as if it did not exist."""
         job = await self.jobs.get(sent.message.job_id)
         if job is None or job.user != sent.by:
-            bus.REFUSED.labels("kill").inc()
+            consume.REFUSED.labels("kill").inc()
             log.warning("supervisor.kill_refused", job_id=sent.message.job_id[:64], by=sent.by[:64])
             return
         await self.kill_job(sent.message)
