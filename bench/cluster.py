@@ -26,7 +26,7 @@ from nats.aio.client import Client as NATS
 
 from services.agent import sim
 from shared import auth, bus, subjects
-from shared.natsserver import NatsServer, free_port
+from shared.natsserver import NatsServer, die_with_parent, free_port
 
 SERVICES = ("validator", "scheduler", "registry", "supervisor", "gateway")
 DOCKER_NODE = "bench-docker"  # the one real agent of a `docker=True` mesh
@@ -101,7 +101,11 @@ class Mesh:
     def _spawn(self, name: str, identity: str, *args: str) -> None:
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 (the child keeps it)
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", *args], env=self._env(identity), stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", *args],
+            env=self._env(identity),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,  # a bench killed by a timeout leaves no service behind
         )
 
     def start(self) -> None:

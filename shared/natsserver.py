@@ -43,7 +43,7 @@ def free_port(preferred: int | None = None, host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child: get SIGTERM when the process that started us dies, even by SIGKILL (Linux).
     The signal follows the starting *thread*, so start servers from the main thread."""
     with contextlib.suppress(Exception):
@@ -101,7 +101,7 @@ class NatsServer:
         config.write_text(text)
         log = open(self.log_file, "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
-            [binary(), "-c", str(config)], stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+            [binary(), "-c", str(config)], stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
         )
         log.close()
         deadline = time.monotonic() + timeout
