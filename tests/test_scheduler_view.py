@@ -100,6 +100,22 @@ def test_a_node_whose_heartbeat_stops_leaves_and_comes_back_with_its_tasks():
     assert used(v) == {"a": (2, {2})}
 
 
+def test_only_the_nodes_that_stopped_beating_leave_however_many_beats_came_before():
+    v = View(node_timeout=5)
+    for name in ("a", "b", "c"):
+        put_node(v, node(name))
+    for s in range(1, 20):  # a and b beat every second; c stopped at T0
+        at = T0 + timedelta(seconds=s)
+        put_node(v, node("a", at=at), at)
+        if s < 10:
+            put_node(v, node("b", at=at), at)
+        expired = v.expire(at)
+        assert expired == (s in (6, 15)), s  # c's last beat is 5 s old at 6, b's (9 s) at 15
+        assert "a" in v.cluster.nodes
+    assert set(v.cluster.nodes) == {"a"}
+    assert len(v._beats) <= 6  # what is left is a's beats within the timeout, not every one seen
+
+
 def test_tasks_hold_until_they_end_and_an_attempt_can_come_before_its_job():
     v = View(node_timeout=5)
     put_node(v, node("a"))

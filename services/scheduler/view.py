@@ -109,6 +109,9 @@ class View:
         self._queued: dict[str, tuple[datetime, str]] = {}  # job id -> its entry in _waiting
         self._policy: dict[str, tuple[Any, ...]] = {}  # waiting job -> what attempt_to_place reads
         self._due: list[tuple[datetime, str]] = []  # heap: (not_before, job id) of backoffs
+        # heap: (heartbeat_at, node) of every beat seen from a schedulable node; an entry older
+        # than the node's latest beat is stale and skipped when it comes out
+        self._beats: list[tuple[datetime, str]] = []
 
     # -------------------------------------------------------- nodes
 
@@ -124,6 +127,7 @@ class View:
         info = self.nodes.get(name)
         if info is None or not self._schedulable(info, at):
             return self._drop(name)
+        heapq.heappush(self._beats, (info.heartbeat_at, name))
         shape = (info.cpus, info.memory_mb, tuple((d.index, d.model) for d in info.gpus))
         if self._shape.get(name) == shape:
             return False  # a heartbeat: nothing a plan reads has changed
@@ -158,11 +162,16 @@ class View:
         self.cluster.add(state)
 
     def expire(self, at: datetime) -> bool:
-        """Time passed: nodes whose heartbeat is now too old leave; backoffs that end wake a plan."""
+        """Time passed: nodes whose heartbeat is now too old leave; backoffs that end wake a plan.
+        Costs what has expired since the last call, not a pass over the nodes (it runs before
+        every cycle)."""
         changed = False
         cutoff = at - self.node_timeout
-        for name in [n for n in self._shape if self.nodes[n].heartbeat_at < cutoff]:
-            changed |= self._drop(name)
+        while self._beats and self._beats[0][0] < cutoff:
+            _, name = heapq.heappop(self._beats)
+            info = self.nodes.get(name)
+            if info is None or info.heartbeat_at < cutoff:  # else a newer beat is in the heap
+                changed |= self._drop(name)
         while self._due and self._due[0][0] <= at:
             _, job_id = heapq.heappop(self._due)
             changed |= job_id in self._queued
