@@ -211,7 +211,12 @@ def allocate(nodes: Mapping[str, NodeState], config: JobConfig, tasks: Iterable[
 
     All or nothing: raises ValueError, changing nothing, on an unknown node or GPU, a GPU count
     that differs from the role's, a GPU index already in use, or CPUs/memory beyond capacity."""
-    stmt = _Statement()
+    _allocate_all(_Statement(), nodes, config, tasks)
+
+
+def _allocate_all(
+    stmt: _Statement, nodes: Mapping[str, NodeState], config: JobConfig, tasks: Iterable[TaskSpec]
+) -> None:
     try:
         for task in tasks:
             role = _role_of(config, task)
@@ -609,21 +614,7 @@ class Cluster:
 
     def allocate(self, config: JobConfig, tasks: Iterable[TaskSpec]) -> None:
         """`allocate` on this cluster's nodes, through the index (all or nothing)."""
-        stmt = _Statement(self)
-        try:
-            for task in tasks:
-                role = _role_of(config, task)
-                node = self.nodes.get(task.node)
-                if node is None:
-                    raise ValueError(f"task {task.key} is on unknown node {task.node}")
-                if len(task.gpus) != role.gpuNumber:
-                    raise ValueError(
-                        f"task {task.key} holds {len(task.gpus)} GPUs, its role needs {role.gpuNumber}"
-                    )
-                stmt.allocate(node, role.cpuNumber, role.memoryMB, list(task.gpus))
-        except ValueError:
-            stmt.discard()
-            raise
+        _allocate_all(_Statement(self), self.nodes, config, tasks)
 
     def release(self, config: JobConfig, tasks: Iterable[TaskSpec]) -> None:
         """`release` on this cluster's nodes, through the index (tasks of gone nodes skipped)."""
