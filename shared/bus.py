@@ -7,6 +7,7 @@ Every service and the CLI connect through `connect()`; every JetStream resource 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import weakref
@@ -372,6 +373,21 @@ async def durable(
     return await js.pull_subscribe(subject, durable=name, stream=stream, config=config)
 
 
+READY_WAIT = 0.001  # seconds a fetch waits for more once it has a message (see `fetch_ready`)
+
+
+async def fetch_ready(sub: Any, batch: int, wait: float = 1.0) -> list[Any]:
+    """The next messages of a pull consumer as soon as there are any: waits up to `wait` for the
+    first (raising TimeoutError when none came), then takes what else is ready, up to `batch` in
+    all, within READY_WAIT. nats-py's own `fetch(n)` returns only once n messages came or its
+    timeout passed, so under light traffic every message would wait up to that timeout."""
+    msgs: list[Any] = await sub.fetch(1, timeout=wait)
+    if batch > 1:
+        with contextlib.suppress(nats.errors.TimeoutError, TimeoutError):
+            msgs += await sub.fetch(batch - 1, timeout=READY_WAIT)
+    return msgs
+
+
 async def consume(
     sub: Any,
     handle: Callable[[Any], Awaitable[None]],
@@ -411,7 +427,7 @@ async def consume(
     failing = False
     while not stop.is_set():
         try:
-            msgs = await sub.fetch(batch, timeout=1)
+            msgs = await fetch_ready(sub, batch)
         except (nats.errors.TimeoutError, TimeoutError):
             continue
         except Exception as exc:

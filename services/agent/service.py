@@ -398,7 +398,7 @@ async def pull_orders(
     failures = 0
     while not stop.is_set():
         try:
-            msgs = await sub.fetch(batch, timeout=1)
+            msgs = await bus.fetch_ready(sub, batch)
             failures = 0
         except (nats.errors.TimeoutError, TimeoutError):
             continue
