@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.validator.limits import Limits, LiveTasks, check
+from services.validator.limits import Limits, Live, LiveTasks, check
 from shared.messages import JobRecord, JobState, now
 from tests.test_validator import config
 
@@ -65,16 +65,16 @@ def record(job_id: str, user: str, state: JobState = JobState.WAITING, tasks: in
 
 def test_live_tasks_follow_each_jobs_latest_record() -> None:
     live = LiveTasks()
-    live.update("a", record("a", "alice", tasks=3))
-    live.update("b", record("b", "alice", JobState.RUNNING, tasks=4))
-    live.update("c", record("c", "bob"))
-    live.update("d", record("d", "alice", JobState.SUCCEEDED, tasks=100))
+    live.update("a", Live.of(record("a", "alice", tasks=3)))
+    live.update("b", Live.of(record("b", "alice", JobState.RUNNING, tasks=4)))
+    live.update("c", Live.of(record("c", "bob")))
+    live.update("d", Live.of(record("d", "alice", JobState.SUCCEEDED, tasks=100)))
     assert (live.of("alice"), live.of("bob"), live.of("nobody")) == (7, 2, 0)
-    live.update("a", record("a", "alice", JobState.RUNNING, tasks=3))  # seen again: no change
+    live.update("a", Live.of(record("a", "alice", JobState.RUNNING, tasks=3)))  # seen again: no change
     assert live.of("alice") == 7
-    live.update("b", record("b", "alice", JobState.FAILED, tasks=4))  # finished
+    live.update("b", Live.of(record("b", "alice", JobState.FAILED, tasks=4)))  # finished
     assert live.of("alice") == 3
     live.update("a", None)  # deleted, or no longer decodes
-    live.update("c", record("c", "bob", JobState.STOPPED))
+    live.update("c", Live.of(record("c", "bob", JobState.STOPPED)))
     assert (live.of("alice"), live.of("bob")) == (0, 0)
     assert live.users == {}  # nothing kept for users with no live tasks

@@ -58,25 +58,37 @@ def check(tasks: int, user: str, live: int, limits: Limits) -> list[FieldError]:
     return []
 
 
+@dataclass(frozen=True, slots=True)
+class Live:
+    """What the validator keeps of a job record: whose job it is and how many of its tasks are
+    live (0 once it is final). A few dozen bytes where the record is kilobytes, for every job
+    kept through the retention period."""
+
+    user: str
+    tasks: int
+
+    @classmethod
+    def of(cls, record: JobRecord) -> Live:
+        return cls(record.user, 0 if record.state.final else record.config.total_tasks)
+
+
 @dataclass
 class LiveTasks:
     """Live tasks per user, from the latest record of each job."""
 
-    jobs: dict[str, tuple[str, int]] = field(default_factory=dict)  # job id -> (user, live tasks)
+    jobs: dict[str, Live] = field(default_factory=dict)  # jobs with live tasks
     users: dict[str, int] = field(default_factory=dict)
 
-    def update(self, job_id: str, record: JobRecord | None) -> None:
-        """Take `record` as job `job_id`'s latest (None: deleted, or it does not decode)."""
+    def update(self, job_id: str, live: Live | None) -> None:
+        """Take `live` as job `job_id`'s latest (None: deleted, or it does not decode)."""
         old = self.jobs.pop(job_id, None)
         if old is not None:
-            user, n = old
-            self.users[user] -= n
-            if not self.users[user]:
-                del self.users[user]
-        if record is not None and not record.state.final:
-            n = record.config.total_tasks
-            self.jobs[job_id] = (record.user, n)
-            self.users[record.user] = self.users.get(record.user, 0) + n
+            self.users[old.user] -= old.tasks
+            if not self.users[old.user]:
+                del self.users[old.user]
+        if live is not None and live.tasks:
+            self.jobs[job_id] = live
+            self.users[live.user] = self.users.get(live.user, 0) + live.tasks
 
     def of(self, user: str) -> int:
         return self.users.get(user, 0)

@@ -71,9 +71,9 @@ class Validator:
         self.limits = limits.Limits.from_env()
         # Where dir fields may point, when known here (else the agents judge at launch).
         self.roots = hostpaths.parse_roots(os.environ.get("MUSTER_DATA_ROOTS", ""))
-        self.view: dict[str, JobRecord] = {}  # the jobs bucket, kept by a watcher while running
+        self.view: dict[str, limits.Live] = {}  # the jobs bucket as a watcher keeps it (slim)
         self.live = limits.LiveTasks()
-        self._admitted: dict[str, JobRecord] = {}  # created here, not yet seen by the watcher
+        self._admitted: dict[str, limits.Live] = {}  # created here, not yet seen by the watcher
         self.synced = asyncio.Event()
 
     @classmethod
@@ -82,7 +82,9 @@ class Validator:
         return cls(nc, js, buckets)
 
     async def run(self, stop: asyncio.Event) -> None:
-        watching = asyncio.create_task(self.jobs.mirror(self.view, self.synced, self.job_changed))
+        watching = asyncio.create_task(
+            self.jobs.mirror(self.view, self.synced, self.job_changed, limits.Live.of)
+        )
         try:
             # Judge nothing before every user's live tasks are known.
             waits = [asyncio.ensure_future(e.wait()) for e in (self.synced, stop)]
@@ -199,7 +201,7 @@ class Validator:
             submitted_at=received,
         )
         # Counted now, before any await: a submission judged meanwhile sees these tasks.
-        self.live.update(job_id, record)
+        self.live.update(job_id, limits.Live.of(record))
         try:
             return await self._admit(record, hidden, data)
         finally:
@@ -227,7 +229,7 @@ class Validator:
             await self.secrets.put(job_id, json.dumps(hidden).encode())
         if await self.jobs.create(job_id, record):
             if job_id not in self.view:  # counted until the watcher has it
-                self._admitted[job_id] = record
+                self._admitted[job_id] = limits.Live.of(record)
         else:
             # Another replica got there first with this submission id (ack wait passed, or the
             # same id published twice at once): the same config is the same job.
