@@ -274,8 +274,11 @@ async def test_users_see_and_kill_only_their_own_jobs(secured):
         await bjs.publish(subjects.kill_request("bob"), kill.to_bytes())
         await asyncio.sleep(3)
         assert (await job_as(alice, job.job_id)).state == JobState.RUNNING
-        # The admin sees it; alice kills it.
-        assert job.job_id in {j["job_id"] for j in (await client.ask(root, "jobs"))["jobs"]}
+        # The admin sees it, listed and by name, the same record alice sees; alice kills it.
+        listed = {j["job_id"]: j for j in (await client.ask(root, "jobs"))["jobs"]}
+        by_name = (await client.ask(root, "job", {"ref": "private"}))["job"]
+        assert listed[job.job_id]["job_id"] == by_name["job_id"] == job.job_id
+        assert JobRecord.model_validate(listed[job.job_id]).user == "alice"
         await alice.jetstream().publish(
             subjects.kill_request("alice"), kill.model_copy(update={"user": "alice"}).to_bytes()
         )

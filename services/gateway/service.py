@@ -23,6 +23,8 @@ import contextlib
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, ClassVar
 
 import structlog
@@ -54,13 +56,30 @@ class Refused(Exception):
         self.code = code
 
 
+@dataclass(frozen=True, slots=True)
+class Listed:
+    """What the gateway keeps of each job for listing and finding by name: the record as its JSON
+    (a third of the decoded record's size, kept for every job of the retention period) and the
+    fields it filters and sorts on."""
+
+    job_id: str
+    user: str
+    job_name: str
+    submitted_at: datetime
+    data: bytes
+
+    @classmethod
+    def of(cls, record: JobRecord) -> Listed:
+        return cls(record.job_id, record.user, record.job_name, record.submitted_at, record.to_bytes())
+
+
 class Gateway:
     def __init__(self, nc: NATS, js: JetStreamContext, buckets: dict[str, KeyValue]):
         self.nc, self.js = nc, js
         self.jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord)
         self.names = buckets[subjects.JOB_NAMES_BUCKET]
         self.attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
-        self.view: dict[str, JobRecord] = {}
+        self.view: dict[str, Listed] = {}
         self.synced = asyncio.Event()
         self.running: set[asyncio.Task[None]] = set()
 
@@ -70,7 +89,7 @@ class Gateway:
         return cls(nc, js, buckets)
 
     async def run(self, stop: asyncio.Event) -> None:
-        mirror = asyncio.create_task(self.jobs.mirror(self.view, self.synced))
+        mirror = asyncio.create_task(self.jobs.mirror(self.view, self.synced, keep=Listed.of))
         # A queue group: replicas share the questions.
         sub = await self.nc.subscribe(subjects.api("*", "*"), queue="gateway", cb=self._take)
         try:
@@ -124,9 +143,9 @@ class Gateway:
 
     async def list_jobs(self, who: str, request: Question) -> dict[str, Any]:
         await asyncio.wait_for(self.synced.wait(), 10)
-        records = [r for r in self.view.values() if who == subjects.ALL or r.user == who]
-        records.sort(key=lambda r: r.submitted_at)
-        return {"jobs": [r.model_dump(mode="json") for r in records]}
+        listed = [x for x in self.view.values() if who == subjects.ALL or x.user == who]
+        listed.sort(key=lambda x: x.submitted_at)
+        return {"jobs": [json.loads(x.data) for x in listed]}
 
     async def job(self, who: str, request: Question) -> dict[str, Any]:
         record = await self.resolve(who, request.ref)
@@ -221,9 +240,11 @@ class Gateway:
                     return record
         else:
             await asyncio.wait_for(self.synced.wait(), 10)
-            named = [r for r in self.view.values() if r.job_name == ref]
+            named = [x for x in self.view.values() if x.job_name == ref]
             if named:
-                return max(named, key=lambda r: r.submitted_at)
+                record = await self.jobs.get(max(named, key=lambda x: x.submitted_at).job_id)
+                if record is not None:
+                    return record
         raise Refused(f"no job with id or name {ref!r}")
 
     VERBS: ClassVar[dict[str, Any]] = {
