@@ -59,7 +59,7 @@ class Refused(Exception):
 @dataclass(frozen=True, slots=True)
 class Listed:
     """What the gateway keeps of each job for listing and finding by name: the record as its JSON
-    (a third of the decoded record's size, kept for every job of the retention period) and the
+    (about a quarter of the decoded record's size, kept for every job of the retention period) and the
     fields it filters and sorts on."""
 
     job_id: str
