@@ -9,7 +9,7 @@ import getpass
 import hashlib
 import json
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
@@ -19,8 +19,10 @@ from nats.js.errors import NotFoundError
 
 from shared import bus, subjects
 from shared.auth import NAME_RE
-from shared.messages import Verdict
 from shared.subjects import Headers
+
+if TYPE_CHECKING:
+    from shared.messages import Verdict
 
 
 def submitter(nc: NATS) -> str:
@@ -54,6 +56,15 @@ async def submit(
     The verdict subscription is made before publishing, so another client's verdict is never
     taken for ours and ours cannot be missed; the gateway's copy from the MUSTER_EVENTS stream
     is the fallback if it was published while the connection was down."""
+    sid, verdict = await submit_json(nc, data, user=user, timeout=timeout, sid=sid)
+    return sid, _model(verdict)
+
+
+async def submit_json(
+    nc: NATS, data: bytes, *, user: str | None = None, timeout: float = 30.0, sid: str | None = None
+) -> tuple[str, dict[str, Any] | None]:
+    """`submit`, with the verdict as the validator's JSON: it imports no model (pydantic is most
+    of a CLI's start-up), for `muster submit`."""
     user = user or submitter(nc)
     sid = sid or uuid.uuid4().hex
     deadline = asyncio.get_running_loop().time() + timeout
@@ -69,7 +80,8 @@ async def submit(
                 Headers.MSG_ID: f"{user}:{sid}:{hashlib.sha256(data).hexdigest()[:16]}",
             },
         )
-        return sid, await wait_verdict(nc, sub, sid, deadline - asyncio.get_running_loop().time(), user)
+        left = deadline - asyncio.get_running_loop().time()
+        return sid, await _wait_verdict(nc, sub, sid, left, user)
     finally:
         await sub.unsubscribe()
 
@@ -77,37 +89,65 @@ async def submit(
 async def wait_verdict(
     nc: NATS, sub: Subscription, sid: str, timeout: float, user: str | None = None
 ) -> Verdict | None:
-    user = user or submitter(nc)
+    """The verdict on submission `sid`, from `sub` (its subject) or else the stored copy."""
+    return _model(await _wait_verdict(nc, sub, sid, timeout, user or submitter(nc)))
+
+
+async def stored_verdict(nc: NATS, sid: str, user: str | None = None) -> Verdict | None:
+    """The verdict kept in MUSTER_EVENTS, read through the gateway (users may not read streams)."""
+    return _model(await _stored_verdict(nc, sid, user or submitter(nc)))
+
+
+def _model(verdict: dict[str, Any] | None) -> Verdict | None:
+    from shared.messages import Verdict
+
+    return None if verdict is None else Verdict.model_validate(verdict)
+
+
+def _verdict_json(data: bytes | None) -> dict[str, Any] | None:
+    """A verdict's JSON, or None for anything that is not one (it is then ignored)."""
+    try:
+        verdict = json.loads(data or b"")
+    except ValueError:
+        return None
+    return verdict if isinstance(verdict, dict) and isinstance(verdict.get("accepted"), bool) else None
+
+
+async def _wait_verdict(
+    nc: NATS, sub: Subscription, sid: str, timeout: float, user: str
+) -> dict[str, Any] | None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while loop.time() < deadline:
         try:
             msg = await sub.next_msg(timeout=min(2.0, max(0.05, deadline - loop.time())))
-            return Verdict.from_bytes(msg.data)
+            verdict = _verdict_json(msg.data)
+            if verdict is not None:
+                return verdict
+            continue
         except NatsTimeout:
             pass
-        verdict = await stored_verdict(nc, sid, user)
+        verdict = await _stored_verdict(nc, sid, user)
         if verdict is not None:
             return verdict
     return None
 
 
-async def stored_verdict(nc: NATS, sid: str, user: str | None = None) -> Verdict | None:
-    """The verdict kept in MUSTER_EVENTS, read through the gateway (users may not read streams)."""
-    user = user or submitter(nc)
+async def _stored_verdict(nc: NATS, sid: str, user: str) -> dict[str, Any] | None:
     try:
         if bus.identity(nc) is None:
             stored = await nc.jetstream(timeout=5).get_last_msg(
                 subjects.EVENTS_STREAM, subjects.verdict(user, sid), direct=True
             )
-            return Verdict.from_bytes(stored.data)
+            return _verdict_json(stored.data)
         answer = await ask(nc, "verdict", {"sid": sid}, user)
     except NotFoundError:
         return None
     except Exception:
         await asyncio.sleep(0.2)  # reconnecting, or the gateway is away: the caller asks again
         return None
-    return Verdict.model_validate(answer["verdict"]) if answer.get("verdict") else None
+    verdict = answer.get("verdict")
+    return verdict if isinstance(verdict, dict) else None
 
 
 class Refused(Exception):

@@ -1,7 +1,7 @@
 """proto/: the published contract, generated from the models. Owns every file under proto/.
 
 `python -m shared.proto` rewrites proto/ from `shared.jobconfig.JobConfig`, the message models and
-`shared.subjects.CHANNELS`; `python -m shared.proto --check` exits 1 when proto/ is out of date.
+`CHANNELS` (below); `python -m shared.proto --check` exits 1 when proto/ is out of date.
 
 - proto/jobconfig.schema.json       JSON Schema (2020-12) of the job config
 - proto/messages/<Name>.schema.json one per message model on a channel (other than JobConfig)
@@ -15,15 +15,34 @@ import copy
 import json
 import sys
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel
 
+from shared import subjects
 from shared.jobconfig import JobConfig
-from shared.messages import JobEventKind, TaskEventKind
-from shared.subjects import CHANNELS, SUBMISSION_ID_RE
+from shared.messages import (
+    Assignment,
+    AttemptRecord,
+    ClusterSpec,
+    DrainOrder,
+    EndpointReported,
+    JobEvent,
+    JobEventKind,
+    JobRecord,
+    KillOrder,
+    KillRequest,
+    NodeInfo,
+    Question,
+    Rendezvous,
+    TaskEvent,
+    TaskEventKind,
+    Verdict,
+)
+from shared.subjects import SUBMISSION_ID_RE
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTO_DIR = ROOT / "proto"
@@ -38,6 +57,146 @@ JOBCONFIG_DESCRIPTION = (
     "killAllOnCompletedTaskNumber ≤ total tasks, no PAI_/MUSTER_ jobEnvs) and job name uniqueness "
     "are checked by the validator, not by this schema."
 )
+
+
+@dataclass(frozen=True)
+class Channel:
+    address: str
+    parameters: tuple[str, ...]
+    message: type[BaseModel]
+    action: str  # what a Muster service does on it: "receive" or "send"
+    description: str
+
+
+CHANNELS: dict[str, Channel] = {
+    "jobSubmit": Channel(
+        address=subjects.SUBMIT_PREFIX + ".{user}",
+        parameters=("user",),
+        message=JobConfig,
+        action="receive",
+        description=(
+            "Submit a job as {user}: the payload is the job config (JSON, UTF-8, at most 1 MiB). With "
+            "authentication on, only identity {user} may publish here, and the job is {user}'s whatever "
+            f"the payload or headers say. Optional header: {subjects.Headers.SUBMISSION_ID} (else the stream "
+            "sequence). "
+            "Captured by stream MUSTER_SUBMISSIONS (work queue) and validated by any validator replica."
+        ),
+    ),
+    "jobKill": Channel(
+        address=subjects.KILL_PREFIX + ".{user}",
+        parameters=("user",),
+        message=KillRequest,
+        action="receive",
+        description=(
+            "Stop one of {user}'s jobs (an admin may send as anyone): every task gets SIGTERM, then "
+            "SIGKILL after the grace; the job becomes "
+            "STOPPED and is not retried. Captured by stream MUSTER_SUBMISSIONS."
+        ),
+    ),
+    "submissionVerdict": Channel(
+        address=subjects.EVENTS_PREFIX + ".submission.{user}.{submissionId}",
+        parameters=("user", "submissionId"),
+        message=Verdict,
+        action="send",
+        description="The verdict on one submission: accepted with a job id, or every error found.",
+    ),
+    "gatewayQuestion": Channel(
+        address=subjects.API_PREFIX + ".{user}.{verb}",
+        parameters=("user", "verb"),
+        message=Question,
+        action="receive",
+        description=(
+            "A question to the gateway, asked as {user} (only identity {user} may publish here; "
+            "_all: an admin, about every job), answered by request/reply with JSON: jobs (the asker's "
+            "jobs), job (one, with its attempts), verdict (of a submission), logs (a page of output "
+            "lines after a stream sequence), events (a page of the job's history), ping. Another "
+            "user's job is answered as no such job."
+        ),
+    ),
+    "jobEvent": Channel(
+        address=subjects.EVENTS_PREFIX + ".job.{jobId}.{kind}",
+        parameters=("jobId", "kind"),
+        message=JobEvent,
+        action="send",
+        description="One fact in a job's history (stream MUSTER_EVENTS).",
+    ),
+    "nodeAssign": Channel(
+        address=subjects.NODE_COMMANDS_PREFIX + ".{node}.assign",
+        parameters=("node",),
+        message=Assignment,
+        action="send",
+        description="Scheduler to the node's agent: run these tasks of an attempt (stream MUSTER_COMMANDS).",
+    ),
+    "nodeKill": Channel(
+        address=subjects.NODE_COMMANDS_PREFIX + ".{node}.kill",
+        parameters=("node",),
+        message=KillOrder,
+        action="send",
+        description="Stop every task of an attempt on this node: SIGTERM, then SIGKILL after the grace.",
+    ),
+    "nodeDrain": Channel(
+        address=subjects.NODE_COMMANDS_PREFIX + ".{node}.drain",
+        parameters=("node",),
+        message=DrainOrder,
+        action="send",
+        description=(
+            "An operator drains a node: every task on it is stopped (and retried elsewhere), and the node "
+            "takes no new work until undone or its agent restarts (stream MUSTER_COMMANDS)."
+        ),
+    ),
+    "taskEndpoint": Channel(
+        address=subjects.EVENTS_PREFIX + ".task.{jobId}.{attempt}.{role}.{index}.endpoint.{node}",
+        parameters=("jobId", "attempt", "role", "index", "node"),
+        message=EndpointReported,
+        action="send",
+        description="An agent reserved this task's ports: its address, before the task starts.",
+    ),
+    "taskState": Channel(
+        address=subjects.EVENTS_PREFIX + ".task.{jobId}.{attempt}.{role}.{index}.{taskEvent}.{node}",
+        parameters=("jobId", "attempt", "role", "index", "taskEvent", "node"),
+        message=TaskEvent,
+        action="send",
+        description=(
+            "A task started running, or exited (exit code, last lines of output), from {node}: the node "
+            "it was placed on (only that node's agent may publish it), or _platform (the supervisor)."
+        ),
+    ),
+    "clusterSpec": Channel(
+        address=subjects.EVENTS_PREFIX + ".attempt.{jobId}.{attempt}.spec",
+        parameters=("jobId", "attempt"),
+        message=ClusterSpec,
+        action="send",
+        description="Every endpoint of an attempt's gang, published once when all are in (the barrier).",
+    ),
+    "nodeRecord": Channel(
+        address="$KV." + subjects.NODES_BUCKET + ".{node}",
+        parameters=("node",),
+        message=NodeInfo,
+        action="send",
+        description="A node's inventory and last heartbeat (JetStream KV bucket muster_nodes).",
+    ),
+    "attemptRecord": Channel(
+        address="$KV." + subjects.ATTEMPTS_BUCKET + ".{jobId}.{attempt}",
+        parameters=("jobId", "attempt"),
+        message=AttemptRecord,
+        action="send",
+        description="An attempt: its placement and every task's state (JetStream KV bucket muster_attempts).",
+    ),
+    "rendezvousRecord": Channel(
+        address="$KV." + subjects.RENDEZVOUS_BUCKET + ".{jobId}.{attempt}",
+        parameters=("jobId", "attempt"),
+        message=Rendezvous,
+        action="send",
+        description="The endpoints collected so far for an attempt (JetStream KV bucket muster_rendezvous).",
+    ),
+    "jobRecord": Channel(
+        address="$KV." + subjects.JOBS_BUCKET + ".{jobId}",
+        parameters=("jobId",),
+        message=JobRecord,
+        action="send",
+        description="The current record of a job (JetStream KV bucket muster_jobs).",
+    ),
+}
 
 # Every `{param}` used in a CHANNELS address needs an entry here (AsyncAPI 3 parameter objects).
 PARAMETERS: dict[str, dict[str, Any]] = {

@@ -1,34 +1,17 @@
 """Every NATS subject, JetStream stream, consumer and KV bucket Muster uses, defined once.
 
 Facts read `muster.events.<entity>...` (past tense, kept in the MUSTER_EVENTS stream);
-commands read `muster.<entity>.<verb>`. `CHANNELS` is the catalogue `proto/asyncapi.yaml` is
-generated from.
+commands read `muster.<entity>.<verb>`. The catalogue of channels (which message each carries),
+that `proto/asyncapi.yaml` is generated from, is `shared.proto.CHANNELS`: importing subjects
+costs no model, so the CLI starts fast.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pydantic import BaseModel
-
-from shared.jobconfig import JobConfig
-from shared.messages import (
-    Assignment,
-    AttemptRecord,
-    ClusterSpec,
-    DrainOrder,
-    EndpointReported,
-    JobEvent,
-    JobEventKind,
-    JobRecord,
-    KillOrder,
-    KillRequest,
-    NodeInfo,
-    Question,
-    Rendezvous,
-    TaskEvent,
-    Verdict,
-)
+if TYPE_CHECKING:
+    from shared.messages import JobEventKind
 
 # Commands. A user's requests carry the user's name as the last token: with authentication on,
 # the server lets an identity publish only under its own name, so the token is who sent it.
@@ -172,143 +155,3 @@ class Headers:
 
 # Submission ids become subject tokens and KV keys.
 SUBMISSION_ID_RE = r"^[A-Za-z0-9_-]{1,64}$"
-
-
-@dataclass(frozen=True)
-class Channel:
-    address: str
-    parameters: tuple[str, ...]
-    message: type[BaseModel]
-    action: str  # what a Muster service does on it: "receive" or "send"
-    description: str
-
-
-CHANNELS: dict[str, Channel] = {
-    "jobSubmit": Channel(
-        address=SUBMIT_PREFIX + ".{user}",
-        parameters=("user",),
-        message=JobConfig,
-        action="receive",
-        description=(
-            "Submit a job as {user}: the payload is the job config (JSON, UTF-8, at most 1 MiB). With "
-            "authentication on, only identity {user} may publish here, and the job is {user}'s whatever "
-            f"the payload or headers say. Optional header: {Headers.SUBMISSION_ID} (else the stream "
-            "sequence). "
-            "Captured by stream MUSTER_SUBMISSIONS (work queue) and validated by any validator replica."
-        ),
-    ),
-    "jobKill": Channel(
-        address=KILL_PREFIX + ".{user}",
-        parameters=("user",),
-        message=KillRequest,
-        action="receive",
-        description=(
-            "Stop one of {user}'s jobs (an admin may send as anyone): every task gets SIGTERM, then "
-            "SIGKILL after the grace; the job becomes "
-            "STOPPED and is not retried. Captured by stream MUSTER_SUBMISSIONS."
-        ),
-    ),
-    "submissionVerdict": Channel(
-        address=EVENTS_PREFIX + ".submission.{user}.{submissionId}",
-        parameters=("user", "submissionId"),
-        message=Verdict,
-        action="send",
-        description="The verdict on one submission: accepted with a job id, or every error found.",
-    ),
-    "gatewayQuestion": Channel(
-        address=API_PREFIX + ".{user}.{verb}",
-        parameters=("user", "verb"),
-        message=Question,
-        action="receive",
-        description=(
-            "A question to the gateway, asked as {user} (only identity {user} may publish here; "
-            "_all: an admin, about every job), answered by request/reply with JSON: jobs (the asker's "
-            "jobs), job (one, with its attempts), verdict (of a submission), logs (a page of output "
-            "lines after a stream sequence), events (a page of the job's history), ping. Another "
-            "user's job is answered as no such job."
-        ),
-    ),
-    "jobEvent": Channel(
-        address=EVENTS_PREFIX + ".job.{jobId}.{kind}",
-        parameters=("jobId", "kind"),
-        message=JobEvent,
-        action="send",
-        description="One fact in a job's history (stream MUSTER_EVENTS).",
-    ),
-    "nodeAssign": Channel(
-        address=NODE_COMMANDS_PREFIX + ".{node}.assign",
-        parameters=("node",),
-        message=Assignment,
-        action="send",
-        description="Scheduler to the node's agent: run these tasks of an attempt (stream MUSTER_COMMANDS).",
-    ),
-    "nodeKill": Channel(
-        address=NODE_COMMANDS_PREFIX + ".{node}.kill",
-        parameters=("node",),
-        message=KillOrder,
-        action="send",
-        description="Stop every task of an attempt on this node: SIGTERM, then SIGKILL after the grace.",
-    ),
-    "nodeDrain": Channel(
-        address=NODE_COMMANDS_PREFIX + ".{node}.drain",
-        parameters=("node",),
-        message=DrainOrder,
-        action="send",
-        description=(
-            "An operator drains a node: every task on it is stopped (and retried elsewhere), and the node "
-            "takes no new work until undone or its agent restarts (stream MUSTER_COMMANDS)."
-        ),
-    ),
-    "taskEndpoint": Channel(
-        address=EVENTS_PREFIX + ".task.{jobId}.{attempt}.{role}.{index}.endpoint.{node}",
-        parameters=("jobId", "attempt", "role", "index", "node"),
-        message=EndpointReported,
-        action="send",
-        description="An agent reserved this task's ports: its address, before the task starts.",
-    ),
-    "taskState": Channel(
-        address=EVENTS_PREFIX + ".task.{jobId}.{attempt}.{role}.{index}.{taskEvent}.{node}",
-        parameters=("jobId", "attempt", "role", "index", "taskEvent", "node"),
-        message=TaskEvent,
-        action="send",
-        description=(
-            "A task started running, or exited (exit code, last lines of output), from {node}: the node "
-            "it was placed on (only that node's agent may publish it), or _platform (the supervisor)."
-        ),
-    ),
-    "clusterSpec": Channel(
-        address=EVENTS_PREFIX + ".attempt.{jobId}.{attempt}.spec",
-        parameters=("jobId", "attempt"),
-        message=ClusterSpec,
-        action="send",
-        description="Every endpoint of an attempt's gang, published once when all are in (the barrier).",
-    ),
-    "nodeRecord": Channel(
-        address="$KV." + NODES_BUCKET + ".{node}",
-        parameters=("node",),
-        message=NodeInfo,
-        action="send",
-        description="A node's inventory and last heartbeat (JetStream KV bucket muster_nodes).",
-    ),
-    "attemptRecord": Channel(
-        address="$KV." + ATTEMPTS_BUCKET + ".{jobId}.{attempt}",
-        parameters=("jobId", "attempt"),
-        message=AttemptRecord,
-        action="send",
-        description="An attempt: its placement and every task's state (JetStream KV bucket muster_attempts).",
-    ),
-    "rendezvousRecord": Channel(
-        address="$KV." + RENDEZVOUS_BUCKET + ".{jobId}.{attempt}",
-        parameters=("jobId", "attempt"),
-        message=Rendezvous,
-        action="send",
-        description="The endpoints collected so far for an attempt (JetStream KV bucket muster_rendezvous).",
-    ),
-    "jobRecord": Channel(
-        address="$KV." + JOBS_BUCKET + ".{jobId}",
-        parameters=("jobId",),
-        message=JobRecord,
-        action="send",
-        description="The current record of a job (JetStream KV bucket muster_jobs).",
-    ),
-}

@@ -185,6 +185,25 @@ def test_submit_rejection_prints_each_error_and_json_verdict(mesh, tmp_path):
     }
 
 
+def test_submit_imports_no_model(mesh, tmp_path):
+    """`muster submit` reads the verdict as JSON: importing pydantic and the models is most of a
+    start-up (bench.launch times it; the goal is 200 ms end to end)."""
+    _, env = mesh
+    job = dict(VALID, jobName="cli-light")
+    path = write(tmp_path, "light.json", json.dumps(job))
+    probe = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('loaded:', sorted(m for m in ('pydantic', 'shared.messages', "
+        "'shared.jobconfig', 'services.scheduler.service') if m in sys.modules), file=sys.stderr))\n"
+        "from services.cli.main import main\n"
+        f"main(['submit', {path!r}])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "cli-light  accepted" in r.stdout
+    assert "loaded: []" in r.stderr
+
+
 async def test_submit_wait_follows_the_job_to_its_final_state(mesh, tmp_path):
     _, env = mesh
     path = write(tmp_path, "ok.json", json.dumps(VALID))

@@ -15,7 +15,7 @@ import yaml
 
 from shared import loader, proto
 from shared.jobconfig import JobConfig
-from shared.subjects import CHANNELS
+from shared.proto import CHANNELS
 
 STALE = "proto/ is stale: run python -m shared.proto"
 

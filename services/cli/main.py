@@ -28,13 +28,14 @@ from nats.js.errors import NotFoundError
 
 from services.agent.args import add_agent_arguments
 from shared import auth, bus, client, logs, subjects
-from shared.jobconfig import FieldError, check_job
 from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
-from shared.messages import AttemptRecord, DrainOrder, JobRecord, JobState, KillRequest, NodeInfo
 from shared.subjects import Headers
 
+# The models (pydantic) are imported where a command needs them, not here: `muster submit`
+# needs none, and importing them is most of a start-up otherwise (docs/BENCHMARKS.md).
 if TYPE_CHECKING:
     from services.agent.sim import SimSetup
+    from shared.messages import AttemptRecord, JobRecord
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
 
@@ -68,13 +69,18 @@ def read_config(path: str) -> tuple[bytes, Any]:
         raise CliError(f"{path}: {exc}", EXIT_INVALID) from None
 
 
-def print_errors(errors: list[FieldError], source: str) -> None:
+def print_errors(errors: list[Any], source: str) -> None:
+    """`errors`: FieldErrors, or a verdict's as JSON ({"path", "reason"}), printed alike."""
     err(f"{source}: rejected, {len(errors)} error{'s' if len(errors) != 1 else ''}:")
     for e in errors:
+        if isinstance(e, dict):
+            e = f"{e['path']}: {e['reason']}" if e.get("path") else e.get("reason", "")
         err(f"  {e}")
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from shared.jobconfig import check_job
+
     _, raw = read_config(args.file)
     config, errors = check_job(raw)
     if errors:
@@ -152,10 +158,14 @@ async def ask(nc: NATS, verb: str, **request: Any) -> dict[str, Any]:
 
 async def resolve(nc: NATS, ref: str) -> JobRecord:
     """A job by id, else by name (the most recent job holding that name), that we may see."""
+    from shared.messages import JobRecord
+
     return JobRecord.model_validate((await ask(nc, "job", ref=ref))["job"])
 
 
 async def job_and_attempts(nc: NATS, ref: str) -> tuple[JobRecord, list[AttemptRecord]]:
+    from shared.messages import AttemptRecord, JobRecord
+
     answer = await ask(nc, "job", ref=ref)
     return JobRecord.model_validate(answer["job"]), [
         AttemptRecord.model_validate(a) for a in answer["attempts"]
@@ -197,7 +207,7 @@ async def submit(args: argparse.Namespace) -> int:
     nc = await connect(args.connect_timeout)
     try:
         verdict_wait = min(args.verdict_timeout, max(0.0, give_up - loop.time()))
-        sid, verdict = await client.submit(nc, data, timeout=verdict_wait)
+        sid, verdict = await client.submit_json(nc, data, timeout=verdict_wait)
         if verdict is None:
             err(
                 f"submitted (submission {sid}) but no validator answered within {verdict_wait:g}s; "
@@ -205,17 +215,16 @@ async def submit(args: argparse.Namespace) -> int:
             )
             return EXIT_FAIL
         if args.json:
-            out(verdict.model_dump_json(indent=2))
-        if not verdict.accepted:
+            out(json.dumps(verdict, indent=2, ensure_ascii=False))
+        if not verdict["accepted"]:
             if not args.json:
-                print_errors(verdict.errors, args.file)
+                print_errors(verdict.get("errors") or [], args.file)
             return EXIT_INVALID
         if not args.json:
-            out(f"{verdict.job_id}  {verdict.job_name}  accepted")
+            out(f"{verdict['job_id']}  {verdict['job_name']}  accepted")
         if not args.wait:
             return EXIT_OK
-        assert verdict.job_id
-        return await follow(nc, verdict.job_id, quiet=args.json, give_up=give_up)
+        return await follow(nc, str(verdict["job_id"]), quiet=args.json, give_up=give_up)
     finally:
         await nc.close()
 
@@ -224,6 +233,8 @@ async def follow(nc: NATS, job_id: str, quiet: bool = False, give_up: float = ma
     """Print each change of the job's state until it is final: exit 0 only if it SUCCEEDED.
     Exit 2 once the scheduler has said for MUSTER_NODE_TIMEOUT that no node can ever fit it
     (an agent that is just starting gets that long to join); give up at loop time `give_up`."""
+    from shared.messages import JobState
+
     loop = asyncio.get_running_loop()
     record, last, never = None, None, math.inf  # never: when "unschedulable" becomes the answer
     while (now := loop.time()) < min(give_up, never):
@@ -258,6 +269,8 @@ async def follow(nc: NATS, job_id: str, quiet: bool = False, give_up: float = ma
 
 
 async def status(args: argparse.Namespace) -> int:
+    from shared.messages import JobRecord
+
     nc = await connect(args.connect_timeout)
     try:
         if args.job:
@@ -374,6 +387,8 @@ def _retry_text(n: int) -> str:
 
 
 async def kill(args: argparse.Namespace) -> int:
+    from shared.messages import JobState, KillRequest
+
     nc = await connect(args.connect_timeout)
     try:
         record = await resolve(nc, args.job)
@@ -413,6 +428,8 @@ async def kill(args: argparse.Namespace) -> int:
 async def drain(args: argparse.Namespace) -> int:
     """Stop every task on a node on purpose (they are retried elsewhere) and keep new work off
     it, or with --undo let it take work again; waits until the node's agent has done it."""
+    from shared.messages import DrainOrder, NodeInfo
+
     nc = await connect(args.connect_timeout)
     try:
         if client.asker(nc) != subjects.ALL:

@@ -23,11 +23,6 @@ from typing import Any
 import structlog
 from nats.aio.client import Client as NATS
 
-from services.gateway.service import Gateway
-from services.registry.service import Registry
-from services.scheduler.service import Scheduler
-from services.supervisor.service import Supervisor
-from services.validator.service import Validator
 from shared import auth, bus
 from shared.natsserver import NatsServer, free_port
 from shared.service import Service, run_service
@@ -36,13 +31,23 @@ log = structlog.get_logger(service="mesh")
 
 Builder = Callable[[NATS], Awaitable[Service]]
 
-SERVICES: dict[str, Builder] = {
-    "validator": Validator.build,
-    "scheduler": Scheduler.build,
-    "registry": Registry.build,
-    "supervisor": Supervisor.build,
-    "gateway": Gateway.build,
-}
+
+def builders() -> dict[str, Builder]:
+    """Every service of the mesh (auth.SERVICES), imported only here: the CLI reads this module's
+    notes (`local_identity`) on every command, and must not pay for the services' imports."""
+    from services.gateway.service import Gateway
+    from services.registry.service import Registry
+    from services.scheduler.service import Scheduler
+    from services.supervisor.service import Supervisor
+    from services.validator.service import Validator
+
+    return {
+        "validator": Validator.build,
+        "scheduler": Scheduler.build,
+        "registry": Registry.build,
+        "supervisor": Supervisor.build,
+        "gateway": Gateway.build,
+    }
 
 
 def _state_dir() -> Path:
@@ -133,7 +138,7 @@ async def up(
         auth_dir = os.environ.get("MUSTER_AUTH_DIR")
         if auth_dir:  # an auth dir made for that bus: each service as itself
             keys = auth.AuthDir(auth_dir)
-            creds = {n: auth.load_credentials(keys.creds(n)) for n in SERVICES}
+            creds = {n: auth.load_credentials(keys.creds(n)) for n in auth.SERVICES}
             if node is not None:
                 name = auth.SIM_IDENTITY if sim else auth.agent_name(node)
                 creds["agent"] = auth.load_credentials(keys.creds(name))
@@ -180,7 +185,7 @@ async def up(
         nc = await bus.connect("muster-up", url, connect_timeout=15, credentials=creds.get("muster-up"))
         await bus.ensure_jetstream(nc)
         await nc.close()
-        services = dict(SERVICES)
+        services = builders()
         if agent is not None:
             services["agent"] = agent()
         tasks = [asyncio.create_task(supervise(n, b, url, stop, creds.get(n))) for n, b in services.items()]
