@@ -227,6 +227,7 @@ def permissions(ident: Identity | Credentials) -> dict[str, Any]:
             *_bucket(subjects.JOBS_BUCKET, write=True),
             *_bucket(subjects.JOB_NAMES_BUCKET, write=True),
             *_bucket(subjects.SECRETS_BUCKET, write=True),
+            *_bucket(subjects.VCS_BUCKET, write=False),
             f"{ev}.submission.>",
             f"{ev}.job.>",
         ]
@@ -238,6 +239,7 @@ def permissions(ident: Identity | Credentials) -> dict[str, Any]:
             *_bucket(subjects.ATTEMPTS_BUCKET, write=True),
             *_bucket(subjects.LEASES_BUCKET, write=True),
             *_bucket(subjects.SECRETS_BUCKET, write=False),
+            *_bucket(subjects.VCS_BUCKET, write=False),
             subjects.assign("*"),
             subjects.kill("*"),
             f"{ev}.job.>",
@@ -278,6 +280,7 @@ def permissions(ident: Identity | Credentials) -> dict[str, Any]:
             *_bucket(subjects.JOB_NAMES_BUCKET, write=False),
             *_bucket(subjects.ATTEMPTS_BUCKET, write=False),
             *_bucket(subjects.NODES_BUCKET, write=False),
+            *_bucket(subjects.VCS_BUCKET, write=False),
         ]
         return {
             "publish": {"allow": publish},

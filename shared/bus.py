@@ -194,6 +194,7 @@ BUCKETS: dict[str, tuple[int, float]] = {
     subjects.ATTEMPTS_BUCKET: (5, 0),
     subjects.RENDEZVOUS_BUCKET: (1, 0),
     subjects.SECRETS_BUCKET: (1, 0),
+    subjects.VCS_BUCKET: (5, 0),
     subjects.LEASES_BUCKET: (1, LEASE_TTL),
 }
 

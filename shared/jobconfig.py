@@ -9,7 +9,7 @@ checked by the validator service, not here.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, TypeGuard
+from typing import Annotated, Any, Literal, TypeGuard
 
 from pydantic import (
     BaseModel,
@@ -93,6 +93,15 @@ class TaskRole(_Model):
         return v
 
 
+Priority = Literal["low", "normal", "high"]
+PRIORITIES: tuple[str, ...] = ("low", "normal", "high")  # lowest first: the index is the rank
+
+
+def rank(priority: str) -> int:
+    """A priority's rank (low 0, normal 1, high 2)."""
+    return PRIORITIES.index(priority)
+
+
 class JobConfig(_Model):
     jobName: Name
     image: str = Field(min_length=1, max_length=512, pattern=IMAGE_RE)
@@ -105,6 +114,7 @@ class JobConfig(_Model):
     killAllOnCompletedTaskNumber: int | None = Field(default=None, ge=0)
     retryCount: int = Field(default=0, ge=-2, le=1000)
     virtualCluster: Name = "default"
+    priority: Priority = "normal"  # Muster's extension: a waiting job may preempt lower ones
     jobEnvs: dict[EnvName, EnvValue] = Field(default_factory=dict)
     extras: dict[str, Any] = Field(default_factory=dict)
 
@@ -204,6 +214,8 @@ def _reason(err: ErrorDetails) -> str:
         return f"{_PATTERN_HINTS.get(ctx['pattern'], 'has an invalid format')}, got {_show(value)}"
     if kind == "value_error":
         return str(ctx.get("error", err["msg"]))
+    if kind == "literal_error":
+        return f"must be one of {ctx['expected']}, got {_show(value)}"
     return err["msg"]
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import hashlib
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
-from typing import Any, Self
+from typing import Annotated, Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from shared.jobconfig import FieldError, JobConfig
+from shared.jobconfig import FieldError, JobConfig, Priority
 
 
 def now() -> datetime:
@@ -91,6 +91,7 @@ class JobEventKind(StrEnum):
     RUNNING = "running"
     RETRYING = "retrying"
     KILLED = "killed"
+    PREEMPTED = "preempted"  # its running attempt was stopped to make room; it waits again, uncharged
     ENDED = "ended"
 
 
@@ -382,6 +383,8 @@ class AttemptRecord(Message):
     rule: str = ""  # which rule ended it
     failure: Failure | None = None  # why it failed, with the evidence
     charged: bool | None = None  # whether a retry after it was charged to retryCount
+    borrowed: bool = False  # placed beyond its virtual cluster's quota: reclaimed first
+    preempted_by: str | None = None  # the job it was stopped for (then not charged, re-queued)
 
     @property
     def key(self) -> str:
@@ -432,6 +435,37 @@ class KillRequest(Message):
     user: str = "anonymous"
     grace: float = 10.0
     at: datetime = Field(default_factory=now)
+
+
+class Quota(BaseModel):
+    """What a virtual cluster is guaranteed: GPUs per model (a model it does not name: none),
+    CPUs and memory (None: not limited by this VC's quota)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpus: dict[
+        Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")], Annotated[int, Field(ge=0)]
+    ] = Field(default_factory=dict)
+    cpus: int | None = Field(default=None, ge=0)
+    memory_mb: int | None = Field(default=None, ge=0)
+
+
+class VirtualCluster(Message):
+    """A virtual cluster as the operator configured it: KV bucket `muster_vcs`, key = its name
+    (`muster admin vc set`). A job names its VC (`virtualCluster`, OpenPAI's field). `default`
+    exists without a record: every user may use it, and its quota is what the configured VCs
+    leave of the cluster."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")]
+    quota: Quota = Field(default_factory=Quota)
+    users: list[str] = Field(default_factory=lambda: ["*"])  # who may submit to it; "*": everyone
+    max_priority: Priority = "high"  # the highest priority its jobs may ask for
+    borrow: bool = True  # its jobs may run on idle capacity beyond the quota (reclaimed first)
+
+    def admits(self, user: str) -> bool:
+        return "*" in self.users or user in self.users
 
 
 class Question(Message):

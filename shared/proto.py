@@ -41,6 +41,7 @@ from shared.messages import (
     TaskEvent,
     TaskEventKind,
     Verdict,
+    VirtualCluster,
 )
 from shared.subjects import SUBMISSION_ID_RE
 
@@ -189,6 +190,16 @@ CHANNELS: dict[str, Channel] = {
         action="send",
         description="The endpoints collected so far for an attempt (JetStream KV bucket muster_rendezvous).",
     ),
+    "virtualClusterRecord": Channel(
+        address="$KV." + subjects.VCS_BUCKET + ".{vc}",
+        parameters=("vc",),
+        message=VirtualCluster,
+        action="receive",
+        description=(
+            "A virtual cluster as an operator configured it (JetStream KV bucket muster_vcs; only "
+            "admins write it): its quota, who may submit to it, the highest priority its jobs may use."
+        ),
+    ),
     "jobRecord": Channel(
         address="$KV." + subjects.JOBS_BUCKET + ".{jobId}",
         parameters=("jobId",),
@@ -211,7 +222,7 @@ PARAMETERS: dict[str, dict[str, Any]] = {
     },
     "verb": {
         "description": "What the gateway is asked.",
-        "enum": ["ping", "jobs", "job", "verdict", "logs", "events"],
+        "enum": ["ping", "jobs", "job", "verdict", "logs", "events", "vcs"],
     },
     "user": {
         "description": (
@@ -224,6 +235,7 @@ PARAMETERS: dict[str, dict[str, Any]] = {
         "enum": [k.value for k in JobEventKind],
     },
     "node": {"description": "A node name, as its agent registered it."},
+    "vc": {"description": "A virtual cluster's name (a job's virtualCluster)."},
     "attempt": {"description": "The attempt number, from 1."},
     "role": {"description": "A task role name from the job config."},
     "index": {"description": "The task's index in its role, from 0."},

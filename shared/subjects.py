@@ -141,6 +141,7 @@ def name_key(user: str, job_name: str) -> str:
     return f"{user}.{job_name}"
 
 
+VCS_BUCKET = "muster_vcs"  # virtual clusters, as the operator configured them (key: the VC's name)
 SECRETS_BUCKET = "muster_secrets"  # jobEnvs values whose names look secret, kept out of job records
 LEASES_BUCKET = "muster_leases"
 SCHEDULER_LEASE = "scheduler"

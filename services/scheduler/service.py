@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import uuid
+from datetime import datetime
 from typing import Any
 
 import structlog
@@ -31,11 +32,11 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.scheduler import placement
+from services.scheduler import placement, quota
 from services.scheduler.avoid import nodes_to_avoid, plan_around
 from services.scheduler.view import Job, View
 from shared import bus, subjects
-from shared.jobconfig import REDACTED, with_secrets
+from shared.jobconfig import REDACTED, rank, with_secrets
 from shared.messages import (
     Assignment,
     AttemptRecord,
@@ -43,10 +44,12 @@ from shared.messages import (
     JobEventKind,
     JobRecord,
     JobState,
+    KillOrder,
     NodeInfo,
     TaskSpec,
     TaskState,
     TaskStatus,
+    VirtualCluster,
     node_refusal,
     now,
 )
@@ -66,6 +69,10 @@ RENEW_EVERY = 1.0  # seconds between lease renewals, whatever a cycle is doing
 # Jobs behind the head that one plan tries at most (Slurm's bf_max_job_test); later ones wait.
 BACKFILL_WINDOW = int(os.environ.get("MUSTER_BACKFILL_WINDOW", "500"))
 IN_FLIGHT = 128  # commits and reason writes of one cycle in flight at once
+# Seconds a preempted gang gets between SIGTERM and SIGKILL, to checkpoint.
+PREEMPT_GRACE = float(os.environ.get("MUSTER_PREEMPT_GRACE", "30"))
+PREEMPT_TRIES = 16  # waiting jobs one cycle looks at for a preemption that would let them run
+PREEMPTIONS = Counter("muster_scheduler_preemptions_total", "Gangs stopped to make room", ["why"])
 
 
 class Scheduler:
@@ -77,13 +84,16 @@ class Scheduler:
         self.kv_nodes = Store(buckets[subjects.NODES_BUCKET], NodeInfo, check=node_refusal)
         self.kv_jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord)
         self.kv_attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
+        self.kv_vcs = Store(buckets[subjects.VCS_BUCKET], VirtualCluster)
+        self.vcs: dict[str, VirtualCluster] = {}
+        self.preempting: dict[str, set[str]] = {}  # waiting job -> attempts stopped to make room for it
         self.secrets = buckets[subjects.SECRETS_BUCKET]
         self.leases = buckets[subjects.LEASES_BUCKET]
         self.identity = uuid.uuid4().hex[:12]
         self.view = View(self.node_timeout)
         self.nodes, self.jobs, self.attempts = self.view.nodes, self.view.jobs, self.view.attempts
         self.wake = asyncio.Event()
-        self.synced = {name: asyncio.Event() for name in ("nodes", "jobs", "attempts")}
+        self.synced = {name: asyncio.Event() for name in ("nodes", "jobs", "attempts", "vcs")}
 
     @classmethod
     async def build(cls, nc: NATS) -> Scheduler:
@@ -106,6 +116,7 @@ class Scheduler:
                 self.wake.set()
 
         watchers = [
+            asyncio.create_task(self.kv_vcs.mirror(self.vcs, self.synced["vcs"], lambda _: self.wake.set())),
             asyncio.create_task(self.kv_nodes.mirror(self.nodes, self.synced["nodes"], node)),
             asyncio.create_task(self.kv_jobs.mirror(self.jobs, self.synced["jobs"], job, Job.of)),
             asyncio.create_task(self.kv_attempts.mirror(self.attempts, self.synced["attempts"], attempt)),
@@ -185,9 +196,23 @@ class Scheduler:
         PENDING.set(self.view.waiting)
         if not waiting:
             return
+        sharing = self._sharing(waiting, at) if self.vcs or self.view.ranked else None
+        if sharing is not None:
+            waiting, held_back, ledger, running = sharing
         queue = [placement.PendingJob(j.job_id, j.config) for j, _ in waiting]
         avoid = nodes_to_avoid(self.view.avoid_candidates(at), at)
         plan = plan_around(self.view.cluster, self.view.capacity, queue, avoid, BACKFILL_WINDOW)
+        borrowed: set[str] = set()
+        if sharing is not None:
+            for job, _ in waiting:  # in queue order: who is within its quota, placements counted
+                if job.job_id in plan.placements:
+                    use = quota.need(job.config)
+                    if not ledger.within(job.config.virtualCluster, use):
+                        borrowed.add(job.job_id)
+                    ledger.take(job.config.virtualCluster, job.user, use)
+            await self._preempt_for(waiting, plan, ledger, running)
+            plan.pending.update(held_back)
+            waiting = waiting + [(self.jobs[j], 0) for j in held_back if j in self.jobs]
         CYCLE_SECONDS.observe((now() - at).total_seconds())
         # Commits and reasons go out together, at most IN_FLIGHT at a time: their round trips
         # overlap instead of adding up.
@@ -200,7 +225,7 @@ class Scheduler:
                 if lost is not None and lost.is_set():
                     return  # no longer the leader: place nothing more
                 if job.job_id in plan.placements:
-                    await self.commit(job, n, plan.placements[job.job_id])
+                    await self.commit(job, n, plan.placements[job.job_id], job.job_id in borrowed)
                 elif job.job_id in plan.pending:
                     reason = plan.pending[job.job_id]
                     unschedulable = job.job_id in plan.unschedulable and registered
@@ -213,7 +238,129 @@ class Scheduler:
             log.warning("scheduler.commit_errors", count=len(failures), first=repr(failures[0])[:300])
             self.wake.set()
 
-    async def commit(self, job: Job, n: int, tasks: list[TaskSpec]) -> None:
+    def _sharing(
+        self, waiting: list[tuple[Job, int]], at: datetime
+    ) -> tuple[list[tuple[Job, int]], dict[str, str], quota.Ledger, list[quota.Running]]:
+        """With virtual clusters or priorities in use: the queue in sharing order (quota.py),
+        the jobs held back by a quota they may not exceed (with why), the ledger, what runs."""
+        running = self.view.running(at)
+        capacity = quota.capacity_of(self.view.capacity.cluster.nodes.values())
+        ledger = quota.Ledger(quota.limits(self.vcs, capacity), running)
+        slots = {j.job_id: (j, n) for j, n in waiting}
+        order = ledger.order(
+            [
+                quota.Waiting(
+                    j.job_id,
+                    j.config.virtualCluster,
+                    j.user,
+                    rank(j.config.priority),
+                    j.config,
+                    j.submitted_at,
+                )
+                for j, _ in waiting
+            ]
+        )
+        held_back: dict[str, str] = {}
+        for w in order:
+            why = ledger.why_not(w)
+            if why is not None:
+                held_back[w.job_id] = why
+        return [slots[w.job_id] for w in order if w.job_id not in held_back], held_back, ledger, running
+
+    async def _preempt_for(
+        self,
+        waiting: list[tuple[Job, int]],
+        plan: placement.Plan,
+        ledger: quota.Ledger,
+        running: list[quota.Running],
+    ) -> None:
+        """The first waiting job (in queue order) that cannot run now but would if some gangs
+        stopped gets them stopped; one preemption per cycle, none while an earlier one for the
+        same job is still stopping."""
+        live = {r.key for r in running}
+        for job_id in list(self.preempting):
+            self.preempting[job_id] &= live
+            if not self.preempting[job_id] or job_id not in plan.pending:
+                del self.preempting[job_id]
+        if any(self.preempting.values()):
+            for job_id, keys in self.preempting.items():
+                if job_id in plan.pending:
+                    plan.pending[job_id] = f"waiting for {len(keys)} preempted gang(s) to stop"
+            return
+        tried = 0
+        for job, _ in waiting:
+            if job.job_id not in plan.pending or job.job_id in plan.unschedulable:
+                continue
+            tried += 1
+            if tried > PREEMPT_TRIES:
+                return
+            w = quota.Waiting(
+                job.job_id,
+                job.config.virtualCluster,
+                job.user,
+                rank(job.config.priority),
+                job.config,
+                job.submitted_at,
+            )
+            options = quota.candidates(w, ledger, running)
+            victims = quota.choose_victims(self.view.cluster, self.view.capacity, w, options)
+            if not victims:
+                continue
+            self.preempting[job.job_id] = {v.key for v in victims}
+            await asyncio.gather(*(self._preempt(job, v) for v in victims))
+            plan.pending[job.job_id] = (
+                f"preempted {', '.join(v.job_id for v in victims)} to make room; waiting for them to stop"
+            )
+            return
+
+    async def _preempt(self, job: Job, victim: quota.Running) -> None:
+        """End the victim's attempt as preempted (the supervisor then re-queues it, uncharged)
+        and tell its nodes to stop it: SIGTERM, SIGKILL after PREEMPT_GRACE."""
+        if victim.vc == job.config.virtualCluster:
+            why = f"preempted by {job.job_id} ({job.config.priority} priority, {job.user})"
+            label = "priority"
+        else:
+            why = (
+                f"preempted by {job.job_id}: virtual cluster {job.config.virtualCluster} reclaims "
+                f"the capacity {victim.vc} borrowed"
+            )
+            label = "reclaim"
+        at = now()
+
+        def end(a: AttemptRecord) -> AttemptRecord | None:
+            if a.ended or a.preempted_by is not None:
+                return None
+            return a.model_copy(
+                update={"ended_at": at, "outcome": JobState.STOPPED, "rule": why, "preempted_by": job.job_id}
+            )
+
+        record = await self.kv_attempts.update(victim.key, end)
+        if record is None:
+            return  # it ended by itself meanwhile
+        self.attempts[record.key] = record
+        self.view.attempt_changed(record.key)
+        PREEMPTIONS.labels(label).inc()
+        order = KillOrder(job_id=record.job_id, attempt=record.attempt, reason=why, grace=PREEMPT_GRACE)
+        for node in sorted({t.node for t in record.tasks if not t.state.ended}):
+            await self.js.publish(
+                subjects.kill(node), order.to_bytes(), headers={Headers.MSG_ID: f"kill:{record.key}:{node}"}
+            )
+        victim_job = self.jobs.get(record.job_id)
+        await self.js.publish(
+            subjects.job_event(record.job_id, JobEventKind.PREEMPTED),
+            JobEvent(
+                job_id=record.job_id,
+                job_name=victim_job.job_name if victim_job else "",
+                kind=JobEventKind.PREEMPTED,
+                state=victim_job.state if victim_job else JobState.RUNNING,
+                attempt=record.attempt,
+                detail=f"{why}; stopping with a {PREEMPT_GRACE:g}s grace, then waiting again (not charged)",
+            ).to_bytes(),
+            headers={Headers.MSG_ID: f"{record.key}:preempted"},
+        )
+        log.info("scheduler.preempted", victim=record.key, for_job=job.job_id, why=why)
+
+    async def commit(self, job: Job, n: int, tasks: list[TaskSpec], borrowed: bool = False) -> None:
         """Place attempt n. The job record is moved to attempt n first (the fence: a job killed or
         placed by another leader meanwhile is left alone), then the attempt record is created
         (or an earlier leader's is reused), then the agents get their orders."""
@@ -241,6 +388,7 @@ class Scheduler:
         record = AttemptRecord(
             job_id=job.job_id,
             attempt=n,
+            borrowed=borrowed,
             tasks=[
                 TaskStatus(role=t.role, role_no=t.role_no, index=t.index, node=t.node, gpus=t.gpus)
                 for t in tasks

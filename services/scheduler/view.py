@@ -22,10 +22,10 @@ from typing import Any
 
 import structlog
 
-from services.scheduler import placement
+from services.scheduler import placement, quota
 from services.scheduler.avoid import AVOID_WINDOW
 from services.supervisor.policy import attempt_to_place
-from shared.jobconfig import JobConfig
+from shared.jobconfig import JobConfig, rank
 from shared.messages import (
     AttemptRecord,
     FailureKind,
@@ -112,6 +112,7 @@ class View:
         # heap: (heartbeat_at, node) of every beat seen from a schedulable node; an entry older
         # than the node's latest beat is stale and skipped when it comes out
         self._beats: list[tuple[datetime, str]] = []
+        self.ranked: set[str] = set()  # jobs not ended whose priority is not normal
 
     # -------------------------------------------------------- nodes
 
@@ -239,6 +240,10 @@ class View:
     def job_changed(self, job_id: str) -> bool:
         job = self.jobs.get(job_id)
         changed = False
+        if job is not None and not job.state.final and job.config.priority != "normal":
+            self.ranked.add(job_id)
+        else:
+            self.ranked.discard(job_id)
         if (job is not None) != (job_id in self._known):
             # A job's record arrived (or went): what its attempts hold can be counted now.
             if job is None:
@@ -287,3 +292,41 @@ class View:
     @property
     def waiting(self) -> int:
         return len(self._waiting)
+
+    # -------------------------------------------------------- sharing (services/scheduler/quota.py)
+
+    def model_of(self, node: str, index: int) -> str | None:
+        info = self.nodes.get(node)
+        return next((d.model for d in info.gpus if d.index == index), None) if info else None
+
+    def running(self, at: datetime) -> list[quota.Running]:
+        """Every attempt with live tasks, as preemption and quotas see it. An attempt already
+        being stopped (preempted) still holds what it holds, but is no one's victim again."""
+        out = []
+        for key, uses in self._held.items():
+            record = self.attempts.get(key)
+            job = self.jobs.get(record.job_id) if record is not None else None
+            if record is None or job is None:
+                continue
+            live = [t for t in record.tasks if t.key in uses]
+            tasks = [t.spec() for t in live if t.node in self.cluster.nodes]
+            lost = sum(
+                max(0.0, (at - (t.started_at or record.placed_at)).total_seconds()) * max(1, len(t.gpus))
+                for t in live
+            )
+            out.append(
+                quota.Running(
+                    job_id=job.job_id,
+                    key=key,
+                    vc=job.config.virtualCluster,
+                    user=job.user,
+                    rank=rank(job.config.priority),
+                    config=job.config,
+                    tasks=tasks,
+                    use=quota.held(job.config, (t.spec() for t in live), self.model_of),
+                    borrowed=record.borrowed,
+                    lost=lost,
+                    stopping=record.preempted_by is not None or record.ended,
+                )
+            )
+        return out

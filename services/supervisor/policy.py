@@ -290,7 +290,12 @@ def settle(
     if job.attempt != attempt.attempt or job.settled >= attempt.attempt or job.state.final:
         return None
     assert attempt.outcome is not None
-    step = next_step(job.config, attempt.outcome, attempt.failure, job.retries, job.platform_retries, limits)
+    if attempt.preempted_by is not None:  # stopped to make room: back in the queue, uncharged
+        step = NextStep(JobState.WAITING, f"{attempt.rule}; waiting again (not charged to retryCount)")
+    else:
+        step = next_step(
+            job.config, attempt.outcome, attempt.failure, job.retries, job.platform_retries, limits
+        )
     if step.state == JobState.SUCCEEDED:
         step = NextStep(step.state, attempt.rule)  # which rule ended it
     update: dict[str, object] = {"state": step.state, "reason": step.reason, "settled": attempt.attempt}

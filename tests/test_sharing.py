@@ -1,0 +1,212 @@
+"""Issue 10, sharing the cluster, with the real services on sim nodes: a high-priority job
+preempts a whole low-priority gang, which resumes later uncharged; a virtual cluster borrows
+idle capacity and another reclaims it; a quota that may not be exceeded holds; fair share
+between two users of one VC. Waits are bounded and generous (the machine may be busy); no
+verdict depends on timing: each step waits for the state it needs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from shared import bus, client, subjects
+from shared.messages import AttemptRecord, JobEventKind, JobRecord, JobState, KillRequest, TaskState
+from shared.natsserver import NatsServer
+from tests.test_jobs import role
+from tests.test_sim import SimCluster, wait_nodes
+
+
+class Bench:
+    def __init__(self, cluster: SimCluster, nc) -> None:
+        self.cluster, self.nc, self.js = cluster, nc, nc.jetstream()
+
+    async def vc(self, name: str, v100: int, **kw: object) -> None:
+        kv = await self.js.key_value(subjects.VCS_BUCKET)
+        await kv.put(name, json.dumps({"name": name, "quota": {"gpus": {"V100": v100}}, **kw}).encode())
+
+    async def submit(
+        self, name: str, gpus: int, tasks: int = 1, user: str = "alice", seconds: float = 600, **kw
+    ):
+        config = {
+            "jobName": name,
+            "image": "img",
+            "gpuType": "V100",
+            "taskRoles": [role("worker", tasks, "python train.py", cpu=1, mem=1024, gpu=gpus)],
+            "extras": {"sim": {"seconds": seconds}},
+            **kw,
+        }
+        _, verdict = await client.submit(self.nc, json.dumps(config).encode(), user=user, timeout=30)
+        assert verdict is not None and verdict.accepted, verdict
+        return verdict.job_id
+
+    async def job(self, job_id: str) -> JobRecord:
+        kv = await self.js.key_value(subjects.JOBS_BUCKET)
+        return JobRecord.from_bytes((await kv.get(job_id)).value)
+
+    async def attempt(self, job_id: str, n: int) -> AttemptRecord | None:
+        kv = await self.js.key_value(subjects.ATTEMPTS_BUCKET)
+        try:
+            return AttemptRecord.from_bytes((await kv.get(f"{job_id}.{n}")).value)
+        except Exception:
+            return None
+
+    async def until(self, what: str, check: Callable[[], object], timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while not await check():  # type: ignore[misc]
+            assert time.monotonic() < deadline, f"{what}: not within {timeout}s\n{self.cluster.logs()}"
+            await asyncio.sleep(0.2)
+
+    async def running(self, job_id: str, n: int = 1) -> bool:
+        a = await self.attempt(job_id, n)
+        return a is not None and not a.ended and all(t.state == TaskState.RUNNING for t in a.tasks)
+
+    async def kill(self, job_id: str, user: str = "alice") -> None:
+        await self.js.publish(
+            subjects.kill_request(user), KillRequest(job_id=job_id, user=user, grace=0).to_bytes()
+        )
+
+    async def events(self, job_id: str) -> list[str]:
+        sub = await self.js.subscribe(subjects.job_events(job_id), ordered_consumer=True)
+        kinds = []
+        try:
+            while True:
+                msg = await sub.next_msg(timeout=1)
+                kinds.append(json.loads(msg.data)["kind"])
+        except Exception:
+            return kinds
+        finally:
+            await sub.unsubscribe()
+
+
+@pytest.fixture
+async def bench(tmp_path: Path, monkeypatch) -> AsyncIterator[Bench]:
+    """The control plane as processes and one sim node of 4 V100s; a 1 s preemption grace."""
+    monkeypatch.setenv("MUSTER_PREEMPT_GRACE", "1")
+    with NatsServer(tmp_path / "nats") as server:
+        cluster = SimCluster(server.url, tmp_path)
+        try:
+            cluster.core()
+            cluster.sim("sim", 1, "--gpus", "4xV100")
+            nc = await bus.connect("test", server.url)
+            try:
+                assert len(await wait_nodes(nc, "sim", 1)) == 1, cluster.logs()
+                await bus.ensure_jetstream(nc)
+                yield Bench(cluster, nc)
+            finally:
+                await nc.close()
+        finally:
+            cluster.stop_all()
+
+
+async def test_a_high_priority_job_preempts_a_whole_low_gang_which_resumes_uncharged(bench):
+    # The low gang takes all 4 GPUs (2 tasks × 2); the high job needs only 2, but a gang is
+    # stopped whole or not at all. retryCount 0: a charged retry would fail the low job.
+    low = await bench.submit("low", gpus=2, tasks=2, priority="low", retryCount=0)
+    await bench.until("the low gang runs", lambda: bench.running(low))
+    high = await bench.submit("high", gpus=2, priority="high", seconds=2)
+
+    async def preempted() -> bool:
+        a = await bench.attempt(low, 1)
+        return a is not None and a.ended and all(t.state.ended for t in a.tasks)
+
+    await bench.until("the low gang is stopped", preempted)
+    first = await bench.attempt(low, 1)
+    assert first.preempted_by == high and first.rule.startswith(f"preempted by {high} (high priority")
+    assert {t.state for t in first.tasks} == {TaskState.STOPPED}
+    # The high job runs and ends; the low job then runs again, as attempt 2, uncharged.
+    await bench.until("the high job succeeds", lambda: _final(bench, high, JobState.SUCCEEDED))
+    await bench.until("the low job runs again", lambda: bench.running(low, 2))
+    record = await bench.job(low)
+    assert record.state == JobState.RUNNING and record.attempt == 2
+    assert record.retries == 0 and record.platform_retries == 0
+    assert JobEventKind.PREEMPTED in await bench.events(low)
+    # No preemption loop: the high job ran once, the low job's second attempt is left alone.
+    assert (await bench.job(high)).attempt == 1
+    await asyncio.sleep(2)
+    second = await bench.attempt(low, 2)
+    assert second is not None and not second.ended and second.preempted_by is None
+    # Equal priority never preempts: a second low job waits for room.
+    other = await bench.submit("other-low", gpus=2, priority="low")
+    await bench.until("it waits with a reason", lambda: _reason(bench, other))
+    assert await bench.attempt(other, 1) is None and not (await bench.attempt(low, 2)).ended
+
+
+async def test_a_vc_borrows_idle_gpus_and_another_reclaims_them(bench):
+    await bench.vc("a", 2)
+    await bench.vc("b", 2)
+    a1 = await bench.submit("a1", gpus=2, virtualCluster="a")
+    await bench.until("a1 runs", lambda: bench.running(a1))
+    a2 = await bench.submit("a2", gpus=2, virtualCluster="a")  # beyond a's quota, on idle GPUs
+    await bench.until("a2 runs on borrowed GPUs", lambda: bench.running(a2))
+    assert not (await bench.attempt(a1, 1)).borrowed and (await bench.attempt(a2, 1)).borrowed
+    # b's job within b's quota finds no free GPU: a's borrowed gang is reclaimed, not a1.
+    b1 = await bench.submit("b1", gpus=2, user="bob", virtualCluster="b")
+    await bench.until("b1 runs", lambda: bench.running(b1))
+    reclaimed = await bench.attempt(a2, 1)
+    assert reclaimed.preempted_by == b1 and "virtual cluster b reclaims" in reclaimed.rule
+    assert not (await bench.attempt(a1, 1)).ended
+    # a2 waits again, uncharged; with no idle GPU left it does not run.
+    await bench.until("a2 waits", lambda: _state(bench, a2, JobState.WAITING))
+    await asyncio.sleep(2)
+    assert await bench.attempt(a2, 2) is None and (await bench.job(a2)).retries == 0
+    # Once b's job is gone, a2 borrows again.
+    await bench.kill(b1, "bob")
+    await bench.until("a2 runs again", lambda: bench.running(a2, 2))
+
+
+async def test_a_quota_that_may_not_be_exceeded_holds(bench):
+    await bench.vc("hard", 2, borrow=False)
+    h1 = await bench.submit("h1", gpus=2, virtualCluster="hard")
+    await bench.until("h1 runs", lambda: bench.running(h1))
+    h2 = await bench.submit("h2", gpus=1, virtualCluster="hard")
+    await bench.until("h2 waits for the quota", lambda: _reason(bench, h2, "virtual cluster hard's quota"))
+    await asyncio.sleep(2)  # 2 GPUs are idle, but not hard's to take
+    assert await bench.attempt(h2, 1) is None
+    # Another VC's job takes them.
+    d1 = await bench.submit("d1", gpus=2, user="bob")
+    await bench.until("d1 runs", lambda: bench.running(d1))
+    # The quota is changed at run time: h2 may go once there is room.
+    await bench.vc("hard", 3, borrow=False)
+    await bench.kill(d1, "bob")
+    await bench.until("h2 runs", lambda: bench.running(h2))
+
+
+async def test_fair_share_between_two_users_of_one_vc(bench):
+    await bench.vc("team", 4)
+    alice = [await bench.submit(f"alice{i}", gpus=1, virtualCluster="team") for i in range(4)]
+    for j in alice:
+        await bench.until(f"{j} runs", lambda j=j: bench.running(j))
+    # alice holds all 4; she queues two more, then bob one.
+    later = [await bench.submit(f"alice-more{i}", gpus=1, virtualCluster="team") for i in range(2)]
+    bob = await bench.submit("bob1", gpus=1, user="bob", virtualCluster="team")
+    for j in [*later, bob]:
+        await bench.until(f"{j} waits", lambda j=j: _reason(bench, j))
+    # One GPU comes free: bob (holding nothing) goes before alice's earlier submissions.
+    await bench.kill(alice[0])
+    await bench.until("bob's job runs", lambda: bench.running(bob))
+    await asyncio.sleep(1)
+    assert [await bench.attempt(j, 1) for j in later] == [None, None]
+
+
+async def _final(bench: Bench, job_id: str, state: JobState) -> bool:
+    record = await bench.job(job_id)
+    assert not record.state.final or record.state == state, record
+    return record.state == state
+
+
+async def _state(bench: Bench, job_id: str, state: JobState) -> bool:
+    return (await bench.job(job_id)).state == state
+
+
+async def _reason(bench: Bench, job_id: str, has: str = "") -> bool:
+    record = await bench.job(job_id)
+    return (
+        record.state == JobState.WAITING
+        and record.reason != "waiting for a scheduler"
+        and has in record.reason
+    )
