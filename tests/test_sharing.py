@@ -144,6 +144,12 @@ async def test_a_vc_borrows_idle_gpus_and_another_reclaims_them(bench):
     a2 = await bench.submit("a2", gpus=2, virtualCluster="a")  # beyond a's quota, on idle GPUs
     await bench.until("a2 runs on borrowed GPUs", lambda: bench.running(a2))
     assert not (await bench.attempt(a1, 1)).borrowed and (await bench.attempt(a2, 1)).borrowed
+    # What `muster vc` shows, from the gateway.
+    rows = {r["name"]: r for r in (await client.ask(bench.nc, "vcs"))["vcs"]}
+    assert list(rows) == ["default", "a", "b"]
+    assert rows["a"]["quota"].startswith("2 v100") and rows["a"]["used"].startswith("4 v100")
+    assert rows["a"]["borrowed"].startswith("2 v100") and rows["a"]["running"] == 2
+    assert rows["default"]["quota"].startswith("0 v100") and rows["b"]["used"].startswith("0 GPUs")
     # b's job within b's quota finds no free GPU: a's borrowed gang is reclaimed, not a1.
     b1 = await bench.submit("b1", gpus=2, user="bob", virtualCluster="b")
     await bench.until("b1 runs", lambda: bench.running(b1))

@@ -14,6 +14,8 @@ Verbs (JSON in, JSON out; every answer is `{"error": ..., "code": ...}` or the r
 - `logs` `{"job_id", "attempt", "task", "after", "limit"}`: output lines after stream sequence
   `after`, at most `limit` (and 512 KiB) per answer, with `more` when there are others.
 - `events` `{"job_id", "after", "limit"}`: the job's history, paged the same way.
+- `vcs`: every virtual cluster: its quota, what it holds (and of that, borrowed beyond the quota),
+  its jobs running and waiting. Totals only: anyone may ask.
 """
 
 from __future__ import annotations
@@ -38,9 +40,20 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter
 from pydantic import ValidationError
 
+from services.scheduler import placement, quota
 from shared import bus, subjects
 from shared.auth import NAME_RE
-from shared.messages import AttemptRecord, JobRecord, Question, Verdict, attempt_key
+from shared.messages import (
+    AttemptRecord,
+    JobRecord,
+    JobState,
+    NodeInfo,
+    Question,
+    Verdict,
+    VirtualCluster,
+    attempt_key,
+    node_refusal,
+)
 from shared.store import Store
 
 log = structlog.get_logger(service="gateway")
@@ -81,6 +94,10 @@ class Gateway:
         self.attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
         self.view: dict[str, Listed] = {}
         self.synced = asyncio.Event()
+        self.kv_vcs = Store(buckets[subjects.VCS_BUCKET], VirtualCluster)
+        self.kv_nodes = Store(buckets[subjects.NODES_BUCKET], NodeInfo, check=node_refusal)
+        self.vcs: dict[str, VirtualCluster] = {}
+        self.vcs_synced = asyncio.Event()
         self.running: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -90,6 +107,7 @@ class Gateway:
 
     async def run(self, stop: asyncio.Event) -> None:
         mirror = asyncio.create_task(self.jobs.mirror(self.view, self.synced, keep=Listed.of))
+        vcs = asyncio.create_task(self.kv_vcs.mirror(self.vcs, self.vcs_synced))
         # A queue group: replicas share the questions.
         sub = await self.nc.subscribe(subjects.api("*", "*"), queue="gateway", cb=self._take)
         try:
@@ -98,6 +116,7 @@ class Gateway:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
             mirror.cancel()
+            vcs.cancel()
             if self.running:
                 await asyncio.wait(list(self.running), timeout=5)
 
@@ -193,6 +212,64 @@ class Gateway:
         )
         return {"events": events, "last": last, "more": more, "final": record.state.final}
 
+    async def virtual_clusters(self, who: str, request: Question) -> dict[str, Any]:
+        """Per VC: quota (`default`'s is what the others leave of the registered nodes), used
+        and borrowed (by live tasks' GPU models), jobs running and waiting."""
+        await asyncio.wait_for(asyncio.gather(self.synced.wait(), self.vcs_synced.wait()), 10)
+        nodes = {name: info async for name, info in self.kv_nodes.items()}
+        capacity = quota.capacity_of(placement.NodeState.from_info(n) for n in nodes.values())
+        limits = quota.limits(self.vcs, capacity)
+
+        def model_of(node: str, index: int) -> str | None:
+            info = nodes.get(node)
+            return next((d.model for d in info.gpus if d.index == index), None) if info else None
+
+        rows: dict[str, dict[str, Any]] = {}
+
+        def row(name: str) -> dict[str, Any]:
+            if name not in rows:
+                rows[name] = {"used": quota.Amount(), "borrowed": quota.Amount(), "running": 0, "waiting": 0}
+            return rows[name]
+
+        for name in limits:
+            row(name)
+        for listed in list(self.view.values()):
+            record = self.jobs.decode(listed.job_id, listed.data)
+            if record is None or record.state.final:
+                continue
+            r = row(record.config.virtualCluster)
+            r["waiting" if record.state == JobState.WAITING else "running"] += 1
+            attempt = (
+                await self.attempts.get(attempt_key(record.job_id, record.attempt))
+                if record.attempt
+                else None
+            )
+            if attempt is None:
+                continue
+            live = [t.spec() for t in attempt.tasks if not t.state.ended]
+            use = quota.held(record.config, live, model_of)
+            r["used"].add(use)
+            if attempt.borrowed:
+                r["borrowed"].add(use)
+        out = []
+        for name in sorted(rows, key=lambda n: (n != quota.DEFAULT_VC, n)):
+            vc, lim, r = self.vcs.get(name), limits.get(name), rows[name]
+            out.append(
+                {
+                    "name": name,
+                    "configured": vc is not None,
+                    "quota": lim.shown() if lim else "none (the VC was removed)",
+                    "borrow": lim.borrow if lim else False,
+                    "users": vc.users if vc else ["*"],
+                    "max_priority": vc.max_priority if vc else "high",
+                    "used": r["used"].shown(),
+                    "borrowed": r["borrowed"].shown(),
+                    "running": r["running"],
+                    "waiting": r["waiting"],
+                }
+            )
+        return {"vcs": out}
+
     async def page(
         self, stream: str, subject: str, after: int, limit: int, render: Callable[[Msg], Any]
     ) -> tuple[list[Any], int, bool]:
@@ -254,4 +331,5 @@ class Gateway:
         "verdict": verdict,
         "logs": logs,
         "events": events,
+        "vcs": virtual_clusters,
     }
