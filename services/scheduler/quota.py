@@ -160,6 +160,7 @@ class Running:
     borrowed: bool
     lost: float  # GPU-seconds (task-seconds for CPU tasks) it has run: what stopping it loses
     stopping: bool = False  # ended or preempted already, its tasks not yet stopped: no victim
+    preempted_by: str | None = None  # the job it is being stopped for
 
 
 @dataclass

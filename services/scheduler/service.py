@@ -86,7 +86,6 @@ class Scheduler:
         self.kv_attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
         self.kv_vcs = Store(buckets[subjects.VCS_BUCKET], VirtualCluster)
         self.vcs: dict[str, VirtualCluster] = {}
-        self.preempting: dict[str, set[str]] = {}  # waiting job -> attempts stopped to make room for it
         self.secrets = buckets[subjects.SECRETS_BUCKET]
         self.leases = buckets[subjects.LEASES_BUCKET]
         self.identity = uuid.uuid4().hex[:12]
@@ -275,17 +274,15 @@ class Scheduler:
         running: list[quota.Running],
     ) -> None:
         """The first waiting job (in queue order) that cannot run now but would if some gangs
-        stopped gets them stopped; one preemption per cycle, none while an earlier one for the
-        same job is still stopping."""
-        live = {r.key for r in running}
-        for job_id in list(self.preempting):
-            self.preempting[job_id] &= live
-            if not self.preempting[job_id] or job_id not in plan.pending:
-                del self.preempting[job_id]
-        if any(self.preempting.values()):
-            for job_id, keys in self.preempting.items():
-                if job_id in plan.pending:
-                    plan.pending[job_id] = f"waiting for {len(keys)} preempted gang(s) to stop"
+        stopped gets them stopped. None while any gang is still stopping (preempted, or ended and
+        tearing down): what it frees may be enough, and choosing more victims before it is
+        would stop more than needed. Read from the records, so a new leader keeps to it too."""
+        stopping = [r for r in running if r.stopping]
+        if stopping:
+            for job_id in plan.pending:
+                n = sum(1 for r in stopping if r.preempted_by == job_id)
+                if n:
+                    plan.pending[job_id] = f"waiting for {n} preempted gang(s) to stop"
             return
         tried = 0
         for job, _ in waiting:
@@ -306,7 +303,6 @@ class Scheduler:
             victims = quota.choose_victims(self.view.cluster, self.view.capacity, w, options)
             if not victims:
                 continue
-            self.preempting[job.job_id] = {v.key for v in victims}
             await asyncio.gather(*(self._preempt(job, v) for v in victims))
             plan.pending[job.job_id] = (
                 f"preempted {', '.join(v.job_id for v in victims)} to make room; waiting for them to stop"

@@ -327,6 +327,7 @@ class View:
                     borrowed=record.borrowed,
                     lost=lost,
                     stopping=record.preempted_by is not None or record.ended,
+                    preempted_by=record.preempted_by,
                 )
             )
         return out
