@@ -468,6 +468,11 @@ class VirtualCluster(Message):
         return "*" in self.users or user in self.users
 
 
+def vc_refusal(key: str, vc: VirtualCluster) -> str | None:
+    """A VC record is believed only under its own name (the key is the name a job gives)."""
+    return None if vc.name == key else f"stored under {key!r} but names {vc.name!r}"
+
+
 class Question(Message):
     """A user's question to the gateway, on `muster.api.<user>.<verb>` (request/reply): which
     fields matter depends on the verb (jobs: none; job: ref; verdict: sid; logs: job_id, attempt,

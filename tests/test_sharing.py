@@ -150,6 +150,11 @@ async def test_a_vc_borrows_idle_gpus_and_another_reclaims_them(bench):
     assert rows["a"]["quota"].startswith("2 v100") and rows["a"]["used"].startswith("4 v100")
     assert rows["a"]["borrowed"].startswith("2 v100") and rows["a"]["running"] == 2
     assert rows["default"]["quota"].startswith("0 v100") and rows["b"]["used"].startswith("0 GPUs")
+    shown = await asyncio.to_thread(bench.cluster.cli, "vc")
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0].split() == ["VC", "QUOTA", "USED", "BORROWED", "RUNNING", "WAITING"]
+    assert lines[2].split()[0] == "a" and lines[2].split()[-2:] == ["2", "0"] and "2 v100" in lines[2]
     # b's job within b's quota finds no free GPU: a's borrowed gang is reclaimed, not a1.
     b1 = await bench.submit("b1", gpus=2, user="bob", virtualCluster="b")
     await bench.until("b1 runs", lambda: bench.running(b1))

@@ -1,4 +1,4 @@
-"""The `muster` command: up, submit, status, kill, drain, logs, validate, admin init.
+"""The `muster` command: up, submit, status, kill, drain, logs, validate, admin (init, user, keys, vc).
 
 Exit codes: 0 success; 1 the job did not succeed (`submit --wait`) or an operational failure
 (bus unreachable, Muster not set up on it); 2 the config was rejected, the job can never run
@@ -34,8 +34,10 @@ from shared.subjects import Headers
 # The models (pydantic) are imported where a command needs them, not here: `muster submit`
 # needs none, and importing them is most of a start-up otherwise (docs/BENCHMARKS.md).
 if TYPE_CHECKING:
+    from nats.js.kv import KeyValue
+
     from services.agent.sim import SimSetup
-    from shared.messages import AttemptRecord, JobRecord
+    from shared.messages import AttemptRecord, JobRecord, VirtualCluster
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
 
@@ -372,6 +374,8 @@ def attempt_line(a: AttemptRecord) -> str:
     text = f"attempt {a.attempt}: {a.placed_at:%Y-%m-%d %H:%M:%S} on {nodes}"
     if a.ended_at:
         text += f", ended {a.ended_at:%H:%M:%S} {a.outcome}: {a.rule}"
+    if a.borrowed:
+        text += " [borrowed capacity]"
     if a.failure:
         text += f" [{a.failure.kind} failure]"
     if a.charged is not None:
@@ -381,6 +385,27 @@ def attempt_line(a: AttemptRecord) -> str:
 
 def _retry_text(n: int) -> str:
     return {-1: "retry failures without limit", -2: "always restart until killed"}.get(n, str(n))
+
+
+# ---------------------------------------------------------------- vc
+
+
+async def vc_status(args: argparse.Namespace) -> int:
+    """Every virtual cluster, from the gateway: quota, used (and borrowed beyond the quota),
+    jobs running and waiting (docs/sharing.md)."""
+    nc = await connect(args.connect_timeout)
+    try:
+        rows = (await ask(nc, "vcs"))["vcs"]
+    finally:
+        await nc.close()
+    if args.json:
+        out(json.dumps(rows, indent=2))
+        return EXIT_OK
+    table = [("VC", "QUOTA", "USED", "BORROWED", "RUNNING", "WAITING")]
+    for r in rows:
+        table.append((r["name"], r["quota"], r["used"], r["borrowed"], str(r["running"]), str(r["waiting"])))
+    out(columns(table))
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------- kill
@@ -583,6 +608,159 @@ def admin_keys(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# ---------------------------------------------------------------- admin vc
+
+VC_FLAGS = {  # a VirtualCluster field -> the flag that sets it
+    "name": "NAME",
+    "quota.gpus": "--gpus",
+    "quota.cpus": "--cpus",
+    "quota.memory_mb": "--memory-mb",
+    "users": "--users",
+    "max_priority": "--max-priority",
+    "borrow": "--no-borrow",
+}
+
+
+def vc_record(args: argparse.Namespace) -> VirtualCluster:
+    """The record `muster admin vc set` writes (the whole record: a flag left out takes its
+    default); a bad value is a CliError(2) naming its flag."""
+    from pydantic import ValidationError
+
+    from services.agent.inventory import parse_gpus
+    from shared.jobconfig import _reason, format_path
+    from shared.messages import VirtualCluster
+
+    gpus: dict[str, int] = {}
+    if args.gpus is not None:
+        try:
+            devices = parse_gpus(args.gpus)
+        except ValueError as exc:
+            raise CliError(f"--gpus {args.gpus!r}: {exc}", EXIT_INVALID) from None
+        for d in devices:
+            gpus[d.model] = gpus.get(d.model, 0) + 1
+    users = [u.strip() for u in args.users.split(",") if u.strip()]
+    if not users:
+        raise CliError(f"--users {args.users!r}: name at least one user, or '*' for everyone", EXIT_INVALID)
+    for u in users:
+        if u != "*" and not auth.NAME_RE.match(u):
+            raise CliError(
+                f"--users {args.users!r}: {u!r} is not a user name (letters, digits, '_', '-'; "
+                "or '*' for everyone)",
+                EXIT_INVALID,
+            )
+    quota = {"gpus": gpus, "cpus": args.cpus, "memory_mb": args.memory_mb}
+    try:
+        return VirtualCluster.model_validate(
+            {
+                "name": args.name,
+                "quota": quota,
+                "users": users,
+                "max_priority": args.max_priority,
+                "borrow": not args.no_borrow,
+            }
+        )
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        loc = tuple(first["loc"])
+        field = format_path(loc[:2] if loc[0] == "quota" else loc[:1])
+        raise CliError(f"{VC_FLAGS.get(field, field)}: {_reason(first)}", EXIT_INVALID) from None
+
+
+def vc_quota_text(vc: VirtualCluster) -> str:
+    q = vc.quota
+    parts = [",".join(f"{n}x{m}" for m, n in q.gpus.items()) if q.gpus else "0 GPUs"]
+    if q.cpus is not None:
+        parts.append(f"{q.cpus} CPUs")
+    if q.memory_mb is not None:
+        parts.append(f"{q.memory_mb} MB")
+    return ", ".join(parts)
+
+
+def vc_row(vc: VirtualCluster) -> tuple[str, ...]:
+    return (
+        vc.name,
+        vc_quota_text(vc),
+        ",".join(vc.users),
+        vc.max_priority,
+        "yes" if vc.borrow else "no",
+    )
+
+
+async def vc_bucket(nc: NATS) -> KeyValue:
+    """The VCs bucket, as an admin (the server lets no one else write it)."""
+    if client.asker(nc) != subjects.ALL:
+        raise CliError("managing virtual clusters takes an admin identity")
+    try:
+        return await nc.jetstream(timeout=10).key_value(subjects.VCS_BUCKET)
+    except NotFoundError:
+        raise CliError(
+            f"bucket {subjects.VCS_BUCKET} is missing on this NATS: run `muster admin init`"
+        ) from None
+
+
+async def admin_vc(args: argparse.Namespace) -> int:
+    """`muster admin vc set|remove|list`: the virtual clusters in bucket muster_vcs. The
+    validators watch it: a change applies to the next submission, no restart."""
+    from nats.js.errors import KeyNotFoundError, NoKeysError
+
+    from shared.messages import VirtualCluster
+
+    if args.action != "list" and not auth.NAME_RE.match(args.name):  # the same as a VC name's
+        raise CliError(
+            f"NAME {args.name!r}: a virtual cluster's name starts with a letter or digit and has "
+            "only letters, digits, '_' and '-' (64 at most)",
+            EXIT_INVALID,
+        )
+    record = vc_record(args) if args.action == "set" else None  # refused before connecting
+    nc = await connect(args.connect_timeout)
+    try:
+        kv = await vc_bucket(nc)
+        if record is not None:
+            await kv.put(record.name, record.to_bytes())
+            out(
+                f"{record.name}: set — quota {vc_quota_text(record)}; users {','.join(record.users)}; "
+                f"max priority {record.max_priority}; {'may' if record.borrow else 'may not'} borrow"
+            )
+            return EXIT_OK
+        if args.action == "remove":
+            try:
+                await kv.get(args.name)
+            except KeyNotFoundError:
+                raise CliError(f"no virtual cluster {args.name!r}", EXIT_INVALID) from None
+            await kv.purge(args.name)
+            after = "open to everyone again" if args.name == "default" else "new jobs naming it are refused"
+            out(f"{args.name}: removed (its jobs go on; {after})")
+            return EXIT_OK
+        try:
+            keys = sorted(await kv.keys(), key=lambda k: (k != "default", k))
+        except NoKeysError:
+            keys = []
+        records: list[VirtualCluster] = []
+        rows: list[tuple[str, ...]] = [("NAME", "QUOTA", "USERS", "MAX PRIORITY", "BORROW")]
+        for key in keys:
+            try:
+                entry = await kv.get(key)
+                vc = VirtualCluster.model_validate_json(entry.value or b"")
+                if vc.name != key:
+                    raise ValueError(f"names {vc.name!r}")
+            except KeyNotFoundError:
+                continue  # removed in between
+            except ValueError:  # pydantic's ValidationError is one
+                rows.append((key, "(does not decode: ignored)", "-", "-", "-"))
+                continue
+            records.append(vc)
+            rows.append(vc_row(vc))
+        if args.json:
+            out(json.dumps([vc.model_dump(mode="json") for vc in records], indent=2))
+            return EXIT_OK
+        if "default" not in keys:
+            rows.insert(1, ("default", "what the others leave", "*", "high", "yes"))
+        out(columns(rows))
+        return EXIT_OK
+    finally:
+        await nc.close()
+
+
 # ---------------------------------------------------------------- up
 
 
@@ -769,6 +947,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--events", action="store_true", help="with JOB: its history, event by event")
     s.set_defaults(func=lambda a: asyncio.run(status(a)))
 
+    s = sub.add_parser(
+        "vc", help="virtual clusters: quota, what each holds and borrows, jobs running and waiting"
+    )
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=lambda a: asyncio.run(vc_status(a)))
+
     s = sub.add_parser("kill", help="stop a job: SIGTERM, SIGKILL after the grace; it is not retried")
     s.add_argument("job")
     s.add_argument("--grace", type=SECONDS, default=10.0, help="seconds between SIGTERM and SIGKILL")
@@ -793,7 +977,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_validate)
 
     s = sub.add_parser("admin", help="set up a NATS for Muster; manage who may use it")
-    admin = s.add_subparsers(dest="admin_command", metavar="{init,user,keys}", required=True)
+    admin = s.add_subparsers(dest="admin_command", metavar="{init,user,keys,vc}", required=True)
     s = admin.add_parser("init", help="declare or update every stream and bucket from this shell's settings")
     s.set_defaults(func=lambda a: asyncio.run(admin_init(a)))
     s = admin.add_parser("user", help="add, rotate, remove or list identities (then the server reloads)")
@@ -817,10 +1001,38 @@ def parser() -> argparse.ArgumentParser:
         "any node)",
     )
     s.set_defaults(func=admin_keys)
+    s = admin.add_parser("vc", help="set, remove or list virtual clusters: who may submit to them, quotas")
+    vc = s.add_subparsers(dest="action", metavar="{set,remove,list}", required=True)
+    s = vc.add_parser(
+        "set",
+        help="write a virtual cluster's whole record (a flag left out takes its default); "
+        "applies to the next submission",
+    )
+    s.add_argument("name", metavar="NAME")
+    s.add_argument("--gpus", help="guaranteed GPUs per model, e.g. 4xV100,2xT4 (default: none)")
+    s.add_argument("--cpus", type=int, help="guaranteed CPUs (default: not limited by the quota)")
+    s.add_argument("--memory-mb", type=int, help="guaranteed memory (default: not limited by the quota)")
+    s.add_argument("--users", default="*", help="who may submit to it: alice,bob or '*' (default: everyone)")
+    s.add_argument(
+        "--max-priority",
+        choices=("low", "normal", "high"),
+        default="high",
+        help="the highest priority its jobs may ask for (default: high)",
+    )
+    s.add_argument(
+        "--no-borrow", action="store_true", help="its jobs never run beyond its quota on idle capacity"
+    )
+    s = vc.add_parser("remove", help="remove a virtual cluster's record (its jobs go on)")
+    s.add_argument("name", metavar="NAME")
+    s = vc.add_parser("list", help="a table of the virtual clusters")
+    s.add_argument("--json", action="store_true", help="the stored records as JSON")
+    for s in vc.choices.values():
+        s.set_defaults(func=lambda a: asyncio.run(admin_vc(a)))
 
     for s in (
-        *(sub.choices[n] for n in ("submit", "status", "logs", "kill", "drain")),
+        *(sub.choices[n] for n in ("submit", "status", "vc", "logs", "kill", "drain")),
         admin.choices["init"],
+        *vc.choices.values(),
     ):
         s.add_argument(
             "--connect-timeout", type=TIMEOUT, default=2.0, help="seconds to keep trying to reach NATS"

@@ -53,6 +53,7 @@ from shared.messages import (
     VirtualCluster,
     attempt_key,
     node_refusal,
+    vc_refusal,
 )
 from shared.store import Store
 
@@ -94,7 +95,7 @@ class Gateway:
         self.attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
         self.view: dict[str, Listed] = {}
         self.synced = asyncio.Event()
-        self.kv_vcs = Store(buckets[subjects.VCS_BUCKET], VirtualCluster)
+        self.kv_vcs = Store(buckets[subjects.VCS_BUCKET], VirtualCluster, check=vc_refusal)
         self.kv_nodes = Store(buckets[subjects.NODES_BUCKET], NodeInfo, check=node_refusal)
         self.vcs: dict[str, VirtualCluster] = {}
         self.vcs_synced = asyncio.Event()

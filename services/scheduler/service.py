@@ -52,6 +52,7 @@ from shared.messages import (
     VirtualCluster,
     node_refusal,
     now,
+    vc_refusal,
 )
 from shared.store import Store
 from shared.subjects import Headers
@@ -84,7 +85,7 @@ class Scheduler:
         self.kv_nodes = Store(buckets[subjects.NODES_BUCKET], NodeInfo, check=node_refusal)
         self.kv_jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord)
         self.kv_attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
-        self.kv_vcs = Store(buckets[subjects.VCS_BUCKET], VirtualCluster)
+        self.kv_vcs = Store(buckets[subjects.VCS_BUCKET], VirtualCluster, check=vc_refusal)
         self.vcs: dict[str, VirtualCluster] = {}
         self.secrets = buckets[subjects.SECRETS_BUCKET]
         self.leases = buckets[subjects.LEASES_BUCKET]

@@ -22,6 +22,12 @@ Limits on tasks per job and live tasks per user are in `limits.py`; each user's 
 counted from a view of the jobs bucket kept by a KV watcher (records that do not decode are
 skipped), so judging a submission scans nothing. Replicas each keep their own view, so
 submissions judged at the same moment by two replicas may pass the per-user limit by one job.
+
+Virtual clusters are the operator's (`muster admin vc set`, bucket `muster_vcs`), watched the
+same way and changeable at run time: a job naming a VC that has no record (other than `default`,
+which every user may use at any priority unless a record of that name says otherwise), or one
+that does not admit its submitter, is refused on `virtualCluster`; a priority above the VC's
+`max_priority` is refused on `priority`. A redelivered submission keeps the verdict its job got.
 """
 
 from __future__ import annotations
@@ -44,9 +50,19 @@ from prometheus_client import Counter, Histogram
 
 from services.validator import limits
 from shared import auth, bus, hostpaths, subjects
-from shared.jobconfig import NAME_RE, FieldError, JobConfig, check_job, split_secrets
+from shared.jobconfig import NAME_RE, FieldError, JobConfig, check_job, rank, split_secrets
 from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
-from shared.messages import JobEvent, JobEventKind, JobRecord, JobState, Verdict, job_id_for, now
+from shared.messages import (
+    JobEvent,
+    JobEventKind,
+    JobRecord,
+    JobState,
+    Verdict,
+    VirtualCluster,
+    job_id_for,
+    now,
+    vc_refusal,
+)
 from shared.store import Store
 from shared.subjects import Headers
 
@@ -57,6 +73,8 @@ LATENCY = Histogram("muster_validator_seconds", "Time to judge one submission")
 # retried forever (a poison message must not block the queue).
 MAX_DELIVERIES = 5
 PARALLEL = int(os.environ.get("MUSTER_VALIDATOR_PARALLEL", "64"))  # submissions judged at once
+DEFAULT_VC = "default"  # exists without a record: every user, any priority
+IMPLICIT_DEFAULT = VirtualCluster(name=DEFAULT_VC)
 
 log = structlog.get_logger(service="validator")
 
@@ -67,6 +85,9 @@ class Validator:
         self.jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord)
         self.names = buckets[subjects.JOB_NAMES_BUCKET]
         self.secrets = buckets[subjects.SECRETS_BUCKET]
+        self.vc_store = Store(buckets[subjects.VCS_BUCKET], VirtualCluster, check=vc_refusal)
+        self.vcs: dict[str, VirtualCluster] = {}  # the VCs bucket as a watcher keeps it
+        self.vcs_synced = asyncio.Event()
         self.claim_timeout = claim_timeout()
         self.limits = limits.Limits.from_env()
         # Where dir fields may point, when known here (else the agents judge at launch).
@@ -82,15 +103,17 @@ class Validator:
         return cls(nc, js, buckets)
 
     async def run(self, stop: asyncio.Event) -> None:
-        watching = asyncio.create_task(
-            self.jobs.mirror(self.view, self.synced, self.job_changed, limits.Live.of)
-        )
+        watching = [
+            asyncio.create_task(self.jobs.mirror(self.view, self.synced, self.job_changed, limits.Live.of)),
+            asyncio.create_task(self.vc_store.mirror(self.vcs, self.vcs_synced)),
+        ]
         try:
-            # Judge nothing before every user's live tasks are known.
-            waits = [asyncio.ensure_future(e.wait()) for e in (self.synced, stop)]
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for w in waits:
-                w.cancel()
+            # Judge nothing before every user's live tasks and every virtual cluster are known.
+            ready = asyncio.ensure_future(asyncio.gather(self.synced.wait(), self.vcs_synced.wait()))
+            stopped = asyncio.ensure_future(stop.wait())
+            await asyncio.wait((ready, stopped), return_when=asyncio.FIRST_COMPLETED)
+            ready.cancel()
+            stopped.cancel()
             sub = await bus.durable(
                 self.js,
                 subjects.SUBMIT,
@@ -103,7 +126,8 @@ class Validator:
             # a job name is claimed atomically, so order between them does not matter.
             await bus.consume(sub, self.handle, stop, log, self.batch, parallel=PARALLEL)
         finally:
-            watching.cancel()
+            for watcher in watching:
+                watcher.cancel()
 
     def job_changed(self, job_id: str) -> None:
         self.live.update(job_id, self.view.get(job_id))
@@ -184,7 +208,8 @@ class Validator:
             if record_digest(existing) != digest:
                 return await self.reject(sid, user, config.jobName, [reused(job_id)], data)
             return await self.accept(existing, data)
-        errors = limits.check(config.total_tasks, user, self.live.of(user), self.limits)
+        errors = check_vc(config, user, self.vcs)
+        errors += limits.check(config.total_tasks, user, self.live.of(user), self.limits)
         errors += hostpaths.check_dirs(config, user, self.roots) if self.roots else []
         if errors:
             return await self.reject(sid, user, config.jobName, errors, data)
@@ -348,6 +373,28 @@ class Validator:
             verdict.to_bytes(),
             headers={Headers.MSG_ID: f"verdict:{verdict.submission_id}:{payload_id}"},
         )
+
+
+def check_vc(config: JobConfig, user: str, vcs: dict[str, VirtualCluster]) -> list[FieldError]:
+    """The errors of `user` submitting `config` to its virtual cluster, given the configured VCs
+    (`default` needs no record: everyone, up to high priority; a record named so overrides it)."""
+    name = config.virtualCluster
+    vc = vcs.get(name)
+    if vc is None and name == DEFAULT_VC:
+        vc = IMPLICIT_DEFAULT
+    if vc is None:
+        known = ", ".join([DEFAULT_VC, *sorted(n for n in vcs if n != DEFAULT_VC)])
+        return [FieldError(path="virtualCluster", reason=f"no virtual cluster {name!r}; known: {known}")]
+    errors = []
+    if not vc.admits(user):
+        reason = f"user {user!r} may not submit to virtual cluster {name!r}"
+        errors.append(FieldError(path="virtualCluster", reason=reason))
+    if rank(config.priority) > rank(vc.max_priority):
+        reason = (
+            f"{config.priority!r} is above virtual cluster {name!r}'s highest priority, {vc.max_priority!r}"
+        )
+        errors.append(FieldError(path="priority", reason=reason))
+    return errors
 
 
 def canonical_json(config: JobConfig) -> bytes:
