@@ -243,6 +243,7 @@ def permissions(ident: Identity | Credentials) -> dict[str, Any]:
             subjects.assign("*"),
             subjects.kill("*"),
             f"{ev}.job.>",
+            subjects.attempt_members("*", "*"),
         ]
     elif role == "registry":
         publish = [
@@ -268,6 +269,7 @@ def permissions(ident: Identity | Credentials) -> dict[str, Any]:
             subjects.kill("*"),
             f"{ev}.job.>",
             subjects.task_event("*", "*", "*", "*", "*", subjects.PLATFORM),
+            subjects.attempt_members("*", "*"),
         ]
     elif role == "gateway":
         publish = [

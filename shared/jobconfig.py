@@ -82,6 +82,14 @@ class TaskRole(_Model):
     minFailedTaskCount: int | None = Field(default=None, ge=1)
     minSucceededTaskCount: int | None = Field(default=None, ge=1)
     portList: list[PortType] = Field(default_factory=list, max_length=32)
+    # Muster's extension (PaddlePaddle EDL): an elastic role starts with minTaskNumber tasks and
+    # the scheduler keeps it between the two; taskNumber must lie between them.
+    minTaskNumber: int | None = Field(default=None, ge=1, le=MAX_TASKS_PER_ROLE)
+    maxTaskNumber: int | None = Field(default=None, ge=1, le=MAX_TASKS_PER_ROLE)
+
+    @property
+    def elastic(self) -> bool:
+        return self.minTaskNumber is not None and self.maxTaskNumber is not None
 
     @field_validator("command")
     @classmethod
@@ -133,6 +141,30 @@ class JobConfig(_Model):
     @property
     def total_tasks(self) -> int:
         return sum(r.taskNumber for r in self.taskRoles)
+
+    @property
+    def most_tasks(self) -> int:
+        """The most tasks it may ever have at once (an elastic role at its maximum)."""
+        return sum(r.maxTaskNumber if r.elastic and r.maxTaskNumber else r.taskNumber for r in self.taskRoles)
+
+    @property
+    def elastic(self) -> bool:
+        return any(r.elastic for r in self.taskRoles)
+
+    def sized(self, counts: dict[str, int]) -> JobConfig:
+        """This config with each elastic role's taskNumber set to its count in `counts` (its
+        tasks now: what the agents build each task's environment from)."""
+        roles = [
+            r.model_copy(update={"taskNumber": counts[r.name]}) if r.elastic and r.name in counts else r
+            for r in self.taskRoles
+        ]
+        return self.model_copy(update={"taskRoles": roles})
+
+    def smallest(self) -> JobConfig:
+        """This config with each elastic role at its minimum: what the scheduler places first."""
+        if not self.elastic:
+            return self
+        return self.sized({r.name: r.minTaskNumber for r in self.taskRoles if r.minTaskNumber})
 
     def role(self, name: str) -> TaskRole:
         return next(r for r in self.taskRoles if r.name == name)
@@ -227,6 +259,35 @@ _PATTERN_HINTS = {
 }
 
 
+def _elastic_errors(role: dict[str, Any], i: int) -> list[FieldError]:
+    """An elastic role gives both bounds, minTaskNumber ≤ taskNumber ≤ maxTaskNumber, and no
+    minFailedTaskCount (it fails when fewer than minTaskNumber of its tasks are left)."""
+    lo, hi, n = role.get("minTaskNumber"), role.get("maxTaskNumber"), role.get("taskNumber")
+    if lo is None and hi is None:
+        return []
+    at = f"taskRoles[{i}]"
+    if lo is None or hi is None:
+        missing = "minTaskNumber" if lo is None else "maxTaskNumber"
+        other = "maxTaskNumber" if lo is None else "minTaskNumber"
+        return [
+            FieldError(path=f"{at}.{missing}", reason=f"required with {other} (an elastic role gives both)")
+        ]
+    errors = []
+    if _is_int(n) and _is_int(lo) and lo > n:
+        errors.append(FieldError(path=f"{at}.minTaskNumber", reason=f"must be ≤ taskNumber ({n}), got {lo}"))
+    if _is_int(n) and _is_int(hi) and hi < n:
+        errors.append(FieldError(path=f"{at}.maxTaskNumber", reason=f"must be ≥ taskNumber ({n}), got {hi}"))
+    if role.get("minFailedTaskCount") is not None:
+        errors.append(
+            FieldError(
+                path=f"{at}.minFailedTaskCount",
+                reason="does not apply to an elastic role: it fails when fewer than minTaskNumber "
+                "tasks are left",
+            )
+        )
+    return errors
+
+
 def _cross_field_errors(data: dict[str, Any]) -> list[FieldError]:
     """Rules that span fields, checked on the raw data so they are reported alongside field errors."""
     errors: list[FieldError] = []
@@ -252,8 +313,10 @@ def _cross_field_errors(data: dict[str, Any]) -> list[FieldError]:
             else:
                 seen[name] = i
         n = role.get("taskNumber")
+        errors.extend(_elastic_errors(role, i))
         if _is_int(n) and n >= 1:
-            total += n
+            top = role.get("maxTaskNumber")
+            total += top if _is_int(top) and top > n else n
             for key in ("minFailedTaskCount", "minSucceededTaskCount"):
                 v = role.get(key)
                 if _is_int(v) and v > n:

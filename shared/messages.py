@@ -92,6 +92,7 @@ class JobEventKind(StrEnum):
     RETRYING = "retrying"
     KILLED = "killed"
     PREEMPTED = "preempted"  # its running attempt was stopped to make room; it waits again, uncharged
+    RESIZED = "resized"  # an elastic role grew or shrank
     ENDED = "ended"
 
 
@@ -253,12 +254,17 @@ class EndpointReported(Message):
 
 
 class ClusterSpec(Message):
-    """Registry -> agents, once per attempt, on `muster.events.attempt.<job>.<attempt>.spec`:
-    every endpoint of the gang, ordered by role (config order) then index."""
+    """Registry -> agents, on `muster.events.attempt.<job>.<attempt>.spec`: every endpoint of the
+    gang, ordered by role (config order) then index. Once per attempt, or for an elastic one once
+    per membership (`version` 1, 2, ...: the last one is the gang now)."""
 
     job_id: str
     attempt: int
     endpoints: list[Endpoint]
+    version: int = 1
+
+    def has(self, key: str) -> bool:
+        return any(f"{e.role}.{e.index}" == key for e in self.endpoints)
 
 
 class Rendezvous(Message):
@@ -270,10 +276,14 @@ class Rendezvous(Message):
     gang_size: int
     endpoints: dict[str, Endpoint] = Field(default_factory=dict)  # "<role>.<index>" -> endpoint
     published: bool = False
+    version: int = 0  # the last spec published (elastic attempts publish one per membership)
+    members: list[str] = Field(default_factory=list)  # the tasks of that spec
 
     def spec(self) -> ClusterSpec:
         ordered = sorted(self.endpoints.values(), key=lambda e: (e.role_no, e.index))
-        return ClusterSpec(job_id=self.job_id, attempt=self.attempt, endpoints=ordered)
+        return ClusterSpec(
+            job_id=self.job_id, attempt=self.attempt, endpoints=ordered, version=max(1, self.version)
+        )
 
 
 class TaskEventKind(StrEnum):
@@ -327,6 +337,11 @@ class TaskStatus(BaseModel):
     node: str
     gpus: list[int] = Field(default_factory=list)
     state: TaskState = TaskState.PLACED
+    # An elastic role's task: when it joined a running attempt (else the attempt's placed_at),
+    # and whether the scheduler removed it (shrinking the role): it holds its node until its
+    # agent reports it stopped, but is no longer part of the gang.
+    placed_at: datetime | None = None
+    removed: bool = False
     host: str | None = None
     port: int | None = None
     cause: TaskCause | None = None
@@ -384,6 +399,8 @@ class AttemptRecord(Message):
     failure: Failure | None = None  # why it failed, with the evidence
     charged: bool | None = None  # whether a retry after it was charged to retryCount
     borrowed: bool = False  # placed beyond its virtual cluster's quota: reclaimed first
+    elastic: list[str] = Field(default_factory=list)  # its elastic roles: they grow and shrink
+    resized_at: datetime | None = None  # the last time an elastic role grew or shrank
     preempted_by: str | None = None  # the job it was stopped for (then not charged, re-queued)
 
     @property
@@ -393,6 +410,17 @@ class AttemptRecord(Message):
     @property
     def ended(self) -> bool:
         return self.ended_at is not None
+
+    def members(self) -> list[TaskStatus]:
+        """The gang now: every task of a fixed role; an elastic role's tasks not ended or removed."""
+        return [t for t in self.tasks if t.role not in self.elastic or not (t.state.ended or t.removed)]
+
+    def counts(self) -> dict[str, int]:
+        """Each role's number of members (`JobConfig.sized` takes it)."""
+        out: dict[str, int] = {}
+        for t in self.members():
+            out[t.role] = out.get(t.role, 0) + 1
+        return out
 
     def task(self, role: str, index: int) -> TaskStatus:
         return next(t for t in self.tasks if t.role == role and t.index == index)
@@ -406,10 +434,17 @@ class KillOrder(Message):
     attempt: int
     reason: str
     grace: float = 10.0
+    tasks: list[str] = Field(default_factory=list)  # only these ("<role>.<index>"); empty: every one
 
     @property
     def key(self) -> str:
         return attempt_key(self.job_id, self.attempt)
+
+
+class MembersChanged(Message):
+    """Scheduler/supervisor -> registry, on `muster.events.attempt.<job>.<attempt>.members`: an
+    elastic attempt's gang changed without a new endpoint. It carries nothing the registry
+    believes: the registry reads the attempt record the subject names."""
 
 
 class DrainOrder(Message):

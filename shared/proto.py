@@ -35,6 +35,7 @@ from shared.messages import (
     JobRecord,
     KillOrder,
     KillRequest,
+    MembersChanged,
     NodeInfo,
     Question,
     Rendezvous,
@@ -168,6 +169,17 @@ CHANNELS: dict[str, Channel] = {
         message=ClusterSpec,
         action="send",
         description="Every endpoint of an attempt's gang, published once when all are in (the barrier).",
+    ),
+    "attemptMembers": Channel(
+        address=subjects.EVENTS_PREFIX + ".attempt.{jobId}.{attempt}.members",
+        parameters=("jobId", "attempt"),
+        message=MembersChanged,
+        action="receive",
+        description=(
+            "An elastic attempt's gang changed without a new endpoint (the scheduler removed tasks, "
+            "or one ended while its role goes on): the registry publishes the next spec version. "
+            "The payload ({}) is ignored; the registry reads the attempt record."
+        ),
     ),
     "nodeRecord": Channel(
         address="$KV." + subjects.NODES_BUCKET + ".{node}",

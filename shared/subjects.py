@@ -99,6 +99,12 @@ def cluster_spec(job_id: str, attempt: int | str) -> str:
     return f"{EVENTS_PREFIX}.attempt.{job_id}.{attempt}.spec"
 
 
+def attempt_members(job_id: str, attempt: int | str) -> str:
+    """An elastic attempt's gang changed (a task removed, or ended while the role goes on): the
+    registry publishes its next spec. No payload is believed: it only names what to look at."""
+    return f"{EVENTS_PREFIX}.attempt.{job_id}.{attempt}.members"
+
+
 def node_event(node: str, kind: str) -> str:
     return f"{EVENTS_PREFIX}.node.{node}.{kind}"
 

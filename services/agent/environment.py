@@ -26,6 +26,7 @@ CUDA_VISIBLE_DEVICES to match.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import posixpath
 import re
@@ -90,6 +91,11 @@ def resolve_dirs(config: JobConfig, user: str, default_fs_uri: str, output_root:
 
 def render_env(ctx: TaskContext) -> dict[str, str]:
     """Every variable the task (ctx.role, ctx.index) is started with; all values are strings."""
+    if ctx.config.elastic:  # an elastic role is as large as the spec's version says
+        counts: dict[str, int] = {}
+        for ep in ctx.spec.endpoints:
+            counts[ep.role] = counts.get(ep.role, 0) + 1
+        ctx = dataclasses.replace(ctx, config=ctx.config.sized(counts))
     gang = _ordered(ctx.spec, ctx.config)
     if (ctx.spec.job_id, ctx.spec.attempt) != (ctx.job_id, ctx.attempt):
         raise ValueError(
@@ -107,7 +113,7 @@ def render_env(ctx: TaskContext) -> dict[str, str]:
     env.update(_pytorch(gang, me))
     env.update(_mpi(ctx))
     env.update(_gpus(ctx.gpus))
-    env.update(_muster(ctx))
+    env.update(_muster(ctx, gang, me))
     return env
 
 
@@ -133,7 +139,14 @@ def _ordered(spec: ClusterSpec, config: JobConfig) -> list[Endpoint]:
         by_key[(listed.role, listed.index)] = listed
     gang = []
     for role_no, role in enumerate(config.taskRoles):
-        for index in range(role.taskNumber):
+        # An elastic role's members are any indexes (newest removed first, failed ones replaced
+        # by new indexes); a fixed role's are 0..taskNumber-1.
+        indexes = sorted(i for r, i in by_key if r == role.name) if role.elastic else range(role.taskNumber)
+        if role.elastic and len(indexes) != role.taskNumber:
+            raise ValueError(
+                f"spec has {len(indexes)} tasks of elastic role {role.name}, not {role.taskNumber}"
+            )
+        for index in indexes:
             ep = by_key.pop((role.name, index), None)
             if ep is None:
                 raise ValueError(f"spec has no task {role.name}.{index}")
@@ -256,10 +269,23 @@ def _gpus(gpus: list[int]) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": visible, "NVIDIA_VISIBLE_DEVICES": visible or "void"}
 
 
-def _muster(ctx: TaskContext) -> dict[str, str]:
-    return {
+def _muster(ctx: TaskContext, gang: list[Endpoint], me: Endpoint) -> dict[str, str]:
+    env = {
         "MUSTER_JOB_ID": ctx.job_id,
         "MUSTER_ATTEMPT": str(ctx.attempt),
         "MUSTER_TASK_ROLE": ctx.role,
         "MUSTER_TASK_INDEX": str(ctx.index),
     }
+    elastic = next((r.name for r in ctx.config.taskRoles if r.elastic), None)
+    if elastic is not None:
+        # Where a framework that rendezvouses by itself (torchrun --rdzv-backend=c10d) meets:
+        # the elastic role's oldest member, which shrinking never removes, hosts the store.
+        first = next(ep for ep in gang if ep.role == elastic)
+        env["MUSTER_RDZV_ENDPOINT"] = first.address
+        env["MUSTER_RDZV_IS_HOST"] = "1" if first is me else "0"
+        env["MUSTER_RDZV_ID"] = f"{ctx.job_id}.{ctx.attempt}"
+        # torchrun otherwise lends its rendezvous store to the workers too, and a node joining a
+        # running group then waits for keys that are never written (pytorch#139702): workers
+        # get a store of their own.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env

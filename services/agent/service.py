@@ -361,10 +361,15 @@ class Agent:
     async def kill(self, order: KillOrder) -> None:
         """Stop the attempt's tasks this agent runs, and report the ones placed here that it
         never started (their order lost with an earlier run of the agent, or not read yet)."""
-        victims = self.tasks.of_attempt(order.job_id, order.attempt)
+        only = set(order.tasks)  # an elastic role shrinking: just these; else every one
+        victims = [
+            t for t in self.tasks.of_attempt(order.job_id, order.attempt) if not only or t.spec.key in only
+        ]
         record = await self.attempts.get(attempt_key(order.job_id, order.attempt))
         for t in record.tasks if record else []:
             key = (order.job_id, order.attempt, t.role, t.index)
+            if only and t.key not in only:
+                continue
             if t.node == self.opts.node and not t.state.ended and not self.tasks.known(key):
                 assert record is not None
                 why = f"never started: {order.reason}"

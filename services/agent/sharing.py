@@ -49,8 +49,16 @@ class Specs:
         self._reads: dict[AttemptKey, asyncio.Task[ClusterSpec]] = {}
         self._waiting: dict[AttemptKey, int] = {}
 
-    async def wait(self, job_id: str, attempt: int) -> ClusterSpec:
-        """The attempt's spec once the registry has published it (the rendezvous barrier)."""
+    async def wait(self, job_id: str, attempt: int, member: str | None = None) -> ClusterSpec:
+        """The attempt's spec once the registry has published it (the rendezvous barrier); with
+        `member` ("<role>.<index>"), one that lists it: a task that joined an elastic attempt
+        waits for the version with itself in it (read on its own: that is rare)."""
+        spec = await self._shared(job_id, attempt)
+        if member is None or spec.has(member):
+            return spec
+        return await self._read(job_id, attempt, member)
+
+    async def _shared(self, job_id: str, attempt: int) -> ClusterSpec:
         key = (job_id, attempt)
         read = self._reads.get(key)
         if read is None:
@@ -64,11 +72,11 @@ class Specs:
                 del self._waiting[key], self._reads[key]
                 read.cancel()
 
-    async def _read(self, job_id: str, attempt: int) -> ClusterSpec:
+    async def _read(self, job_id: str, attempt: int, member: str | None = None) -> ClusterSpec:
         """Subscribe, then read the stored spec; wait on the subscription between reads. The
         server hands a published message to subscribers before the stream has stored it, so a
         spec published just as we subscribe can be missed by both: the reads come soon at first
-        (50 ms, doubling to 5 s), not a whole wait later."""
+        (50 ms, doubling to 5 s), not a whole wait later. With `member`: a spec that lists it."""
         subject = subjects.cluster_spec(job_id, attempt)
         sub = await self.nc.subscribe(subject)
         wait = 0.05
@@ -76,13 +84,17 @@ class Specs:
             while True:
                 try:
                     stored = await self.js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)
-                    return ClusterSpec.from_bytes(stored.data)
+                    spec = ClusterSpec.from_bytes(stored.data)
+                    if member is None or spec.has(member):
+                        return spec
                 except NotFoundError:
                     pass
                 except Exception:
                     await asyncio.sleep(0.5)
                 with contextlib.suppress(nats.errors.TimeoutError):
-                    return ClusterSpec.from_bytes((await sub.next_msg(timeout=wait)).data)
+                    spec = ClusterSpec.from_bytes((await sub.next_msg(timeout=wait)).data)
+                    if member is None or spec.has(member):
+                        return spec
                 wait = min(wait * 2, 5.0)
         finally:
             with contextlib.suppress(Exception):

@@ -121,7 +121,7 @@ class Tasks:
     async def _run(self, key: TaskKey, task: LocalTask) -> None:
         a = task.assignment
         try:
-            cluster = await self.specs.wait(a.job_id, a.attempt)
+            cluster = await self.specs.wait(a.job_id, a.attempt, task.spec.key)
             if await self.obsolete(key):
                 raise asyncio.CancelledError
             launch = build_launch(a, task.spec, task.ports, cluster, self.where)

@@ -4,11 +4,18 @@ publishes the attempt's cluster spec exactly once (the barrier every task waits 
 Endpoints arrive through one durable consumer shared by all replicas. What has been collected
 lives in the KV bucket `muster_rendezvous` (key `<job>.<attempt>`), updated with the revision
 read, so a replica killed at any point loses nothing and two replicas never lose an endpoint.
-The spec is published with a message id, so publishing it again after a crash is harmless."""
+The spec is published with a message id, so publishing it again after a crash is harmless.
+
+An elastic attempt (`AttemptRecord.elastic`) has a spec per membership: whenever every member's
+endpoint is in and the members differ from the last spec's, the next version is published (a
+task joined: its endpoint completes the gang; a task was removed or ended: the scheduler or the
+supervisor says so on `attempt_members`, consumed by a second durable consumer). Agents read the
+last one; torchrun-style jobs rendezvous by themselves and only need the first member's address."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -18,12 +25,13 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
 from shared import bus, consume, subjects
-from shared.messages import AttemptRecord, EndpointReported, Rendezvous, attempt_key
+from shared.messages import AttemptRecord, Endpoint, EndpointReported, Rendezvous, attempt_key
 from shared.store import Store
 from shared.subjects import Headers
 
 log = structlog.get_logger(service="registry")
 SPECS = Counter("muster_registry_specs_total", "Cluster specs published")
+MEMBERS_CONSUMER = "registry-members"
 
 
 class Registry:
@@ -49,7 +57,17 @@ class Registry:
             log,
             key=lambda r: attempt_key(r.message.job_id, r.message.attempt),
         )
-        await consume.serve(sub, handling, stop)
+        changes = await bus.durable(
+            self.js, subjects.attempt_members("*", "*"), MEMBERS_CONSUMER, subjects.EVENTS_STREAM
+        )
+        on_change = consume.Handling(MEMBERS_CONSUMER, _named_attempt, self.on_members, log, key=lambda k: k)
+        await asyncio.gather(consume.serve(sub, handling, stop), consume.serve(changes, on_change, stop))
+
+    async def on_members(self, key: str) -> None:
+        """An elastic attempt's members changed without a new endpoint: publish its next spec."""
+        attempt = await self.attempts.get(key)
+        if attempt is not None and attempt.elastic and not attempt.ended:
+            await self.collect(None, attempt)
 
     async def on_endpoint(self, sent: consume.Sent[EndpointReported]) -> None:
         """Collect an endpoint only from the node its task was placed on, for an attempt that
@@ -64,24 +82,36 @@ class Registry:
             log.warning("registry.endpoint_refused", subject=sent.subject[:200], why=why)
             return
         assert attempt is not None
-        await self.collect(report.model_copy(update={"gang_size": len(attempt.tasks)}))
+        await self.collect(report.endpoint, attempt)
 
-    async def collect(self, report: EndpointReported) -> None:
-        key = attempt_key(report.job_id, report.attempt)
-        ep = report.endpoint
+    async def collect(self, ep: Endpoint | None, attempt: AttemptRecord) -> None:
+        """Add `ep` (if any) to the attempt's rendezvous; publish the spec once every member's
+        endpoint is in (for an elastic attempt, again whenever its members change)."""
+        key = attempt.key
+        members = sorted(t.key for t in attempt.members())
         while True:
-            fresh = Rendezvous(job_id=report.job_id, attempt=report.attempt, gang_size=report.gang_size)
+            fresh = Rendezvous(job_id=attempt.job_id, attempt=attempt.attempt, gang_size=len(members))
             try:
                 entry = await self.kv.get(key)
                 revision: int | None = entry.revision
                 state = self.store.decode(key, entry.value) or fresh  # garbage is replaced
             except KeyNotFoundError:
                 state, revision = fresh, None
-            state.endpoints[f"{ep.role}.{ep.index}"] = ep
-            complete = len(state.endpoints) >= state.gang_size
-            if complete and not state.published:
+            if ep is not None:
+                state.endpoints[f"{ep.role}.{ep.index}"] = ep
+            if attempt.elastic:  # the gang is its members now: a removed or ended task leaves it
+                state.gang_size = len(members)
+                state.endpoints = {k: e for k, e in state.endpoints.items() if k in members}
+                complete = all(k in state.endpoints for k in members)
+                due = complete and members != state.members
+            else:
+                complete = len(state.endpoints) >= state.gang_size
+                due = complete and not state.published
+            if due:
                 # Publish first (idempotent by message id), then record it: a crash in between
                 # only republishes the same spec.
+                state.version += 1
+                state.members = members
                 await self.publish(state)
                 state.published = True
             try:
@@ -94,13 +124,28 @@ class Registry:
                 continue  # another replica wrote in between: merge again
 
     async def publish(self, state: Rendezvous) -> None:
+        version = "" if state.version <= 1 else f".v{state.version}"
         await self.js.publish(
             subjects.cluster_spec(state.job_id, state.attempt),
             state.spec().to_bytes(),
-            headers={Headers.MSG_ID: f"spec:{state.job_id}.{state.attempt}"},
+            headers={Headers.MSG_ID: f"spec:{state.job_id}.{state.attempt}{version}"},
         )
         SPECS.inc()
-        log.info("registry.spec_published", job_id=state.job_id, attempt=state.attempt, tasks=state.gang_size)
+        log.info(
+            "registry.spec_published",
+            job_id=state.job_id,
+            attempt=state.attempt,
+            tasks=state.gang_size,
+            version=max(1, state.version),
+        )
+
+
+def _named_attempt(msg: Any) -> str:
+    """The attempt an `attempt_members` message names in its subject (the payload is ignored)."""
+    parts = msg.subject.split(".")
+    if len(parts) != 6 or parts[-1] != "members" or not parts[4].isdigit():
+        raise ValueError(f"not an attempt_members subject: {msg.subject[:200]}")
+    return attempt_key(parts[3], int(parts[4]))
 
 
 def endpoint_refusal(

@@ -53,7 +53,9 @@ class Amount:
 
 
 def need(config: JobConfig) -> Amount:
-    """What a whole job asks for; its GPUs under ANY_MODEL and, with a gpuType, that model too."""
+    """What a whole job asks for (elastic roles at their minimum); its GPUs under ANY_MODEL and,
+    with a gpuType, that model too."""
+    config = config.smallest()
     gpus = sum(r.gpuNumber * r.taskNumber for r in config.taskRoles)
     amount = Amount(
         {ANY_MODEL: gpus},

@@ -32,7 +32,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.scheduler import placement, quota
+from services.scheduler import elastic, placement, quota
 from services.scheduler.avoid import nodes_to_avoid, plan_around
 from services.scheduler.view import Job, View
 from shared import bus, subjects
@@ -45,6 +45,7 @@ from shared.messages import (
     JobRecord,
     JobState,
     KillOrder,
+    MembersChanged,
     NodeInfo,
     TaskSpec,
     TaskState,
@@ -72,6 +73,7 @@ BACKFILL_WINDOW = int(os.environ.get("MUSTER_BACKFILL_WINDOW", "500"))
 IN_FLIGHT = 128  # commits and reason writes of one cycle in flight at once
 # Seconds a preempted gang gets between SIGTERM and SIGKILL, to checkpoint.
 PREEMPT_GRACE = float(os.environ.get("MUSTER_PREEMPT_GRACE", "30"))
+ELASTIC_GRACE = float(os.environ.get("MUSTER_ELASTIC_GRACE", "10"))  # SIGTERM..SIGKILL of a removed task
 PREEMPT_TRIES = 16  # waiting jobs one cycle looks at for a preemption that would let them run
 PREEMPTIONS = Counter("muster_scheduler_preemptions_total", "Gangs stopped to make room", ["why"])
 
@@ -172,7 +174,7 @@ class Scheduler:
             await self._finish_interrupted_commits()
             self.wake.set()  # the first cycle of a new leader plans whatever waits
             while not stop.is_set() and not lost.is_set():
-                if self.view.expire(now()):
+                if self.view.expire(now()) or self.view.elastic:  # elastic roles: look every second
                     self.wake.set()
                 if self.wake.is_set():
                     self.wake.clear()
@@ -194,12 +196,20 @@ class Scheduler:
         at = now()
         waiting = self.view.queue(at)
         PENDING.set(self.view.waiting)
-        if not waiting:
-            return
+        blocked = await self._place(waiting, at, lost) if waiting else []
+        if self.view.elastic and not (lost is not None and lost.is_set()):
+            await self._resize(blocked, at)
+
+    async def _place(
+        self, waiting: list[tuple[Job, int]], at: datetime, lost: asyncio.Event | None
+    ) -> list[Job]:
+        """Plan the waiting jobs and commit the plan; returns the jobs that could run on this
+        cluster but do not fit now, in queue order (what elastic roles shrink for)."""
+        held_back: dict[str, str] = {}
         sharing = self._sharing(waiting, at) if self.vcs or self.view.ranked else None
         if sharing is not None:
             waiting, held_back, ledger, running = sharing
-        queue = [placement.PendingJob(j.job_id, j.config) for j, _ in waiting]
+        queue = [placement.PendingJob(j.job_id, j.config.smallest()) for j, _ in waiting]
         avoid = nodes_to_avoid(self.view.avoid_candidates(at), at)
         plan = plan_around(self.view.cluster, self.view.capacity, queue, avoid, BACKFILL_WINDOW)
         borrowed: set[str] = set()
@@ -237,6 +247,135 @@ class Scheduler:
         if failures:
             log.warning("scheduler.commit_errors", count=len(failures), first=repr(failures[0])[:300])
             self.wake.set()
+        return [
+            job
+            for job, _ in waiting
+            if job.job_id in plan.pending
+            and job.job_id not in plan.unschedulable
+            and job.job_id not in held_back
+        ]
+
+    # ------------------------------------------------------------ elastic roles (elastic.py)
+
+    async def _resize(self, blocked: list[Job], at: datetime) -> None:
+        """Shrink elastic roles for the first waiting job that removing their newest tasks would
+        let in; with nothing waiting, grow them into free capacity."""
+        ready = []
+        for key in sorted(self.view.elastic):
+            record = self.attempts.get(key)
+            job = self.jobs.get(record.job_id) if record is not None else None
+            if record is not None and job is not None and elastic.settled(record, at):
+                ready.append((job, record))
+        if not ready:
+            return
+        if blocked:
+            for waiting in blocked[:PREEMPT_TRIES]:
+                pending = placement.PendingJob(waiting.job_id, waiting.config.smallest())
+                running = [(job.config, record) for job, record in ready if job.job_id != waiting.job_id]
+                chosen = elastic.shrink_for(self.view.cluster, self.view.capacity, pending, running)
+                if chosen:
+                    await self._shrink(chosen, waiting)
+                    return
+            return  # waiting work first: nothing grows while a job waits
+        for job, record in ready:
+            added = elastic.grow(self.view.cluster, self.view.capacity, job.config, record)
+            if added:
+                await self._grow(job, record, added)
+
+    async def _grow(self, job: Job, record: AttemptRecord, added: list[TaskSpec]) -> None:
+        at = now()
+
+        def change(a: AttemptRecord) -> AttemptRecord | None:
+            if a.ended or a.resized_at != record.resized_at:
+                return None  # changed meanwhile: the next cycle looks again
+            joined = [
+                TaskStatus(
+                    role=s.role, role_no=s.role_no, index=s.index, node=s.node, gpus=s.gpus, placed_at=at
+                )
+                for s in added
+            ]
+            return a.model_copy(update={"tasks": [*a.tasks, *joined], "resized_at": at})
+
+        updated = await self.kv_attempts.update(record.key, change)
+        if updated is None:
+            return
+        self.attempts[updated.key] = updated
+        self.view.attempt_changed(updated.key)
+        await self._send_assignments(job, updated, {s.node for s in added})
+        detail = _resized(record, updated, "into free capacity")
+        await self._event(
+            job, JobEventKind.RESIZED, updated.attempt, detail, f"{updated.key}:resized:{len(updated.tasks)}"
+        )
+        log.info("scheduler.grew", attempt=updated.key, tasks=[s.key for s in added])
+
+    async def _shrink(self, chosen: list[tuple[AttemptRecord, TaskSpec]], waiting: Job) -> None:
+        at = now()
+        why = f"removed to make room for {waiting.job_id}"
+        by_attempt: dict[str, list[TaskSpec]] = {}
+        for record, spec in chosen:
+            by_attempt.setdefault(record.key, []).append(spec)
+        for key, specs in by_attempt.items():
+            keys = {s.key for s in specs}
+
+            def change(a: AttemptRecord, keys: set[str] = keys) -> AttemptRecord | None:
+                if a.ended:
+                    return None
+                tasks = [
+                    t.model_copy(update={"removed": True, "reason": why})
+                    if t.key in keys and not t.state.ended
+                    else t
+                    for t in a.tasks
+                ]
+                return a.model_copy(update={"tasks": tasks, "resized_at": at})
+
+            before = self.attempts.get(key)
+            updated = await self.kv_attempts.update(key, change)
+            if updated is None or before is None:
+                continue
+            self.attempts[key] = updated
+            self.view.attempt_changed(key)
+            for node in sorted({s.node for s in specs}):
+                mine = sorted(s.key for s in specs if s.node == node)
+                order = KillOrder(
+                    job_id=updated.job_id,
+                    attempt=updated.attempt,
+                    reason=why,
+                    grace=ELASTIC_GRACE,
+                    tasks=mine,
+                )
+                await self.js.publish(
+                    subjects.kill(node),
+                    order.to_bytes(),
+                    headers={Headers.MSG_ID: f"kill:{key}:{node}:{','.join(mine)}"},
+                )
+            await self.js.publish(
+                subjects.attempt_members(updated.job_id, updated.attempt), MembersChanged().to_bytes()
+            )
+            job = self.jobs.get(updated.job_id)
+            if job is not None:
+                detail = _resized(before, updated, f"for waiting job {waiting.job_id}")
+                await self._event(
+                    job,
+                    JobEventKind.RESIZED,
+                    updated.attempt,
+                    detail,
+                    f"{key}:resized:{len(updated.members())}",
+                )
+            log.info("scheduler.shrank", attempt=key, tasks=sorted(keys), for_job=waiting.job_id)
+
+    async def _event(self, job: Job, kind: JobEventKind, attempt: int, detail: str, msg_id: str) -> None:
+        await self.js.publish(
+            subjects.job_event(job.job_id, kind),
+            JobEvent(
+                job_id=job.job_id,
+                job_name=job.job_name,
+                kind=kind,
+                state=job.state,
+                attempt=attempt,
+                detail=detail,
+            ).to_bytes(),
+            headers={Headers.MSG_ID: msg_id},
+        )
 
     def _sharing(
         self, waiting: list[tuple[Job, int]], at: datetime
@@ -386,6 +525,7 @@ class Scheduler:
             job_id=job.job_id,
             attempt=n,
             borrowed=borrowed,
+            elastic=[r.name for r in job.config.taskRoles if r.elastic],
             tasks=[
                 TaskStatus(role=t.role, role_no=t.role_no, index=t.index, node=t.node, gpus=t.gpus)
                 for t in tasks
@@ -415,10 +555,15 @@ class Scheduler:
         )
         log.info("scheduler.placed", job_id=job.job_id, attempt=n, nodes=nodes)
 
-    async def _send_assignments(self, job: Job, record: AttemptRecord) -> None:
-        gang = [_spec(t) for t in record.tasks]
+    async def _send_assignments(self, job: Job, record: AttemptRecord, only: set[str] | None = None) -> None:
+        """Every node's part of the attempt (or only `only`'s). An elastic attempt's gang is its
+        members now, its config sized to them; each change of members is a new order."""
+        gang = [_spec(t) for t in record.members()]
         config = with_secrets(job.config, await self._secrets(job))
-        for node in sorted({t.node for t in gang}):
+        if record.elastic:
+            config = config.sized(record.counts())
+        version = f":{len(record.tasks)}" if record.elastic else ""
+        for node in sorted({t.node for t in gang} if only is None else only):
             order = Assignment(
                 job_id=job.job_id,
                 attempt=record.attempt,
@@ -430,7 +575,7 @@ class Scheduler:
             await self.js.publish(
                 subjects.assign(node),
                 order.to_bytes(),
-                headers={Headers.MSG_ID: f"assign:{record.key}:{node}"},
+                headers={Headers.MSG_ID: f"assign:{record.key}:{node}{version}"},
             )
 
     async def _secrets(self, job: Job) -> dict[str, Any]:
@@ -477,3 +622,10 @@ class Scheduler:
 
 def _spec(t: TaskStatus) -> TaskSpec:
     return TaskSpec(role=t.role, role_no=t.role_no, index=t.index, node=t.node, gpus=t.gpus)
+
+
+def _resized(before: AttemptRecord, after: AttemptRecord, why: str) -> str:
+    was, now_ = before.counts(), after.counts()
+    return "; ".join(
+        f"{role}: {was.get(role, 0)} → {now_.get(role, 0)} tasks {why}" for role in after.elastic
+    )

@@ -113,6 +113,7 @@ class View:
         # than the node's latest beat is stale and skipped when it comes out
         self._beats: list[tuple[datetime, str]] = []
         self.ranked: set[str] = set()  # jobs not ended whose priority is not normal
+        self.elastic: set[str] = set()  # attempts not ended with elastic roles
 
     # -------------------------------------------------------- nodes
 
@@ -187,6 +188,10 @@ class View:
             self._attempts_of.setdefault(job_id, set()).add(key)
         else:
             self._attempts_of.get(job_id, set()).discard(key)
+        if record is not None and record.elastic and not record.ended:
+            self.elastic.add(key)
+        else:
+            self.elastic.discard(key)
         if record is not None and record.failure and record.failure.kind == FailureKind.PLATFORM:
             self.failed[key] = record
         else:

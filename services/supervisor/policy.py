@@ -14,6 +14,11 @@ Rules, in the order they are checked after each task state change (OpenPAI v1 se
 4. Every task ended and no rule above fired -> SUCCEEDED (every task succeeded, or failures
    stayed below every role's threshold).
 A task stopped by the platform counts as failed unless the attempt had already ended.
+
+An elastic role (minTaskNumber/maxTaskNumber) is not one fixed gang: a task the scheduler removed
+(shrinking it) does not count at all, and its failed tasks fail the attempt only once fewer than
+minTaskNumber of its tasks are running or succeeded (rule 2); until then the scheduler replaces
+them (EDL's fault tolerance).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ GOES_ON = Decision(outcome=None)
 
 
 def decide(config: JobConfig, tasks: list[TaskStatus]) -> Decision:
+    tasks = [t for t in tasks if not t.removed]
     succeeded = [t for t in tasks if t.state == TaskState.SUCCEEDED]
     failed = [t for t in tasks if t.state in (TaskState.FAILED, TaskState.STOPPED)]
 
@@ -63,15 +69,23 @@ def decide(config: JobConfig, tasks: list[TaskStatus]) -> Decision:
     for role in config.taskRoles:
         threshold = role.minFailedTaskCount or 1
         count = sum(1 for t in failed if t.role == role.name)
+        if role.elastic and role.minTaskNumber:
+            going = sum(
+                1
+                for t in tasks
+                if t.role == role.name and t.state not in (TaskState.FAILED, TaskState.STOPPED)
+            )
+            if going >= role.minTaskNumber:
+                continue  # enough left: the attempt goes on, the scheduler replaces what failed
         if count >= threshold:
             first = next(t for t in failed if t.role == role.name)
             why = f"exit code {first.exit_code}" if first.exit_code not in (None, -1) else first.reason
-            return Decision(
-                JobState.FAILED,
-                f"minFailedTaskCount: {count} of role {role.name} failed (≥ {threshold}); "
-                f"{role.name}[{first.index}]: {why}",
-                True,
+            rule = (
+                f"minTaskNumber: {count} of role {role.name} failed, fewer than {role.minTaskNumber} left"
+                if role.elastic
+                else f"minFailedTaskCount: {count} of role {role.name} failed (≥ {threshold})"
             )
+            return Decision(JobState.FAILED, f"{rule}; {role.name}[{first.index}]: {why}", True)
 
     for role in config.taskRoles:
         wanted = role.minSucceededTaskCount

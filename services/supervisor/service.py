@@ -39,6 +39,7 @@ from shared.messages import (
     JobState,
     KillOrder,
     KillRequest,
+    MembersChanged,
     NodeInfo,
     TaskCause,
     TaskEvent,
@@ -172,6 +173,11 @@ class Supervisor:
             await self.set_running(ev.job_id, ev.attempt)
         if attempt.ended:
             await self.end_attempt(attempt)
+        elif ev.kind == TaskEventKind.EXITED and ev.role in attempt.elastic:
+            # An elastic role goes on without it: the registry publishes the smaller gang.
+            await self.js.publish(
+                subjects.attempt_members(ev.job_id, ev.attempt), MembersChanged().to_bytes()
+            )
 
     async def set_running(self, job_id: str, attempt: int) -> None:
         def change(job: JobRecord) -> JobRecord | None:
@@ -329,7 +335,7 @@ class Supervisor:
             if attempt.ended or attempt.placed_at >= cutoff:
                 continue
             for task in attempt.tasks:
-                if task.state == TaskState.PLACED:
+                if task.state == TaskState.PLACED and (task.placed_at or attempt.placed_at) < cutoff:
                     why = f"not started within {self.start_timeout:g}s of placement on {task.node}"
                     await self.declare_ended(attempt, task, TaskCause.PLATFORM, why, "start-timeout")
 

@@ -69,7 +69,7 @@ class Live:
 
     @classmethod
     def of(cls, record: JobRecord) -> Live:
-        return cls(record.user, 0 if record.state.final else record.config.total_tasks)
+        return cls(record.user, 0 if record.state.final else record.config.most_tasks)
 
 
 @dataclass

@@ -209,7 +209,7 @@ class Validator:
                 return await self.reject(sid, user, config.jobName, [reused(job_id)], data)
             return await self.accept(existing, data)
         errors = check_vc(config, user, self.vcs)
-        errors += limits.check(config.total_tasks, user, self.live.of(user), self.limits)
+        errors += limits.check(config.most_tasks, user, self.live.of(user), self.limits)
         errors += hostpaths.check_dirs(config, user, self.roots) if self.roots else []
         if errors:
             return await self.reject(sid, user, config.jobName, errors, data)
