@@ -288,9 +288,32 @@ def _elastic_errors(role: dict[str, Any], i: int) -> list[FieldError]:
     return errors
 
 
+RESIZE_SIGNALS = ("SIGHUP", "SIGUSR1", "SIGUSR2")  # what an elastic job may be sent on a new gang
+
+
+def _extras_errors(data: dict[str, Any]) -> list[FieldError]:
+    """`extras.elastic`: `{"signal": one of RESIZE_SIGNALS}`, sent to an elastic job's running
+    tasks when its gang changes (after their env file is rewritten)."""
+    extras = data.get("extras")
+    if not isinstance(extras, dict) or "elastic" not in extras:
+        return []
+    asked = extras["elastic"]
+    if not isinstance(asked, dict) or set(asked) - {"signal"}:
+        return [FieldError(path="extras.elastic", reason='must be {"signal": NAME}')]
+    if asked.get("signal") not in RESIZE_SIGNALS:
+        allowed = ", ".join(RESIZE_SIGNALS)
+        return [
+            FieldError(
+                path="extras.elastic.signal",
+                reason=f"must be one of {allowed}, got {_show(asked.get('signal'))}",
+            )
+        ]
+    return []
+
+
 def _cross_field_errors(data: dict[str, Any]) -> list[FieldError]:
     """Rules that span fields, checked on the raw data so they are reported alongside field errors."""
-    errors: list[FieldError] = []
+    errors: list[FieldError] = _extras_errors(data)
     roles = data.get("taskRoles")
     if not isinstance(roles, list):
         return errors

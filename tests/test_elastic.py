@@ -189,3 +189,51 @@ def test_an_elastic_task_sees_the_gang_of_its_spec_version_and_where_to_rendezvo
     assert envs[0]["MUSTER_RDZV_ENDPOINT"] == envs[5]["MUSTER_RDZV_ENDPOINT"] == "10.0.0.1:7000"
     assert (envs[0]["MUSTER_RDZV_IS_HOST"], envs[5]["MUSTER_RDZV_IS_HOST"]) == ("1", "0")
     assert envs[0]["MUSTER_RDZV_ID"] == "je.1"
+
+
+def test_an_elastic_tasks_env_file_is_rewritten_for_each_gang_without_the_jobs_own_values(tmp_path):
+    from services.agent.launch import Where, resize_signal, task_env
+    from shared.messages import Assignment
+
+    cfg, errors = check_job(
+        {
+            **raw(minTaskNumber=1, maxTaskNumber=3, gpuNumber=0),
+            "jobEnvs": {"API_TOKEN": "s3cret value"},
+            "extras": {"elastic": {"signal": "SIGUSR1"}},
+        }
+    )
+    assert cfg is not None, errors
+    me = TaskSpec(role="worker", role_no=0, index=0, node="a")
+    a = Assignment(job_id="je", attempt=1, user="u", config=cfg.sized({"worker": 1}), gang=[me], node="a")
+    where = Where(
+        node="a",
+        work_root=str(tmp_path),
+        output_root=str(tmp_path / "out"),
+        default_fs_uri="",
+        gpu_devices=False,
+    )
+
+    def spec(version: int, n: int) -> ClusterSpec:
+        eps = [
+            Endpoint(role="worker", role_no=0, index=i, node="a", host="10.0.0.1", port=7000 + i)
+            for i in range(n)
+        ]
+        return ClusterSpec(job_id="je", attempt=1, endpoints=eps, version=version)
+
+    env = task_env(a, me, spec(1, 1), where)
+    path = tmp_path / "je" / "1" / "worker-0" / "env"
+    assert env["MUSTER_ENV_FILE"] == str(path) and env["API_TOKEN"] == "s3cret value"
+    text = path.read_text()
+    assert "export PAI_TASK_ROLE_NUM=1\n" in text and "export MUSTER_SPEC_VERSION=1\n" in text
+    assert "s3cret" not in text and "API_TOKEN" not in text  # the job's own values stay out of files
+    task_env(a, me, spec(2, 3), where)
+    text = path.read_text()
+    assert "export PAI_TASK_ROLE_NUM=3\n" in text and "export MUSTER_SPEC_VERSION=2\n" in text
+    assert "export PAI_TASK_ROLE_worker_HOST_LIST=10.0.0.1:7000,10.0.0.1:7001,10.0.0.1:7002\n" in text
+    assert "export TF_CONFIG='{" in text  # quoted for the shell
+    assert resize_signal(cfg.extras) == 10 and resize_signal({}) is None
+    # A fixed job has no env file.
+    fixed = Assignment(
+        job_id="jf", attempt=1, user="u", config=JobConfig.model_validate(raw()), gang=[me], node="a"
+    )
+    assert "MUSTER_ENV_FILE" not in task_env(fixed, me, spec(1, 1).model_copy(update={"job_id": "jf"}), where)

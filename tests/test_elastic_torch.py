@@ -118,6 +118,8 @@ async def test_an_elastic_torchrun_job_grows_to_3_shrinks_to_1_for_a_waiting_job
         await until("the job trains with 3 workers", lambda: trained_in(3), cluster)
         grown = await attempt(nc, jid)
         assert len(grown.members()) == 3 and running_members(grown) == 3
+        # It was placed with 1; the other two joined the running attempt later.
+        assert [t.placed_at is not None for t in grown.tasks] == [False, True, True]
         # A job needing 2 CPUs waits: the two newest workers are removed for it. It runs until
         # the test has seen the training go on with 1 worker.
         seen = len(lines(out))
@@ -173,9 +175,81 @@ async def test_an_elastic_torchrun_job_grows_to_3_shrinks_to_1_for_a_waiting_job
         steps = lines(out)
         # Every all-reduce was right for the group it ran in: 1 + ... + world.
         assert steps and all(x["sum"] == x["world"] * (x["world"] + 1) / 2 for x in steps)
-        worlds = [x["world"] for x in steps]
-        assert worlds[0] == 1 and 3 in worlds
+        worlds = [x["world"] for x in steps]  # (torch may still be starting when the others join)
         first3 = worlds.index(3)
         assert 1 in worlds[first3:] and 3 in worlds[first3 + worlds[first3:].index(1) :]
+    finally:
+        await nc.close()
+
+
+async def test_running_tasks_get_a_refreshed_env_file_and_the_signal_they_asked_for(
+    cluster, tmp_path, monkeypatch
+):
+    """A shell task that traps SIGUSR1 (`extras.elastic.signal`) and reads MUSTER_ENV_FILE then:
+    it learns of each new gang (3 members, then 1) while it runs; its own environment stays as
+    it was started."""
+    monkeypatch.setenv("MUSTER_ELASTIC_DWELL", "1")
+    monkeypatch.setenv("MUSTER_ELASTIC_GRACE", "2")
+    seen, stop, release = tmp_path / "seen", tmp_path / "stop", tmp_path / "release"
+    seen.mkdir()
+    cluster.core()
+    cluster.agent("node-a", "--address", "127.0.0.1", "--cpus", "3", "--ports", "24000-24999")
+    trap = (
+        'trap \'(. "$MUSTER_ENV_FILE"; echo "$MUSTER_SPEC_VERSION $PAI_TASK_ROLE_NUM") '
+        '>> "$SEEN/$MUSTER_TASK_INDEX"\' USR1; '
+        'echo "start $PAI_TASK_ROLE_NUM" >> "$SEEN/$MUSTER_TASK_INDEX"; '
+        'while [ ! -e "$STOP" ]; do sleep 0.2; done'
+    )
+    nc = await bus.connect("test", cluster.url)
+    try:
+        job = {
+            "jobName": "elastic-shell",
+            "image": "muster/base:bookworm",
+            "jobEnvs": {"SEEN": str(seen), "STOP": str(stop)},
+            "extras": {"elastic": {"signal": "SIGUSR1"}},
+            "taskRoles": [
+                {
+                    "name": "worker", "taskNumber": 1, "minTaskNumber": 1, "maxTaskNumber": 3,
+                    "cpuNumber": 1, "memoryMB": 256, "gpuNumber": 0, "command": trap,
+                }
+            ],
+        }  # fmt: skip
+        _, verdict = await client.submit(nc, json.dumps(job).encode(), timeout=60)
+        assert verdict is not None and verdict.accepted, verdict
+        first = seen / "0"
+
+        async def told(members: str) -> bool:  # a line "<spec version> <members>" after the start
+            return first.exists() and any(
+                x.split()[-1] == members for x in first.read_text().splitlines()[1:]
+            )
+
+        # Grown to 3: the first task is told, and its env file says 3.
+        await until("the first task hears of 3 members", lambda: told("3"), cluster, timeout=120)
+        assert first.read_text().splitlines()[0] == "start 1"
+        blocker = {
+            "jobName": "blocker",
+            "image": "muster/base:bookworm",
+            "jobEnvs": {"RELEASE": str(release)},
+            "taskRoles": [
+                {
+                    "name": "main", "taskNumber": 1, "cpuNumber": 2, "memoryMB": 256, "gpuNumber": 0,
+                    "command": 'while [ ! -e "$RELEASE" ]; do sleep 0.2; done',
+                }
+            ],
+        }  # fmt: skip
+        _, v2 = await client.submit(nc, json.dumps(blocker).encode(), timeout=60)
+        assert v2 is not None and v2.accepted, v2
+        # Shrunk to 1 for it: told again; the removed tasks were stopped, not told.
+        await until("the first task hears of 1 member", lambda: told("1"), cluster, timeout=120)
+        release.write_text("")
+        stop.write_text("")
+
+        async def done() -> bool:
+            return (await record(nc, verdict.job_id)).state.final
+
+        await until("the elastic job ends", done, cluster, timeout=120)
+        assert (await record(nc, verdict.job_id)).state == JobState.SUCCEEDED
+        told_versions = [int(x.split()[0]) for x in first.read_text().splitlines()[1:]]
+        assert told_versions == sorted(set(told_versions))  # each version once, in order
     finally:
         await nc.close()

@@ -30,13 +30,21 @@ class Bench:
         await kv.put(name, json.dumps({"name": name, "quota": {"gpus": {"V100": v100}}, **kw}).encode())
 
     async def submit(
-        self, name: str, gpus: int, tasks: int = 1, user: str = "alice", seconds: float = 600, **kw
+        self,
+        name: str,
+        gpus: int,
+        tasks: int = 1,
+        user: str = "alice",
+        seconds: float = 600,
+        elastic: tuple[int, int] | None = None,
+        **kw,
     ):
+        bounds = {"minTaskNumber": elastic[0], "maxTaskNumber": elastic[1]} if elastic else {}
         config = {
             "jobName": name,
             "image": "img",
             "gpuType": "V100",
-            "taskRoles": [role("worker", tasks, "python train.py", cpu=1, mem=1024, gpu=gpus)],
+            "taskRoles": [role("worker", tasks, "python train.py", cpu=1, mem=1024, gpu=gpus, **bounds)],
             "extras": {"sim": {"seconds": seconds}},
             **kw,
         }
@@ -87,6 +95,7 @@ class Bench:
 async def bench(tmp_path: Path, monkeypatch) -> AsyncIterator[Bench]:
     """The control plane as processes and one sim node of 4 V100s; a 1 s preemption grace."""
     monkeypatch.setenv("MUSTER_PREEMPT_GRACE", "1")
+    monkeypatch.setenv("MUSTER_ELASTIC_DWELL", "1")
     with NatsServer(tmp_path / "nats") as server:
         cluster = SimCluster(server.url, tmp_path)
         try:
@@ -185,6 +194,19 @@ async def test_a_quota_that_may_not_be_exceeded_holds(bench):
     await bench.vc("hard", 3, borrow=False)
     await bench.kill(d1, "bob")
     await bench.until("h2 runs", lambda: bench.running(h2))
+
+
+async def test_an_elastic_job_grows_only_within_a_quota_that_may_not_be_exceeded(bench):
+    await bench.vc("hard", 2, borrow=False)
+    el = await bench.submit("el", gpus=1, virtualCluster="hard", elastic=(1, 4))
+
+    async def members(n: int) -> bool:
+        a = await bench.attempt(el, 1)
+        return a is not None and sum(1 for t in a.members() if t.state == TaskState.RUNNING) == n
+
+    await bench.until("it grows to its quota", lambda: members(2))
+    await asyncio.sleep(3)  # 2 GPUs idle, 3 dwell periods: it stays at the quota
+    assert len((await bench.attempt(el, 1)).members()) == 2
 
 
 async def test_fair_share_between_two_users_of_one_vc(bench):

@@ -158,6 +158,10 @@ class DockerTask:
             await asyncio.to_thread(self._container.stop, timeout=max(0, math.ceil(grace)))
         await self.wait()
 
+    async def signal(self, sig: int) -> None:
+        with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):  # gone, or not running
+            await asyncio.to_thread(self._container.kill, signal=sig)
+
     async def remove(self) -> None:
         """Delete the container (killing it if it still runs); a container already gone is fine."""
         with contextlib.suppress(docker.errors.NotFound):

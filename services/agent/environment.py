@@ -91,11 +91,8 @@ def resolve_dirs(config: JobConfig, user: str, default_fs_uri: str, output_root:
 
 def render_env(ctx: TaskContext) -> dict[str, str]:
     """Every variable the task (ctx.role, ctx.index) is started with; all values are strings."""
-    if ctx.config.elastic:  # an elastic role is as large as the spec's version says
-        counts: dict[str, int] = {}
-        for ep in ctx.spec.endpoints:
-            counts[ep.role] = counts.get(ep.role, 0) + 1
-        ctx = dataclasses.replace(ctx, config=ctx.config.sized(counts))
+    if ctx.config.elastic:
+        ctx = dataclasses.replace(ctx, config=for_spec(ctx.config, ctx.spec))
     gang = _ordered(ctx.spec, ctx.config)
     if (ctx.spec.job_id, ctx.spec.attempt) != (ctx.job_id, ctx.attempt):
         raise ValueError(
@@ -117,9 +114,20 @@ def render_env(ctx: TaskContext) -> dict[str, str]:
     return env
 
 
+def for_spec(config: JobConfig, spec: ClusterSpec) -> JobConfig:
+    """The config as large as the spec's version says (an elastic role's size changes)."""
+    if not config.elastic:
+        return config
+    counts: dict[str, int] = {}
+    for ep in spec.endpoints:
+        counts[ep.role] = counts.get(ep.role, 0) + 1
+    return config.sized(counts)
+
+
 def render_hostfile(spec: ClusterSpec, config: JobConfig) -> str:
     """An MPI hostfile: one `<host> slots=<n>` line per host in spec order, n = the summed slots of
     the host's tasks (a task's slots: its role's gpuNumber, or 1 for a CPU-only role)."""
+    config = for_spec(config, spec)
     slots: dict[str, int] = {}
     for ep in _ordered(spec, config):
         gpus = config.taskRoles[ep.role_no].gpuNumber

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
+import signal
 import stat
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -28,6 +30,7 @@ from services.agent.runtime import (
     TaskLaunch,
 )
 from shared import hostpaths
+from shared.jobconfig import RESIZE_SIGNALS
 from shared.messages import Assignment, ClusterSpec, TaskCause, TaskSpec
 
 MAX_AUTH_FILE = 4096  # bytes: three short lines
@@ -49,20 +52,21 @@ def task_name(job_id: str, attempt: int, role: str, index: int) -> str:
     return f"muster-{job_id}-{attempt}-{role}-{index}"
 
 
-def build_launch(
-    a: Assignment, spec: TaskSpec, ports: list[int], cluster: ClusterSpec, where: Where
-) -> TaskLaunch:
-    config, role = a.config, a.config.role(spec.role)
+def task_env(a: Assignment, spec: TaskSpec, cluster: ClusterSpec, where: Where) -> dict[str, str]:
+    """The task's environment for the gang of `cluster`; writes the attempt's MPI hostfile and,
+    for an elastic job, the task's env file (MUSTER_ENV_FILE: the platform's variables, not the
+    job's own jobEnvs, as `export NAME='value'` lines), both replaced whole, never half-written.
+    Called at launch and again for each new spec version of an elastic attempt."""
     attempt_dir = Path(where.work_root) / a.job_id / str(a.attempt)
     task_dir = attempt_dir / f"{spec.role}-{spec.index}"
     task_dir.mkdir(parents=True, exist_ok=True)
     hostfile = attempt_dir / "hostfile"
-    hostfile.write_text(environment.render_hostfile(cluster, config))
+    _replace(hostfile, environment.render_hostfile(cluster, a.config))
     ctx = environment.TaskContext(
         job_id=a.job_id,
         attempt=a.attempt,
         user=a.user,
-        config=config,
+        config=a.config,
         spec=cluster,
         role=spec.role,
         index=spec.index,
@@ -72,6 +76,39 @@ def build_launch(
         hostfile_path=str(hostfile),
     )
     env = environment.render_env(ctx)
+    if a.config.elastic:
+        env_file = task_dir / "env"
+        env["MUSTER_ENV_FILE"] = str(env_file)
+        env["MUSTER_SPEC_VERSION"] = str(cluster.version)
+        own = set(a.config.jobEnvs)  # the job's own values (secrets among them) stay out of files
+        _replace(
+            env_file,
+            "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(env.items()) if k not in own),
+        )
+    return env
+
+
+def resize_signal(extras: dict[str, object]) -> int | None:
+    """The signal an elastic job asked for on each change of its gang (`extras.elastic.signal`),
+    or None (the default: frameworks that rendezvous by themselves need none)."""
+    asked = extras.get("elastic")
+    name = asked.get("signal") if isinstance(asked, dict) else None
+    return int(signal.Signals[name]) if name in RESIZE_SIGNALS else None
+
+
+def _replace(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def build_launch(
+    a: Assignment, spec: TaskSpec, ports: list[int], cluster: ClusterSpec, where: Where
+) -> TaskLaunch:
+    config, role = a.config, a.config.role(spec.role)
+    attempt_dir = Path(where.work_root) / a.job_id / str(a.attempt)
+    task_dir = attempt_dir / f"{spec.role}-{spec.index}"
+    env = task_env(a, spec, cluster, where)
     dirs = environment.resolve_dirs(config, a.user, where.default_fs_uri, where.output_root)
     roots = hostpaths.roots_for(list(where.data_roots), a.user)
     mounts = [Mount(str(attempt_dir), str(attempt_dir), read_only=False)]

@@ -72,6 +72,10 @@ class ProcessTask:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)
 
+    async def signal(self, sig: int) -> None:
+        if self.proc.returncode is None:
+            self._signal(sig)
+
 
 class ProcessRuntime:
     name = "process"

@@ -68,6 +68,10 @@ class RunningTask(Protocol):
         """SIGTERM, then SIGKILL after `grace` seconds. Idempotent; returns once it has ended."""
         ...
 
+    async def signal(self, sig: int) -> None:
+        """Send `sig` to the task (an elastic job's opt-in resize signal); nothing if it ended."""
+        ...
+
 
 @dataclass
 class FoundTask:

@@ -130,6 +130,10 @@ class SimTask:
         self._end(STOPPED)
         await asyncio.shield(self._ended)
 
+    async def signal(self, sig: int) -> None:
+        if not self._ended.done():
+            self._output(f"sim: signal {sig}")
+
 
 class SimRuntime:
     name = "sim"

@@ -11,13 +11,14 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from prometheus_client import Counter, Gauge
 
 from services.agent.inventory import PortPool
-from services.agent.launch import Where, build_launch, task_name
+from services.agent.launch import Where, build_launch, resize_signal, task_env, task_name
 from services.agent.reporting import Reporter
 from services.agent.runtime import LaunchError, RunningTask, Runtime
 from services.agent.sharing import Specs
@@ -25,6 +26,7 @@ from shared import subjects
 from shared.messages import (
     Assignment,
     AttemptRecord,
+    ClusterSpec,
     Endpoint,
     TaskCause,
     TaskEvent,
@@ -59,6 +61,7 @@ class LocalTask:
     kill_grace: float = 0.0
     starting: bool = False  # the runtime is starting it: it must not be cancelled then
     masker: Masker | None = None  # its job's secret values, cut out of its output
+    version: int = 0  # the spec version its environment describes (elastic attempts have many)
 
     def mask(self, text: str) -> str:
         if self.masker is None:
@@ -90,6 +93,7 @@ class Tasks:
         self.live: dict[TaskKey, LocalTask] = {}
         self.finished: collections.OrderedDict[TaskKey, None] = collections.OrderedDict()
         self.detaching = False  # the agent stops for a restart: tasks go on, nothing is reported
+        self._following: dict[tuple[str, int], asyncio.Task[None]] = {}  # elastic attempts' specs
         self.log = log.bind(node=self.node)
 
     def known(self, key: TaskKey) -> bool:
@@ -125,6 +129,7 @@ class Tasks:
             if await self.obsolete(key):
                 raise asyncio.CancelledError
             launch = build_launch(a, task.spec, task.ports, cluster, self.where)
+            task.version = cluster.version
             task.starting = True
             task.handle = await self.runtime.start(launch, lambda line: self.output(task, line))
             if task.kill_reason is not None:  # killed while it was being started
@@ -143,6 +148,8 @@ class Tasks:
             await self._finish(key, task, TaskCause.PLATFORM, NOT_STARTED, f"{type(exc).__name__}: {exc}")
             return
         self.report(a, task.spec, TaskEventKind.RUNNING)
+        if a.config.elastic:
+            self._follow(a.job_id, a.attempt)
         self.log.info("agent.task_started", task=task.name)
         await self._watch(key, task)
 
@@ -193,6 +200,49 @@ class Tasks:
         subject = subjects.task_logs(a.job_id, a.attempt, spec.role, spec.index, self.node)
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().create_task(self.nc.publish(subject, line.encode()))
+
+    # ------------------------------------------------------------ elastic attempts: new gangs
+
+    def _follow(self, job_id: str, attempt: int) -> None:
+        """While this node runs tasks of an elastic attempt, follow its spec versions (one
+        subscription per attempt)."""
+        key = (job_id, attempt)
+        if key not in self._following:
+            self._following[key] = asyncio.create_task(self._refresh(job_id, attempt))
+
+    async def _refresh(self, job_id: str, attempt: int) -> None:
+        """Each new spec version: every running task here that is still in the gang gets its env
+        file rewritten for it, then the job's resize signal if it asked for one
+        (`extras.elastic.signal`). A task's own environment cannot change; the file can."""
+        sub = await self.nc.subscribe(subjects.cluster_spec(job_id, attempt))
+        try:
+            while self.of_attempt(job_id, attempt):
+                try:
+                    msg = await sub.next_msg(timeout=2)
+                    spec = ClusterSpec.from_bytes(msg.data)
+                except nats.errors.TimeoutError:
+                    continue
+                except ValueError as exc:  # not a spec: the registry would never send it
+                    self.log.warning("agent.bad_spec", job_id=job_id, attempt=attempt, error=str(exc)[:200])
+                    continue
+                for task in self.of_attempt(job_id, attempt):
+                    if task.handle is None or spec.version <= task.version or not spec.has(task.spec.key):
+                        continue
+                    try:
+                        task_env(task.assignment, task.spec, spec, self.where)
+                    except Exception as exc:
+                        self.log.warning("agent.env_refresh_failed", task=task.name, error=str(exc)[:200])
+                        continue
+                    task.version = spec.version
+                    sig = resize_signal(task.assignment.config.extras)
+                    if sig is not None:
+                        with contextlib.suppress(Exception):
+                            await task.handle.signal(sig)
+                    self.log.info("agent.gang_changed", task=task.name, version=spec.version, signal=sig)
+        finally:
+            self._following.pop((job_id, attempt), None)
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     # ------------------------------------------------------------ stopping
 

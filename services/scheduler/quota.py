@@ -67,6 +67,15 @@ def need(config: JobConfig) -> Amount:
     return amount
 
 
+def task_need(config: JobConfig, role_no: int) -> Amount:
+    """What one task of a role asks for."""
+    role = config.taskRoles[role_no]
+    amount = Amount({ANY_MODEL: role.gpuNumber}, role.cpuNumber, role.memoryMB)
+    if config.gpuType and role.gpuNumber:
+        amount.gpus[config.gpuType.lower()] = role.gpuNumber
+    return amount
+
+
 def held(config: JobConfig, tasks: Iterable[TaskSpec], model_of: Callable[[str, int], str | None]) -> Amount:
     """What placed tasks hold, their GPUs by the model of each device (`model_of(node, index)`)."""
     amount = Amount()

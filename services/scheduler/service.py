@@ -277,8 +277,21 @@ class Scheduler:
                     await self._shrink(chosen, waiting)
                     return
             return  # waiting work first: nothing grows while a job waits
+        ledger = None
+        if self.vcs:  # a VC that may not borrow: its elastic jobs grow only within its quota
+            capacity = quota.capacity_of(self.view.capacity.cluster.nodes.values())
+            ledger = quota.Ledger(quota.limits(self.vcs, capacity), self.view.running(at))
         for job, record in ready:
             added = elastic.grow(self.view.cluster, self.view.capacity, job.config, record)
+            if added and ledger is not None and not ledger.limit(job.config.virtualCluster).borrow:
+                kept = []
+                for spec in added:
+                    one = quota.task_need(job.config, spec.role_no)
+                    if not ledger.within(job.config.virtualCluster, one):
+                        break
+                    ledger.take(job.config.virtualCluster, job.user, one)
+                    kept.append(spec)
+                added = kept
             if added:
                 await self._grow(job, record, added)
 
