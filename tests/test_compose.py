@@ -184,9 +184,10 @@ async def submit(nc, name: str, stack: Stack) -> Verdict:
 
 
 async def waiting_for_nodes(nc, job_id: str, stack: Stack) -> JobRecord:
-    """The job's record once the active scheduler has given its reason (no agent runs)."""
+    """The job's record once the active scheduler has given its reason (no agent runs). A stack
+    just up on a loaded machine may take a while to elect and sync its scheduler: 60 s."""
     kv = await nc.jetstream(timeout=10).key_value(subjects.JOBS_BUCKET)
-    deadline = asyncio.get_running_loop().time() + 30
+    deadline = asyncio.get_running_loop().time() + 60
     while True:
         record = JobRecord.from_bytes((await kv.get(job_id)).value)
         if "no nodes" in record.reason or asyncio.get_running_loop().time() > deadline:
