@@ -8,7 +8,8 @@ A role with `minTaskNumber`/`maxTaskNumber` is placed at its minimum. Then, in e
 - else every elastic role grows into free capacity, up to its maximum, all it can at once
   (one membership change rather than one per task), and replaces tasks that failed; a role one
   of whose tasks has succeeded is finishing and no longer grows.
-Waiting work always comes first: nothing grows while a job waits that could use the room.
+Waiting work comes first: a role grows only when no waiting job could be let in by shrinking,
+so what it takes is room no waiting job can use now (EDL's point: idle GPUs do work).
 An attempt changes at most once per `dwell` seconds and only while every member runs, so a
 gang that is still starting, or just changed, is left alone (no thrashing).
 

@@ -259,7 +259,8 @@ class Scheduler:
 
     async def _resize(self, blocked: list[Job], at: datetime) -> None:
         """Shrink elastic roles for the first waiting job that removing their newest tasks would
-        let in; with nothing waiting, grow them into free capacity."""
+        let in; else (nothing waits, or nothing waiting could be let in so) grow them into free
+        capacity, which no waiting job can use now."""
         ready = []
         for key in sorted(self.view.elastic):
             record = self.attempts.get(key)
@@ -276,7 +277,6 @@ class Scheduler:
                 if chosen:
                     await self._shrink(chosen, waiting)
                     return
-            return  # waiting work first: nothing grows while a job waits
         ledger = None
         if self.vcs:  # a VC that may not borrow: its elastic jobs grow only within its quota
             capacity = quota.capacity_of(self.view.capacity.cluster.nodes.values())
