@@ -151,6 +151,7 @@ def replay(trace: Trace, jobs: list[Job], scenario: str, dwell: float) -> Outcom
     clock = time.perf_counter()
     nodes = [n.copy(empty=True) for n in trace.nodes]
     cluster, capacity = placement.Cluster(nodes), placement.Capacity(nodes)
+    total = sum(len(n.gpus) for n in nodes)
     jobs = [_as_run(j, flexible) for j in jobs]
     by_name = {j.name: j for j in jobs}
     arrivals = sorted(jobs, key=lambda j: j.arrival)
@@ -283,7 +284,7 @@ def replay(trace: Trace, jobs: list[Job], scenario: str, dwell: float) -> Outcom
             ]
             helped = False
             if blocked:
-                for w in blocked[:16]:
+                for w in blocked[:16]:  # as the scheduler (PREEMPT_TRIES)
                     pending = placement.PendingJob(w.name, w.config.smallest())
                     chosen = elastic.shrink_for(cluster, capacity, pending, [(j.config, r) for j, r in ready])
                     if chosen:
@@ -299,7 +300,7 @@ def replay(trace: Trace, jobs: list[Job], scenario: str, dwell: float) -> Outcom
                         place()
                         helped = True
                         break
-            if not helped:  # as the scheduler: grow into room no waiting job can use now
+            if not helped and used < total:  # as the scheduler: grow into room no one waiting can use
                 for j, record in ready:
                     added = elastic.grow(cluster, capacity, j.config, record)
                     if added:

@@ -51,6 +51,8 @@ def grow(
         for role_no, role in enumerate(config.taskRoles):
             if not role.elastic or role.maxTaskNumber is None:
                 continue
+            if counts.get(role.name, 0) >= role.maxTaskNumber:
+                continue
             if any(t.role == role.name and t.state == TaskState.SUCCEEDED for t in record.tasks):
                 continue  # it is finishing: a task that succeeded is the training's end, not room
             one = config.model_copy(
