@@ -494,19 +494,12 @@ class Scheduler:
             await self.js.publish(
                 subjects.kill(node), order.to_bytes(), headers={Headers.MSG_ID: f"kill:{record.key}:{node}"}
             )
-        victim_job = self.jobs.get(record.job_id)
-        await self.js.publish(
-            subjects.job_event(record.job_id, JobEventKind.PREEMPTED),
-            JobEvent(
-                job_id=record.job_id,
-                job_name=victim_job.job_name if victim_job else "",
-                kind=JobEventKind.PREEMPTED,
-                state=victim_job.state if victim_job else JobState.RUNNING,
-                attempt=record.attempt,
-                detail=f"{why}; stopping with a {PREEMPT_GRACE:g}s grace, then waiting again (not charged)",
-            ).to_bytes(),
-            headers={Headers.MSG_ID: f"{record.key}:preempted"},
-        )
+        victim_job = self.jobs.get(record.job_id)  # a victim is a job the view runs: it is there
+        if victim_job is not None:
+            detail = f"{why}; stopping with a {PREEMPT_GRACE:g}s grace, then waiting again (not charged)"
+            await self._event(
+                victim_job, JobEventKind.PREEMPTED, record.attempt, detail, f"{record.key}:preempted"
+            )
         log.info("scheduler.preempted", victim=record.key, for_job=job.job_id, why=why)
 
     async def commit(self, job: Job, n: int, tasks: list[TaskSpec], borrowed: bool = False) -> None:
@@ -554,18 +547,7 @@ class Scheduler:
         self.view.attempt_changed(record.key)  # held at once: the next plan cannot reuse it
         await self._send_assignments(job, record)
         PLACED.inc()
-        await self.js.publish(
-            subjects.job_event(job.job_id, JobEventKind.PLACED),
-            JobEvent(
-                job_id=job.job_id,
-                job_name=job.job_name,
-                kind=JobEventKind.PLACED,
-                state=job.state,
-                attempt=n,
-                detail=reason,
-            ).to_bytes(),
-            headers={Headers.MSG_ID: f"{job.job_id}:{n}:placed"},
-        )
+        await self._event(job, JobEventKind.PLACED, n, reason, f"{job.job_id}:{n}:placed")
         log.info("scheduler.placed", job_id=job.job_id, attempt=n, nodes=nodes)
 
     async def _send_assignments(self, job: Job, record: AttemptRecord, only: set[str] | None = None) -> None:
