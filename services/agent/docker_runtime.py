@@ -435,6 +435,10 @@ class DockerRuntime:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(len(launch.gpus)))
         mounts = []
         for i, m in enumerate(launch.mounts):
+            if not os.path.isabs(m.host):  # checked before anything is made relative to our cwd
+                raise LaunchError(
+                    f"mount {m.host!r} -> {m.container}: the host path must be absolute", TaskCause.CONFIG
+                )
             created = not m.read_only and not os.path.exists(m.host)
             if not m.read_only:
                 os.makedirs(m.host, exist_ok=True)
