@@ -25,6 +25,9 @@ from services.validator.service import Validator
 from shared import bus, client, subjects
 from shared.jobconfig import CodeSync, check_job, job_warnings
 from shared.messages import Assignment, ClusterSpec, Dataset, Endpoint, TaskCause, TaskSpec, Verdict
+from tests.test_cli import mesh
+
+__all__ = ["mesh"]  # a fixture: `muster up --no-agent` (authenticated) on a free port
 
 PASSWORD = "s3cr3t-t0ken-never-shown"
 
@@ -490,3 +493,200 @@ def test_code_sync_urls_that_could_run_commands_are_refused():
     assert check_job(config)[0] is not None
     assert [w.path for w in job_warnings(config)] == ["codeSync.git"]
     assert PASSWORD not in json.dumps([w.model_dump() for w in job_warnings(config)])
+
+
+# ---------------------------------------------------------------- the CLI (authenticated `muster up`)
+
+
+async def test_admin_dataset_set_list_remove_round_trip_through_the_cli(mesh, tmp_path):
+    from tests.test_cli import muster, write
+
+    _, env = mesh
+    r = muster(
+        "admin", "dataset", "set", "imagenet", "--source", "/srv/imagenet", "--users", "alice,bob",
+        "--description", "ILSVRC 2012", env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("imagenet: set — host directory /srv/imagenet; read-only")
+    r = muster("admin", "dataset", "set", "scratch", "--source", "scratch-vol", "--writable", env=env)
+    assert r.returncode == 0 and "Docker volume scratch-vol; writable" in r.stdout, r.stderr
+    r = muster("admin", "dataset", "list", "--json", env=env)
+    assert [Dataset.model_validate(x) for x in json.loads(r.stdout)] == [
+        Dataset(name="imagenet", source="/srv/imagenet", users=["alice", "bob"], description="ILSVRC 2012"),
+        Dataset(name="scratch", source="scratch-vol", writable=True),
+    ]
+    r = muster("admin", "dataset", "list", env=env)
+    assert r.stdout.splitlines()[0].split() == ["NAME", "SOURCE", "WRITABLE", "USERS", "DESCRIPTION"]
+
+    # The validator (under its own identity) applies it to the next submission.
+    config = write(tmp_path, "d.json", json.dumps(job(data=["scratch:/scratch:rw", "imagenet:/in"])))
+    r = muster("submit", config, env=env)
+    assert (
+        r.returncode == 2 and "data[1]: user" in r.stderr and "may not mount dataset 'imagenet'" in r.stderr
+    )
+    warned = write(
+        tmp_path, "w.json", json.dumps(job(data=["scratch:/scratch:rw"], jobEnvs={"PAI_URL": "u"}))
+    )
+    r = muster("submit", warned, env=env)
+    assert r.returncode == 0 and "accepted" in r.stdout, r.stderr
+    assert "warning: jobEnvs.PAI_URL:" in r.stderr
+
+    for args, named in (
+        (("--source", "relative/dir"), "--source"),
+        (("--source", "/x", "--users", "a b"), "--users"),
+    ):
+        r = muster("admin", "dataset", "set", "bad", *args, env=env)
+        assert r.returncode == 2 and named in r.stderr, (args, r.stderr)
+    r = muster("admin", "dataset", "remove", "imagenet", env=env)
+    assert r.returncode == 0, r.stderr
+    r = muster("admin", "dataset", "remove", "imagenet", env=env)
+    assert r.returncode == 2 and "no dataset 'imagenet'" in r.stderr
+    r = muster("admin", "dataset", "list", "--json", env=env)
+    assert [x["name"] for x in json.loads(r.stdout)] == ["scratch"]
+
+
+# ---------------------------------------------------------------- end to end (process runtime)
+
+
+async def test_a_job_mounts_its_dataset_and_runs_the_synced_code_once_per_attempt(cluster, nc, repo, roots):
+    from tests.test_jobs import attempt, run_job
+
+    _, buckets = await bus.ensure_jetstream(nc)
+    source = roots / "shared" / "imagenet"
+    await buckets[subjects.DATASETS_BUCKET].put(
+        "imagenet", Dataset(name="imagenet", source=str(source)).to_bytes()
+    )
+    (repo / "train.py").write_text(
+        "import os, sys\n"
+        "labels = open(os.path.join(os.environ['MUSTER_DATA_IMAGENET'], 'labels.txt')).read().split()\n"
+        "assert labels == ['cat', 'dog'], labels\n"
+        "assert os.getcwd() == os.environ['MUSTER_CODE_DIR'] == os.environ['PAI_CODE_DIR'], os.getcwd()\n"
+        "print('trained', os.environ['PAI_TASK_ROLE_NAME'])\n"
+    )
+    git("commit", "-qam", "train", cwd=repo)
+    cluster.core()
+    cluster.agent("node-a", "--cpus", "4", "--data-roots", f"{roots}/users/{{user}},{roots}/shared")
+    config = job(data=["imagenet:/data/imagenet"], codeSync={"git": f"file://{repo}", "branch": "main"})
+    for r in config["taskRoles"]:
+        r["command"] = f"{sys.executable} train.py"
+    record = await run_job(nc, config, timeout=120)
+    assert record.state.value == "SUCCEEDED", (record.reason, cluster.logs())
+    assert len((await attempt(nc, record.job_id)).tasks) == 3
+    work = cluster.log_dir / "work" / "node-a" / record.job_id / "1"
+    assert (work / ".muster-code-sync").read_text().strip() == git("rev-parse", "main", cwd=repo)
+    logs = "".join(p.read_text() for p in cluster.log_dir.glob("agent-*.log"))
+    assert logs.count("agent.code_synced") == 1  # three tasks on the node, one fetch
+
+
+async def test_a_fetch_that_fails_fails_the_job_at_once_without_showing_credentials(cluster, nc, roots):
+    from tests.test_jobs import attempt, run_job
+
+    await bus.ensure_jetstream(nc)
+    cluster.core()
+    cluster.agent("node-a", "--cpus", "4", "--data-roots", f"{roots}/users/{{user}},{roots}/shared")
+    config = job(codeSync={"git": f"https://alice:{PASSWORD}@127.0.0.1:1/team/code.git"}, retryCount=3)
+    record = await run_job(nc, config, timeout=120)
+    assert record.state.value == "FAILED", (record.reason, cluster.logs())
+    assert record.attempt == 1 and record.retries == 0  # a configuration error: never retried
+    assert "https://***@127.0.0.1:1/team/code.git" in record.reason
+    tasks = (await attempt(nc, record.job_id)).tasks
+    assert any("codeSync: cannot fetch https://***@127.0.0.1:1/team/code.git" in t.reason for t in tasks)
+    every_log = "".join(p.read_text() for p in cluster.log_dir.glob("*.log"))
+    assert PASSWORD not in every_log
+    assert PASSWORD not in json.dumps([t.model_dump(mode="json") for t in tasks])
+
+
+# ---------------------------------------------------------------- in Docker (real engine)
+
+
+@pytest.fixture
+def engine():
+    import docker
+
+    client = docker.from_env()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def role_image(base_image: str, engine) -> Any:
+    """An image of its own for the worker role: the base with a file saying so."""
+    import io
+
+    tag = f"muster/contract-worker:{uuid.uuid4().hex[:8]}"
+    dockerfile = f"FROM {base_image}\nRUN echo worker-image > /role-image\n"
+    engine.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=tag, rm=True)
+    yield tag
+    with contextlib.suppress(Exception):
+        engine.images.remove(tag, force=True)
+
+
+@pytest.mark.docker
+async def test_in_docker_each_role_runs_its_image_with_the_datasets_mounted_as_declared(
+    base_image, role_image, engine, roots
+):
+    from services.agent.docker_runtime import DockerRuntime
+
+    shared = roots / "shared"
+    (shared / "results").mkdir()
+    os.chmod(shared / "results", 0o777)  # the task runs as a non-root user
+    volume = engine.volumes.create(f"muster-contract-{uuid.uuid4().hex[:8]}")
+    found = await records(
+        Dataset(name="imagenet", source=str(shared / "imagenet")),
+        Dataset(name="results", source=str(shared / "results"), writable=True),
+        Dataset(name="vol", source=volume.name, writable=True),
+    )
+    config = job(data=["imagenet:/data/in:rw", "results:/data/out:rw", "vol:/vol"])
+    config["image"] = base_image
+    config["taskRoles"][1]["image"] = role_image
+    probe = (
+        "cat /role-image 2>/dev/null || echo job-image; cat $MUSTER_DATA_IMAGENET/labels.txt; "
+        "touch /data/in/x 2>/dev/null && echo in-writable || echo in-read-only; "
+        "touch /data/out/y && echo out-writable; "
+        "grep ' /vol ' /proc/mounts | grep -q ' ro,' && echo vol-read-only"
+    )
+    for r in config["taskRoles"]:
+        r["command"] = probe
+    a = assignment(config)
+    mounts, env = await resolve_datasets(a.config, "alice", found, list(where(roots).data_roots), True)
+    runtime = DockerRuntime(pids_limit=64)
+    seen: dict[str, list[str]] = {}
+    try:
+        for launch in launches(roots, a, Prepared(mounts=mounts, env=env)):
+            if launch.labels["muster.index"] != "0":
+                continue
+            lines: list[str] = []
+            task = await runtime.start(launch, lines.append)
+            try:
+                assert await asyncio.wait_for(task.wait(), 120) == 0, lines
+                await asyncio.sleep(0.2)
+            finally:
+                with contextlib.suppress(Exception):
+                    engine.api.remove_container(launch.name, force=True)
+            seen[launch.labels["muster.role"]] = lines
+    finally:
+        await runtime.close()
+        with contextlib.suppress(Exception):
+            volume.remove(force=True)
+    expected = ["cat", "dog", "in-read-only", "out-writable", "vol-read-only"]
+    assert seen["master"] == ["job-image", *expected]
+    assert seen["worker"] == ["worker-image", *expected]
+    assert (shared / "results" / "y").exists() and not (shared / "imagenet" / "x").exists()
+
+
+@pytest.mark.docker
+async def test_in_docker_a_dataset_volume_that_does_not_exist_is_a_configuration_error(base_image, roots):
+    from services.agent.docker_runtime import DockerRuntime
+
+    found = await records(Dataset(name="vol", source=f"muster-missing-{uuid.uuid4().hex[:8]}"))
+    config = job(data=["vol:/vol"])
+    config["taskRoles"][1].pop("image")
+    a = assignment(config)
+    mounts, env = await resolve_datasets(a.config, "alice", found, list(where(roots).data_roots), True)
+    runtime = DockerRuntime(pids_limit=64)
+    try:
+        with pytest.raises(LaunchError, match="does not exist on this node") as refused:
+            await runtime.start(launches(roots, a, Prepared(mounts=mounts, env=env))[0], lambda _: None)
+        assert refused.value.cause == TaskCause.CONFIG
+    finally:
+        await runtime.close()
