@@ -284,7 +284,6 @@ def permissions(ident: Identity | Credentials) -> dict[str, Any]:
             *_bucket(subjects.ATTEMPTS_BUCKET, write=False),
             *_bucket(subjects.NODES_BUCKET, write=False),
             *_bucket(subjects.VCS_BUCKET, write=False),
-            *_bucket(subjects.DATASETS_BUCKET, write=False),
         ]
         return {
             "publish": {"allow": publish},

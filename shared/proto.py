@@ -57,7 +57,8 @@ JOBCONFIG_DESCRIPTION = (
     "for gpuType mean unset, as in OpenPAI's own examples. Rules spanning fields (unique role "
     "names and port labels, "
     "minFailedTaskCount/minSucceededTaskCount ≤ taskNumber, shmMB ≤ memoryMB, "
-    "killAllOnCompletedTaskNumber ≤ total tasks, no PAI_/MUSTER_ jobEnvs) and job name uniqueness "
+    "killAllOnCompletedTaskNumber ≤ total tasks, no MUSTER_ jobEnvs, distinct data mount paths) "
+    "and job name uniqueness "
     "are checked by the validator, not by this schema."
 )
 
