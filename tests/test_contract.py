@@ -690,3 +690,41 @@ async def test_in_docker_a_dataset_volume_that_does_not_exist_is_a_configuration
         assert refused.value.cause == TaskCause.CONFIG
     finally:
         await runtime.close()
+
+
+def test_a_local_code_sync_repository_outside_the_roots_is_refused_at_validation(roots):
+    from shared import hostpaths
+
+    allowed = [str(roots / "users" / "{user}"), str(roots / "shared")]
+    for url, refused in (
+        (f"{roots}/shared/repo", False),
+        (f"file://{roots}/users/alice/repo", False),
+        ("/etc", True),
+        (f"file://{roots}/users/bob/repo", True),
+        ("https://h/r.git", False),
+    ):
+        config, errors = check_job(job(codeSync={"git": url}))
+        assert config is not None, errors
+        found = hostpaths.check_dirs(config, "alice", allowed)
+        assert [e.path for e in found] == (["codeSync.git"] if refused else []), (url, found)
+
+
+def test_an_elastic_jobs_env_file_carries_the_platforms_pai_values(roots):
+    config = job(jobEnvs={"PAI_JOB_NAME": "mine", "PAI_URL": "http://pai", "TOKEN_SECRET": "hidden"})
+    config["taskRoles"] = [
+        {
+            "name": "worker",
+            "taskNumber": 2,
+            "minTaskNumber": 1,
+            "maxTaskNumber": 3,
+            "cpuNumber": 1,
+            "memoryMB": 128,
+            "gpuNumber": 0,
+            "command": "true",
+        }
+    ]
+    a = assignment(config)
+    launch = launches(roots, a)[0]
+    text = Path(launch.env["MUSTER_ENV_FILE"]).read_text()
+    assert f"export PAI_JOB_NAME={a.config.jobName}\n" in text  # the platform's value, which won
+    assert "PAI_URL" not in text and "hidden" not in text  # the job's own values stay out of files
