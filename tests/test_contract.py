@@ -728,3 +728,32 @@ def test_an_elastic_jobs_env_file_carries_the_platforms_pai_values(roots):
     text = Path(launch.env["MUSTER_ENV_FILE"]).read_text()
     assert f"export PAI_JOB_NAME={a.config.jobName}\n" in text  # the platform's value, which won
     assert "PAI_URL" not in text and "hidden" not in text  # the job's own values stay out of files
+
+
+def test_seed_001s_arena_shape_is_a_muster_config():
+    """Arena's MPIJob step (seed 001): workers with GPUs, CPU/memory limits, data volumes, env and
+    git-synced code, written as a Muster config."""
+    config = {
+        "jobName": "mpi-train",
+        "image": "registry.cn-hangzhou.aliyuncs.com/tensorflow-samples/tensorflow:1.12.0-gpu",
+        "data": ["user-susan:/training"],
+        "codeSync": {
+            "git": "https://github.com/tensorflow/benchmarks.git",
+            "branch": "cnn_tf_v1.9_compatible",
+        },
+        "jobEnvs": {"NCCL_DEBUG": "INFO", "GIT_SYNC_BRANCH": "cnn_tf_v1.9_compatible"},
+        "taskRoles": [
+            {
+                "name": "worker",
+                "taskNumber": 2,
+                "cpuNumber": 2,
+                "memoryMB": 4096,
+                "gpuNumber": 1,
+                "command": "mpirun python code/benchmarks/scripts/tf_cnn_benchmarks/tf_cnn_benchmarks.py",
+            }
+        ],
+    }
+    checked, errors = check_job(config)
+    assert checked is not None, errors
+    assert checked.mounts[0].name == "user-susan" and checked.mounts[0].path == "/training"
+    assert job_warnings(config) == []
