@@ -757,3 +757,31 @@ def test_seed_001s_arena_shape_is_a_muster_config():
     assert checked is not None, errors
     assert checked.mounts[0].name == "user-susan" and checked.mounts[0].path == "/training"
     assert job_warnings(config) == []
+
+
+@pytest.mark.docker
+async def test_in_docker_the_synced_code_is_where_the_task_starts(base_image, engine, repo, roots):
+    from services.agent.docker_runtime import DockerRuntime
+
+    config = job(codeSync={"git": str(repo), "branch": "main"})
+    config["taskRoles"] = config["taskRoles"][:1]
+    config["taskRoles"][0]["command"] = 'pwd; test "$PWD" = "$MUSTER_CODE_DIR" && cat train.py'
+    a = assignment(config)
+    attempt_dir = roots / "work" / a.job_id / "1"
+    attempt_dir.mkdir(parents=True)
+    code = str(attempt_dir / "code")
+    await CodeSyncs(timeout=60).sync(
+        a.job_id, 1, a.config.codeSync, code, False, attempt_dir / ".muster-code-sync"
+    )
+    launch = launches(roots, a, Prepared(code_dir=code))[0]
+    runtime = DockerRuntime(pids_limit=64)
+    lines: list[str] = []
+    try:
+        task = await runtime.start(launch, lines.append)
+        assert await asyncio.wait_for(task.wait(), 120) == 0, lines
+        await asyncio.sleep(0.2)
+    finally:
+        with contextlib.suppress(Exception):
+            engine.api.remove_container(launch.name, force=True)
+        await runtime.close()
+    assert lines == [code, "print('v2')"]

@@ -268,11 +268,10 @@ class CodeSyncs:
         if fetch is None:
             fetch = asyncio.create_task(self._fetch(sync, target, own_dir, mark))
             self._fetches[key] = fetch
-            while len(self._fetches) > self.KEEP:
-                _, old = self._fetches.popitem(last=False)
-                if not old.done():
-                    self._fetches[key] = fetch  # never drop one still running
-                    break
+            excess = len(self._fetches) - self.KEEP
+            if excess > 0:  # the oldest that are done (one still running is never dropped)
+                for old in [k for k, t in self._fetches.items() if t.done()][:excess]:
+                    del self._fetches[old]
         # One task cancelled (killed before start) must not cancel the others' fetch.
         return await asyncio.shield(fetch)
 
