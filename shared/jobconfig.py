@@ -70,11 +70,22 @@ def _check_path(value: str | None) -> str | None:
     return value
 
 
+def _integer_or_digits(schema: dict[str, Any]) -> None:
+    """An integer field's JSON schema made to admit a string of digits too (the model converts it)."""
+    integer = {k: schema.pop(k) for k in ("type", "minimum", "maximum") if k in schema}
+    schema["anyOf"] = [integer, {"type": "string", "pattern": "^[0-9]{1,5}$"}]
+
+
 class PortType(_Model):
     """OpenPAI v1 portList entry: `portNumber` ports labelled `label`; beginAt 0 = any free port."""
 
     label: Ident
-    beginAt: int = Field(ge=0, le=65535)
+    # The schema also admits a string of digits, as OpenPAI's server did (accepted with a warning).
+    beginAt: int = Field(
+        ge=0,
+        le=65535,
+        json_schema_extra=_integer_or_digits,
+    )
     portNumber: int = Field(ge=1, le=100)
 
     @field_validator("beginAt", mode="before")

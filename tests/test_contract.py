@@ -785,3 +785,13 @@ async def test_in_docker_the_synced_code_is_where_the_task_starts(base_image, en
             engine.api.remove_container(launch.name, force=True)
         await runtime.close()
     assert lines == [code, "print('v2')"]
+
+
+def test_the_published_schema_admits_openpais_forms_and_the_new_fields():
+    from tests.test_proto import _errors, _load
+
+    schema = _load("jobconfig.schema.json")
+    config = openpai_doc_config() | {"data": ["imagenet:/in"], "codeSync": {"git": "/r", "branch": "main"}}
+    assert _errors(schema, schema, config) == []
+    config["taskRoles"][0]["portList"][0]["beginAt"] = "zero"
+    assert _errors(schema, schema, config) == ["$.taskRoles[0].portList[0].beginAt: matches no anyOf branch"]
