@@ -28,6 +28,7 @@ from services.agent.prepare import (
     resolve_datasets,
     sync_target,
 )
+from services.agent.progress import Progress
 from services.agent.reporting import Reporter
 from services.agent.runtime import LaunchError, RunningTask, Runtime
 from services.agent.sharing import Specs
@@ -57,6 +58,7 @@ LAST_LINES = 30
 NOT_STARTED = -1
 DATASET_WAIT = 10.0  # seconds to read a dataset's record
 REMEMBERED = 10_000  # ended tasks remembered against late orders
+HUNG_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for a task stopped as hung
 TaskKey = tuple[str, int, str, int]  # job id, attempt, role, index
 
 
@@ -70,6 +72,7 @@ class LocalTask:
     handle: RunningTask | None = None
     runner: asyncio.Task[None] | None = None
     kill_reason: str | None = None
+    kill_cause: TaskCause | None = None  # how a stop is reported when not KILLED (a hang: PLATFORM)
     kill_grace: float = 0.0
     starting: bool = False  # the runtime is starting it: it must not be cancelled then
     masker: Masker | None = None  # its job's secret values, cut out of its output
@@ -109,6 +112,7 @@ class Tasks:
         self.log = log.bind(node=self.node)
         self.code_syncs = CodeSyncs()  # codeSync: one fetch per attempt on this node
         self._datasets: Store[Dataset] | None = None
+        self.progress = Progress(nc, self.node, self.hung)  # training metrics, hang detection
 
     def known(self, key: TaskKey) -> bool:
         """Whether this agent runs the task, or has already reported its end."""
@@ -134,6 +138,7 @@ class Tasks:
         """Watch a task already running (adopted after a restart) until it ends."""
         self.live[key] = task
         TASKS_LIVE.labels(self.node).set(len(self.live))
+        self.progress.track(key, task.assignment.config)
         task.runner = asyncio.create_task(self._watch(key, task))
 
     async def _run(self, key: TaskKey, task: LocalTask) -> None:
@@ -146,7 +151,9 @@ class Tasks:
             launch = build_launch(a, task.spec, task.ports, cluster, self.where, prepared)
             task.version = cluster.version
             task.starting = True
+            self.progress.track(key, a.config)  # before its first line can come
             task.handle = await self.runtime.start(launch, lambda line: self.output(task, line))
+            self.progress.started(key)  # its silence counts from now, not from an image pull
             if task.kill_reason is not None:  # killed while it was being started
                 await task.handle.stop(task.kill_grace)
         except asyncio.CancelledError:
@@ -200,7 +207,9 @@ class Tasks:
         assert task.handle is not None
         try:
             code = await task.handle.wait()
-            if task.kill_reason:
+            if task.kill_reason and task.kill_cause is not None:
+                cause, reason = task.kill_cause, task.kill_reason
+            elif task.kill_reason:
                 cause, reason = TaskCause.KILLED, f"killed: {task.kill_reason}"
             elif getattr(task.handle, "oom_killed", False):
                 limit = task.assignment.config.role(task.spec.role).memoryMB
@@ -215,6 +224,8 @@ class Tasks:
 
     async def _finish(self, key: TaskKey, task: LocalTask, cause: TaskCause, code: int, reason: str) -> None:
         self.ports.release(task.ports)
+        with contextlib.suppress(Exception):
+            await self.progress.untrack(key)
         self.live.pop(key, None)
         self.remember(key)
         TASKS_LIVE.labels(self.node).set(len(self.live))
@@ -240,6 +251,7 @@ class Tasks:
         a, spec = task.assignment, task.spec
         line = task.mask(line)  # a task printing its secrets: logs and last_lines show ***
         task.lines.append(line)
+        self.progress.line((a.job_id, a.attempt, spec.role, spec.index), line)
         subject = subjects.task_logs(a.job_id, a.attempt, spec.role, spec.index, self.node)
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().create_task(self.nc.publish(subject, line.encode()))
@@ -302,6 +314,17 @@ class Tasks:
         if task.runner is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task.runner
+
+    async def hung(self, key: TaskKey, timeout: int) -> None:
+        """A running task printed nothing for `timeout` seconds (its job's noProgressTimeoutSec):
+        it is stopped as a platform failure, so its attempt ends and the gang runs again."""
+        task = self.live.get(key)
+        if task is None or task.kill_reason is not None or task.handle is None:
+            return
+        task.kill_cause = TaskCause.PLATFORM
+        reason = f"hung: no output for {timeout} s (noProgressTimeoutSec)"
+        self.log.warning("agent.stopping_hung_task", task=task.name, reason=reason)
+        await self.stop(task, reason, HUNG_GRACE)
 
     async def stop_all(self, reason: str, grace: float) -> None:
         await asyncio.gather(*(self.stop(t, reason, grace) for t in list(self.live.values())))
