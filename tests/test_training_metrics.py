@@ -10,7 +10,7 @@ import json
 import time
 import urllib.request
 
-from shared import client
+from shared import client, subjects
 from shared.messages import FailureKind, JobState, TaskCause, TaskState
 from shared.natsserver import free_port
 from tests.test_jobs import attempt, nc, role, wait_final  # noqa: F401 - nc is a fixture
@@ -126,3 +126,50 @@ async def test_a_task_silent_past_its_no_progress_timeout_restarts_its_gang(clus
     assert all(t.state == TaskState.SUCCEEDED for t in second.tasks)
     status = cluster.cli("status", record.job_id).stdout
     assert "[platform failure]" in status and "(retry not charged)" in status
+
+
+async def test_a_task_printing_fast_costs_at_most_a_batch_a_second(cluster, nc):  # noqa: F811
+    cluster.core()
+    port = free_port()
+    cluster.agent("n1", "--address", "127.0.0.1", "--cpus", "4", "--metrics-port", str(port))
+    lines = 50_000
+    config = {
+        "jobName": "fast",
+        "image": "img",
+        "metrics": ["loss"],
+        "taskRoles": [
+            role(
+                "main",
+                1,
+                f"python3 -c 'for i in range({lines}): print(f\"step={{i}} loss={{i}}\")'; sleep 600",
+            )
+        ],
+    }
+    started = time.monotonic()
+    _, verdict = await client.submit(nc, json.dumps(config).encode(), timeout=30)
+    assert verdict is not None and verdict.accepted, verdict
+    job = verdict.job_id
+    gauge = f'muster_task_metric{{job="{job}",metric="loss",task="main.0"}} {float(lines - 1)}'
+    await until("the last value", lambda: gauge in scrape(port), timeout=120, logs=cluster.logs)
+
+    async def series() -> list[dict]:
+        got, after, more = [], 0, True
+        while more:
+            page = await client.ask(nc, "metrics", {"job_id": job, "attempt": 1, "after": after})
+            got, after, more = got + page["batches"], page["last"], page["more"]
+        return got
+
+    # The last batch reaches the stream just after the gauge shows its value.
+    deadline = time.monotonic() + 30
+    while True:
+        got = await series()
+        kept = sum(len(b["points"]) for b in got)
+        if kept + sum(b["dropped"] for b in got) == lines or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.3)
+    assert kept + sum(b["dropped"] for b in got) == lines  # every point kept or counted
+    elapsed = time.monotonic() - started
+    batches = (await nc.jetstream().stream_info(subjects.METRICS_STREAM)).state.messages
+    assert 1 <= batches <= elapsed + 2, (batches, elapsed)  # at most one a second
+    assert kept <= 100 * batches  # at most 100 points of a metric a batch
+    assert cluster.cli("kill", job).returncode == 0

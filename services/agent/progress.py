@@ -110,18 +110,30 @@ class Progress:
     async def _run(self) -> None:
         while self.tracked:
             await asyncio.sleep(FLUSH / 2)
-            now = time.monotonic()
-            for t in list(self.tracked.values()):
-                due = t.series.pending or (t.series.changed and now - t.published >= HEARTBEAT)
-                if due and now - t.published >= FLUSH:
-                    await self._publish(t)
-                if t.timeout is not None and not t.hung and now - t.last_mono > t.timeout:
-                    t.hung = True
-                    HUNG.inc()
-                    log.warning("agent.task_hung", job_id=t.key[0], task=t.task, silent_s=t.timeout)
-                    stopping = asyncio.create_task(self.on_hung(t.key, t.timeout))
-                    self._stopping.add(stopping)
-                    stopping.add_done_callback(self._stopping.discard)
+            try:
+                await self._round()
+            except Exception:  # a bug here must not end hang detection for every task
+                log.exception("agent.progress_failed")
+
+    async def _round(self) -> None:
+        now = time.monotonic()
+        for t in list(self.tracked.values()):
+            due = t.series.pending or (t.series.changed and now - t.published >= HEARTBEAT)
+            if due and now - t.published >= FLUSH:
+                await self._publish(t)
+            if t.timeout is not None and not t.hung and now - t.last_mono > t.timeout:
+                t.hung = True
+                HUNG.inc()
+                log.warning("agent.task_hung", job_id=t.key[0], task=t.task, silent_s=t.timeout)
+                stopping = asyncio.create_task(self._stop_hung(t))
+                self._stopping.add(stopping)
+                stopping.add_done_callback(self._stopping.discard)
+
+    async def _stop_hung(self, t: Tracked) -> None:
+        try:
+            await self.on_hung(t.key, t.timeout or 0)
+        except Exception:
+            log.exception("agent.stop_hung_failed", job_id=t.key[0], task=t.task)
 
     async def _publish(self, t: Tracked) -> None:
         points, dropped = t.series.take()

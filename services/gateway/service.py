@@ -197,6 +197,9 @@ class Gateway:
                 stored = await self.js.get_last_msg(subjects.METRICS_STREAM, subject, direct=True)
             except NotFoundError:
                 return None
+            except Exception as exc:  # status without metrics rather than no status at all
+                log.warning("gateway.metrics_unread", subject=subject, error=str(exc) or type(exc).__name__)
+                return None
             batch = self.believed(stored.subject, stored.data, {f"{role}.{index}": node})
             if batch is None:
                 return None
