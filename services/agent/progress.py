@@ -98,7 +98,7 @@ class Progress:
         t = self.tracked.pop(key, None)
         if t is None:
             return
-        if t.series.pending or t.series.changed or not t.published:
+        if t.series.pending or t.series.changed:
             await self._publish(t)
         job = key[0]
         if any(o.key[0] == job and o.task == t.task for o in self.tracked.values()):
