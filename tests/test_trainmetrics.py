@@ -122,3 +122,13 @@ def test_job_config_metrics_and_no_progress_timeout():
     assert errors(metrics=[3]) == ["metrics[0]: must be a string, got 3"]
     assert errors(noProgressTimeoutSec=1) == ["noProgressTimeoutSec: must be ≥ 5, got 1"]
     assert errors(noProgressTimeoutSec="60") == ["noProgressTimeoutSec: must be an integer, got '60'"]
+
+
+def test_the_published_schema_admits_metrics_and_the_no_progress_timeout():
+    from tests.test_proto import _errors, _load
+
+    schema = _load("jobconfig.schema.json")
+    config = {**BASE, "metrics": ["accuracy:PERCENTAGE", "loss"], "noProgressTimeoutSec": 600}
+    assert _errors(schema, schema, config) == []
+    assert _errors(schema, schema, {**BASE, "noProgressTimeoutSec": 1}) != []
+    assert _errors(schema, schema, {**BASE, "metrics": [f"m{i}" for i in range(17)]}) != []
