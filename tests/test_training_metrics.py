@@ -56,9 +56,9 @@ async def test_a_job_printing_accuracy_shows_it_in_status_metrics_and_the_gauge(
     _, verdict = await client.submit(nc, json.dumps(config).encode(), timeout=30)
     assert verdict is not None and verdict.accepted, verdict
     job = verdict.job_id
-    gauge = f'muster_task_metric{{job="{job}",metric="accuracy",task="main.0"}} 0.93'
+    gauge = f'muster_task_metric{{job_id="{job}",metric="accuracy",task="main.0"}} 0.93'
     await until("the gauge", lambda: gauge in scrape(port), logs=cluster.logs)
-    assert f'muster_task_metric{{job="{job}",metric="loss",task="main.0"}} 0.25' in scrape(port)
+    assert f'muster_task_metric{{job_id="{job}",metric="loss",task="main.0"}} 0.25' in scrape(port)
 
     def shown_in_status() -> str | None:
         out = cluster.cli("status", job).stdout
@@ -89,7 +89,7 @@ async def test_a_job_printing_accuracy_shows_it_in_status_metrics_and_the_gauge(
 
     # The task ends: its label sets go (the gauge only holds running tasks).
     assert cluster.cli("kill", job).returncode == 0
-    await until("the gauge removed", lambda: f'job="{job}"' not in scrape(port), logs=cluster.logs)
+    await until("the gauge removed", lambda: f'job_id="{job}"' not in scrape(port), logs=cluster.logs)
     # The series outlives the task.
     assert len(cluster.cli("metrics", job, "--json").stdout.splitlines()) == 4
 
@@ -149,7 +149,7 @@ async def test_a_task_printing_fast_costs_at_most_a_batch_a_second(cluster, nc):
     _, verdict = await client.submit(nc, json.dumps(config).encode(), timeout=30)
     assert verdict is not None and verdict.accepted, verdict
     job = verdict.job_id
-    gauge = f'muster_task_metric{{job="{job}",metric="loss",task="main.0"}} {float(lines - 1)}'
+    gauge = f'muster_task_metric{{job_id="{job}",metric="loss",task="main.0"}} {float(lines - 1)}'
     await until("the last value", lambda: gauge in scrape(port), timeout=120, logs=cluster.logs)
 
     async def series() -> list[dict]:

@@ -32,7 +32,7 @@ log = structlog.get_logger(service="agent")
 TRAINING_METRIC = Gauge(
     "muster_task_metric",
     "Latest value of a training metric a running task printed (the job's `metrics`)",
-    ["job", "task", "metric"],
+    ["job_id", "task", "metric"],  # not `job`: Prometheus gives that label to the scrape job
 )
 BATCHES = Counter("muster_agent_metric_batches_total", "Metric batches published by this agent", ["outcome"])
 HUNG = Counter("muster_agent_tasks_hung_total", "Tasks stopped as hung: silent past noProgressTimeoutSec")
