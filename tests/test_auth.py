@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import nats.errors
+import nats.js.errors
 import pytest
 from nats.aio.client import Client as NATS
 
@@ -200,7 +201,11 @@ async def test_an_agent_cannot_act_for_another_node(secured):
     try:
         # Its own record: allowed. Another node's: refused by the server.
         nodes = await js.key_value(subjects.NODES_BUCKET)
-        entry = await nodes.get("n1")
+        for _ in range(300):  # the agent, started with the module's fixture, registers soon
+            with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+                entry = await nodes.get("n1")
+                break
+            await asyncio.sleep(0.1)
         assert NodeInfo.from_bytes(entry.value).node == "n1"
         await refused(nc, lambda: nodes.put("n2", entry.value), "muster_nodes.n2")
         ev = TaskEvent(job_id="jx", attempt=1, role="w", index=0, node="n2", kind=TaskEventKind.EXITED)
