@@ -288,7 +288,8 @@ class Supervisor:
                     return None
                 return a.model_copy(update={"ended_at": now(), "outcome": JobState.STOPPED, "rule": reason})
 
-            await self.attempts.update(attempt_key(job.job_id, job.attempt), end)
+            if await self.attempts.update(attempt_key(job.job_id, job.attempt), end) is not None:
+                ATTEMPTS_ENDED.labels(JobState.STOPPED).inc()
             attempt = await self.attempts.get(attempt_key(job.job_id, job.attempt))
             if attempt is not None:
                 await self.kill_rest(attempt, grace=req.grace)
