@@ -126,3 +126,37 @@ async def test_nats_collector_reads_a_real_server_and_reports_a_dead_one(tmp_pat
     assert got[("muster_nats_server_subscriptions", live)] > 0
     assert ("muster_nats_server_in_messages_total", live) in got
     assert ("muster_nats_server_jetstream_streams", live) in got
+
+
+def test_cluster_gauges_follow_the_schedulers_view() -> None:
+    """The scheduler's gauges (services/scheduler/metrics.py, pure): GPUs by node and model,
+    allocated as the attempts hold them, jobs by state and VC, the queue and its oldest job,
+    nodes by status."""
+    from datetime import timedelta
+
+    from test_scheduler_view import T0, attempt, job, node, put_attempt, put_job, put_node
+
+    from services.scheduler.metrics import families, snapshot
+    from services.scheduler.view import View
+    from shared.messages import GpuDevice, JobState, TaskState
+
+    v = View(node_timeout=5)
+    put_node(v, node("a", gpus=4))
+    mixed = node("b", gpus=0).model_copy(
+        update={"gpus": [GpuDevice(index=0, model="T4"), GpuDevice(index=1, model="V100")]}
+    )
+    put_node(v, mixed)
+    put_node(v, node("gone", gpus=2, at=T0 - timedelta(seconds=60)))
+    put_job(v, job("run", tasks=2, gpus=1, state=JobState.RUNNING, attempt=1))
+    put_attempt(v, attempt("run", 1, ("a", [0], TaskState.RUNNING), ("b", [1], TaskState.RUNNING)))
+    put_job(v, job("wait", at=T0 - timedelta(seconds=90)))
+    put_job(v, job("done", state=JobState.SUCCEEDED))
+    snap = snapshot(v, T0)
+    assert snap.gpus == {("a", "V100"): [4, 1], ("b", "T4"): [1, 0], ("b", "V100"): [1, 1]}
+    assert snap.jobs[("RUNNING", "default")] == 1 and snap.jobs[("WAITING", "default")] == 1
+    assert snap.jobs[("SUCCEEDED", "default")] == 1 and snap.jobs[("FAILED", "default")] == 0
+    assert snap.queue == {"default": 1} and snap.oldest_wait == 90.0
+    assert snap.nodes == {"alive": 2, "lost": 1, "drained": 0, "restarting": 0}
+    assert snap.heartbeat_age["gone"] == 60.0
+    names = {s.name: s for f in families(snap) for s in f.samples if s.labels.get("node") == "b"}
+    assert {"muster_gpus", "muster_gpus_allocated", "muster_gpus_free"} <= set(names)
