@@ -68,7 +68,8 @@ RETRIES = Counter(
 TASK_STARTS = Counter("muster_task_starts_total", "Tasks that started running")
 TASK_FAILURES = Counter(
     "muster_task_failures_total",
-    "Tasks that ended other than by exiting 0, by cause (exited: a non-zero exit code)",
+    "Tasks that failed, by cause (exited: a non-zero exit code); tasks stopped on purpose "
+    "(kill, gang teardown) are not failures",
     ["cause"],
 )
 NODES_LOST = Counter("muster_nodes_lost_total", "Nodes this replica saw go silent past the node timeout")
@@ -83,6 +84,11 @@ DAY = 24 * 3600.0
 
 def _seconds(name: str, default: float) -> float:
     return float(os.environ.get(name, str(default)))
+
+
+def failed(ev: TaskEvent) -> bool:
+    """A task's end is a failure: not an exit 0, not stopped on purpose."""
+    return ev.cause != TaskCause.KILLED and (ev.cause != TaskCause.EXITED or ev.exit_code != 0)
 
 
 class Supervisor:
@@ -193,7 +199,7 @@ class Supervisor:
                 return
         elif ev.kind == TaskEventKind.RUNNING:
             TASK_STARTS.inc()
-        elif ev.kind == TaskEventKind.EXITED and (ev.cause != TaskCause.EXITED or ev.exit_code != 0):
+        elif ev.kind == TaskEventKind.EXITED and failed(ev):
             TASK_FAILURES.labels(ev.cause or "unknown").inc()
         if ev.kind == TaskEventKind.RUNNING and not attempt.ended:
             await self.set_running(ev.job_id, ev.attempt)
