@@ -160,3 +160,52 @@ def test_cluster_gauges_follow_the_schedulers_view() -> None:
     assert snap.heartbeat_age["gone"] == 60.0
     names = {s.name: s for f in families(snap) for s in f.samples if s.labels.get("node") == "b"}
     assert {"muster_gpus", "muster_gpus_allocated", "muster_gpus_free"} <= set(names)
+
+
+def test_muster_up_serves_metrics_of_everything_it_runs(tmp_path: Path) -> None:
+    """`muster up --metrics-port P`: one /metrics with every service's metrics, the cluster's
+    gauges (its scheduler leads), and its embedded NATS server's (from the monitoring port)."""
+    import os
+    import signal
+    import sys
+    import time
+
+    import httpx
+
+    port, metrics = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k != "MUSTER_NATS_URL"}
+    cmd = [sys.executable, "-m", "services.cli.main", "up", "--data-dir", str(tmp_path / "data")]
+    cmd += ["--port", str(port), "--metrics-port", str(metrics), "--no-agent"]
+    log = open(tmp_path / "up.log", "wb")  # noqa: SIM115 - owned by the child
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    wanted = (
+        "muster_scheduler_leader 1.0",
+        'muster_jobs{state="WAITING",vc="default"} 0.0',
+        'muster_nats_connected{service="muster-up"} 1.0',
+        'muster_nats_reconnects_total{service="validator"} 0.0',
+        "muster_nats_server_jetstream_streams{",
+    )
+    text, nats_up = "", None
+    try:
+        deadline = time.monotonic() + 90  # a loaded machine starts the mesh slowly
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                text = httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=5).text
+            except httpx.TransportError:
+                text = ""
+            nats_up = re.search(r'muster_nats_server_up\{server="127\.0\.0\.1:\d+"\} 1\.0', text)
+            if all(w in text for w in wanted) and nats_up:
+                break
+            time.sleep(0.5)
+        assert all(w in text for w in wanted) and nats_up, (
+            [w for w in wanted if w not in text],
+            (tmp_path / "up.log").read_text()[-3000:],
+        )
+        assert httpx.get(f"http://127.0.0.1:{metrics}/healthz", timeout=5).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
