@@ -184,6 +184,7 @@ def test_muster_up_serves_metrics_of_everything_it_runs(tmp_path: Path) -> None:
         'muster_nats_connected{service="muster-up"} 1.0',
         'muster_nats_reconnects_total{service="validator"} 0.0',
         "muster_nats_server_jetstream_streams{",
+        'muster_consumer_pending_messages{consumer="validator"} 0.0',
     )
     text, nats_up = "", None
     try:
