@@ -1036,6 +1036,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 node=sim.prefix if sim else (options.node if options else None),
                 open_bus=args.open,
                 sim=sim is not None,
+                metrics_port=args.metrics_port,
             )
         )
     except (RuntimeError, TimeoutError, ConnectionError, FileNotFoundError, auth.AuthError) as exc:
@@ -1123,6 +1124,13 @@ def parser() -> argparse.ArgumentParser:
         "--open",
         action="store_true",
         help="no authentication on the embedded NATS: anyone who reaches its port may do anything",
+    )
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve /metrics and /healthz of every service, the local agent and the embedded NATS "
+        "here (default $MUSTER_METRICS_PORT, else 9100 or a free one if taken; 0: off)",
     )
     add_agent_arguments(s)
     s.set_defaults(func=cmd_up)
