@@ -430,6 +430,11 @@ async def test_a_task_printing_its_secrets_shows_them_masked(runtime, engine, ro
         published.append((subject, data))
 
     events: list = []
+    seen: list[str] = []  # what the training-metric reader was given
+
+    async def untrack(key: object) -> None:
+        pass
+
     # The agent's Tasks, with the bus and the bookkeeping _finish touches stubbed out.
     tasks = types.SimpleNamespace(
         nc=types.SimpleNamespace(publish=publish),
@@ -439,6 +444,7 @@ async def test_a_task_printing_its_secrets_shows_them_masked(runtime, engine, ro
         live={},
         remember=lambda key: None,
         log=structlog.get_logger(),
+        progress=types.SimpleNamespace(line=lambda key, line: seen.append(line), untrack=untrack),
     )
     tasks.report_ended = functools.partial(Tasks.report_ended, tasks)
     task = LocalTask(assignment=a, spec=a.gang[0], endpoint=None, ports=[5000])  # type: ignore[arg-type]
@@ -448,6 +454,7 @@ async def test_a_task_printing_its_secrets_shows_them_masked(runtime, engine, ro
     await Tasks._finish(tasks, key, task, TaskCause.EXITED, code, f"exited, {token}")
     logs = [data.decode() for _, data in published]
     assert code == 3 and logs == ["token=***", "db=*** epochs=3", "***"], logs
+    assert seen == logs  # metrics are read from the masked lines too
     (event,) = events
     assert event["last_lines"] == logs
     assert token not in repr(events) and password not in repr(events)
