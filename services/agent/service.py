@@ -40,6 +40,7 @@ from services.agent.inventory import PortPool
 from services.agent.launch import Where
 from services.agent.reconcile import Assignments, Placed, Reconciler
 from services.agent.reporting import Reporter
+from services.agent.rsh import Rsh
 from services.agent.runtime import (
     Runtime,
 )
@@ -138,6 +139,8 @@ class Agent:
         self.tasks = Tasks(
             nc, js, runtime, self.reporter, self.attempts, ports, where, shared.specs if shared else None
         )
+        self.rsh = Rsh(nc, options.node, self.tasks)
+        self.tasks.rsh = self.rsh
         self.assignments = Assignments(Path(options.work_root) / "assignments")
         self.reconciler = Reconciler(self.tasks, self.assignments, js, options.address)
         self.agent_id = uuid.uuid4().hex[:12]
@@ -202,6 +205,8 @@ class Agent:
         # From here on, tasks do not outlive this agent unless it detaches on purpose.
         self.runtime.start_fence(self.opts.work_root, str(pidfile), 0.6 * bus.node_timeout())
         self.reporter.start()
+        if self.runtime.name != "sim":  # simulated tasks run no MPI daemons
+            await self.rsh.start()
         await self._write_node()
         self._last_beat = asyncio.get_running_loop().time()
         await self.js.publish(subjects.node_event(self.opts.node, "registered"), self.info().to_bytes())
@@ -222,6 +227,7 @@ class Agent:
         else:
             await self.tasks.stop_all("agent shutting down", self.opts.stop_grace)
             await self.reporter.flush(10)
+        await self.rsh.close()
         await self.reporter.close()
         await self.runtime.close()
 

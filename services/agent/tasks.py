@@ -18,11 +18,12 @@ from nats.js import JetStreamContext
 from prometheus_client import Counter, Gauge
 
 from services.agent.inventory import PortPool
-from services.agent.launch import Where, build_launch, resize_signal, task_env, task_name
+from services.agent.launch import Where, attempt_dir, build_launch, resize_signal, task_env, task_name
 from services.agent.reporting import Reporter
+from services.agent.rsh import Rsh
 from services.agent.runtime import LaunchError, RunningTask, Runtime
 from services.agent.sharing import Specs
-from shared import subjects
+from shared import mpi, subjects
 from shared.messages import (
     Assignment,
     AttemptRecord,
@@ -62,6 +63,7 @@ class LocalTask:
     starting: bool = False  # the runtime is starting it: it must not be cancelled then
     masker: Masker | None = None  # its job's secret values, cut out of its output
     version: int = 0  # the spec version its environment describes (elastic attempts have many)
+    cluster: ClusterSpec | None = None  # the spec it was started with (None: adopted)
 
     def mask(self, text: str) -> str:
         if self.masker is None:
@@ -95,6 +97,7 @@ class Tasks:
         self.detaching = False  # the agent stops for a restart: tasks go on, nothing is reported
         self._following: dict[tuple[str, int], asyncio.Task[None]] = {}  # elastic attempts' specs
         self.log = log.bind(node=self.node)
+        self.rsh: Rsh | None = None  # MPI jobs' daemons in peer tasks (the agent sets it)
 
     def known(self, key: TaskKey) -> bool:
         """Whether this agent runs the task, or has already reported its end."""
@@ -130,6 +133,14 @@ class Tasks:
                 raise asyncio.CancelledError
             launch = build_launch(a, task.spec, task.ports, cluster, self.where)
             task.version = cluster.version
+            task.cluster = cluster
+            shape = mpi.shape(a.config)
+            if (
+                self.rsh is not None
+                and shape is not None
+                and shape.is_launcher(task.spec.role, task.spec.index)
+            ):
+                await self.rsh.serve(a.job_id, a.attempt, attempt_dir(self.where, a))
             task.starting = True
             task.handle = await self.runtime.start(launch, lambda line: self.output(task, line))
             if task.kill_reason is not None:  # killed while it was being started
@@ -172,6 +183,9 @@ class Tasks:
 
     async def _finish(self, key: TaskKey, task: LocalTask, cause: TaskCause, code: int, reason: str) -> None:
         self.ports.release(task.ports)
+        shape = mpi.shape(task.assignment.config)
+        if self.rsh is not None and shape is not None and shape.is_launcher(task.spec.role, task.spec.index):
+            self.rsh.forget(task.assignment.job_id, task.assignment.attempt)
         self.live.pop(key, None)
         self.remember(key)
         TASKS_LIVE.labels(self.node).set(len(self.live))

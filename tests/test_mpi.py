@@ -1,0 +1,244 @@
+"""MPI jobs (`extras.mpi`, docs/mpi.md): the job shape, its hostfile and environment (pure), and
+a real `mpirun` whose ranks start in the gang's tasks on hosts of their own, through the agents."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from services.agent import environment
+from services.supervisor.policy import decide
+from shared import bus, mpi
+from shared.jobconfig import JobConfig, check_job
+from shared.messages import ClusterSpec, Endpoint, JobState, TaskState, TaskStatus
+from shared.natsserver import NatsServer
+from tests.conftest import CORE, NET, ROOT, Cluster
+from tests.test_jobs import attempt, run_job
+
+EXAMPLE = ROOT / "examples" / "mpi-allreduce"
+
+
+def example() -> dict:
+    text = (EXAMPLE / "job.json").read_text().splitlines()
+    return json.loads("\n".join(line for line in text if not line.strip().startswith("//")))
+
+
+def role(name: str, n: int, gpus: int = 0, command: str = "mpirun x") -> dict:
+    return {
+        "name": name,
+        "taskNumber": n,
+        "cpuNumber": 1,
+        "memoryMB": 256,
+        "gpuNumber": gpus,
+        "command": command,
+    }
+
+
+def job(roles: list[dict], mpi_extras: object) -> dict:
+    return {"jobName": "m", "image": "muster/mpi:bookworm", "taskRoles": roles, "extras": {"mpi": mpi_extras}}
+
+
+def errors(data: dict) -> list[str]:
+    config, errs = check_job(data)
+    assert (config is None) == bool(errs)
+    return [str(e) for e in errs]
+
+
+# ------------------------------------------------------------------ the shape (pure)
+
+
+def test_the_example_is_an_mpi_job_whose_worker_0_launches():
+    config, errs = check_job(example())
+    assert config is not None, errs
+    shape = mpi.shape(config)
+    assert shape == mpi.MpiShape(launcher="worker", workers="worker")
+    assert shape.is_launcher("worker", 0) and not shape.hosts_ranks_only("worker", 0)
+    assert shape.hosts_ranks_only("worker", 2)
+
+
+def test_workers_default_to_the_only_role_or_the_other_of_two():
+    one, _ = check_job(job([role("w", 2)], {"launcher": "w"}))
+    two, _ = check_job(job([role("launcher", 1), role("w", 2)], {"launcher": "launcher"}))
+    assert one is not None and mpi.shape(one) == mpi.MpiShape("w", "w")
+    assert two is not None and mpi.shape(two) == mpi.MpiShape("launcher", "w")
+    assert (
+        mpi.shape(JobConfig.model_validate(job([role("w", 1)], {"launcher": "w"}) | {"extras": {}})) is None
+    )
+
+
+@pytest.mark.parametrize(
+    ("asked", "roles", "expected"),
+    [
+        ("yes", None, 'extras.mpi: must be an object: {"launcher": ROLE, "workers": ROLE}'),
+        ({}, None, "extras.mpi.launcher: required: the role whose task 0 runs mpirun"),
+        ({"launcher": "ps"}, None, "extras.mpi.launcher: must name a task role (launcher, w), got 'ps'"),
+        (
+            {"launcher": "w", "workers": 3},
+            None,
+            "extras.mpi.workers: must name a task role (launcher, w), got 3",
+        ),
+        ({"launcher": "w", "hosts": "w"}, None, "extras.mpi.hosts: unknown field"),
+        (
+            {"launcher": "launcher"},
+            [role("launcher", 1), role("w", 2), role("ps", 1)],
+            "extras.mpi.workers: required when the job has more than two roles",
+        ),
+        (
+            {"launcher": "launcher", "workers": "w"},
+            [role("launcher", 2), role("w", 2)],
+            "taskRoles[0].taskNumber: an MPI launcher role of its own runs one task (mpirun), got 2",
+        ),
+        (
+            {"launcher": "w"},
+            [role("w", 2) | {"minTaskNumber": 1, "maxTaskNumber": 3}],
+            "taskRoles[0].minTaskNumber: an MPI role cannot be elastic: "
+            "the hostfile is fixed when mpirun starts",
+        ),
+    ],
+)
+def test_a_bad_mpi_section_is_refused_naming_the_field_and_why(asked, roles, expected):
+    data = job(roles or [role("launcher", 1), role("w", 2)], asked)
+    assert expected in errors(data)
+
+
+def spec_of(config: JobConfig, placed: list[tuple[str, int, str]]) -> ClusterSpec:
+    """A spec for `config`: (role, index, host) in spec order, node = the host."""
+    role_no = {r.name: i for i, r in enumerate(config.taskRoles)}
+    return ClusterSpec(
+        job_id="j1",
+        attempt=1,
+        endpoints=[
+            Endpoint(role=r, index=i, role_no=role_no[r], node=f"n-{h}", host=h, port=5000 + n)
+            for n, (r, i, h) in enumerate(placed)
+        ],
+    )
+
+
+def test_the_hostfile_lists_the_workers_hosts_with_a_slot_per_gpu_and_not_a_launcher_of_its_own():
+    config, _ = check_job(job([role("launcher", 1), role("w", 3, gpus=2)], {"launcher": "launcher"}))
+    assert config is not None
+    spec = spec_of(
+        config,
+        [("launcher", 0, "10.0.0.1"), ("w", 0, "10.0.0.1"), ("w", 1, "10.0.0.2"), ("w", 2, "10.0.0.2")],
+    )
+    assert environment.render_hostfile(spec, config) == "10.0.0.1 slots=2\n10.0.0.2 slots=4\n"
+    cpu, _ = check_job(job([role("w", 3)], {"launcher": "w"}))
+    assert cpu is not None
+    spec = spec_of(cpu, [("w", 0, "10.0.0.1"), ("w", 1, "10.0.0.1"), ("w", 2, "10.0.0.2")])
+    assert environment.render_hostfile(spec, cpu) == "10.0.0.1 slots=2\n10.0.0.2 slots=1\n"
+
+
+def env_of(config: JobConfig, spec: ClusterSpec, who: str, index: int) -> dict[str, str]:
+    return environment.render_env(
+        environment.TaskContext(
+            job_id="j1",
+            attempt=1,
+            user="u",
+            config=config,
+            spec=spec,
+            role=who,
+            index=index,
+            gpus=[],
+            output_root="/out",
+            hostfile_path="/w/j1/1/hostfile",
+            rsh_agent_path="/w/j1/1/muster-rsh",
+        )
+    )
+
+
+def test_an_mpi_task_gets_open_mpi_settings_for_the_host_network_without_ssh():
+    data = job([role("w", 3)], {"launcher": "w"})
+    data["jobEnvs"] = {"OMPI_MCA_btl": "self,vader,tcp"}  # the job may tune Open MPI
+    config, _ = check_job(data)
+    assert config is not None
+    spec = spec_of(config, [("w", 0, "198.18.0.1"), ("w", 1, "198.18.0.1"), ("w", 2, "198.18.0.2")])
+    env = env_of(config, spec, "w", 0)
+    assert env["OMPI_MCA_plm_rsh_agent"] == "/w/j1/1/muster-rsh"
+    assert env["OMPI_MCA_orte_default_hostfile"] == env["MUSTER_MPI_HOSTFILE"] == "/w/j1/1/hostfile"
+    assert env["OMPI_MCA_plm_rsh_no_tree_spawn"] == "1"
+    assert env["OMPI_MCA_btl"] == "self,vader,tcp"
+    assert env["OMPI_MCA_btl_tcp_if_include"] == env["OMPI_MCA_oob_tcp_if_include"] == "198.18.0.0/30"
+    assert env["OMPI_ALLOW_RUN_AS_ROOT"] == env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] == "1"
+    assert env["PMIX_MCA_gds"] == "hash"
+    assert (env["MUSTER_MPI_NP"], env["MUSTER_MPI_LAUNCHER"]) == ("3", "1")
+    assert env_of(config, spec, "w", 2)["MUSTER_MPI_LAUNCHER"] == "0"
+    plain, _ = check_job(job([role("w", 3)], {"launcher": "w"}) | {"extras": {}})
+    assert plain is not None
+    assert "OMPI_MCA_plm_rsh_agent" not in env_of(plain, spec, "w", 0)
+
+
+def test_common_network():
+    assert mpi.common_network(["10.1.2.3"]) == "10.1.2.3/32"
+    assert mpi.common_network(["10.1.2.3", "10.1.3.9"]) == "10.1.2.0/23"
+    assert mpi.common_network(["10.1.2.3", "node-2"]) is None
+
+
+def test_the_job_ends_with_its_launcher():
+    config, _ = check_job(job([role("launcher", 1), role("w", 2)], {"launcher": "launcher"}))
+    assert config is not None
+
+    def status(r: str, i: int, state: TaskState) -> TaskStatus:
+        return TaskStatus(role=r, index=i, role_no=0 if r == "launcher" else 1, node="n1", state=state)
+
+    running = [status("w", 0, TaskState.RUNNING), status("w", 1, TaskState.RUNNING)]
+    done = decide(config, [status("launcher", 0, TaskState.SUCCEEDED), *running])
+    assert (done.outcome, done.kill_rest) == (JobState.SUCCEEDED, True)
+    failed = decide(config, [status("launcher", 0, TaskState.FAILED), *running])
+    assert failed.outcome == JobState.FAILED
+    lost = decide(
+        config, [status("launcher", 0, TaskState.RUNNING), status("w", 0, TaskState.FAILED), running[1]]
+    )
+    assert lost.outcome == JobState.FAILED
+
+
+# ------------------------------------------------------------------ a real mpirun
+
+
+def _mpi_on_this_machine() -> str | None:
+    """Why a real mpirun cannot run here (None: it can)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return "needs root and iproute2 for ip netns"
+    if shutil.which("mpirun") is None or shutil.which("orted") is None:
+        return "needs Open MPI (apt-get install openmpi-bin python3-mpi4py)"
+    probe = subprocess.run(["/usr/bin/python3", "-c", "import mpi4py"], capture_output=True)
+    if probe.returncode != 0:
+        return "needs mpi4py for /usr/bin/python3 (apt-get install python3-mpi4py)"
+    return None
+
+
+@pytest.mark.skipif(_mpi_on_this_machine() is not None, reason=str(_mpi_on_this_machine()))
+async def test_mpirun_across_three_tasks_on_two_hosts_all_reduces_and_the_job_succeeds(hosts, tmp_path):
+    """Process runtime: each agent (and so each task) in a network namespace of its own; two
+    CPUs each, so the three one-CPU workers take both hosts. Worker 0's mpirun starts the ranks
+    of the other host in the task there, through the agents."""
+    with NatsServer(tmp_path / "nats", host=f"{NET}.254") as server:
+        cluster = Cluster(server.url, tmp_path)
+        try:
+            for module in CORE:
+                cluster.start(module)
+            for ns, address in hosts[:2]:
+                cluster.agent(ns, "--address", address, "--cpus", "2", prefix=("ip", "netns", "exec", ns))
+            config = example()
+            config["codeDir"] = str(EXAMPLE)
+            nc = await bus.connect("test", server.url)
+            try:
+                record = await run_job(nc, config, timeout=180)
+                a = await attempt(nc, record.job_id)
+                assert record.state == JobState.SUCCEEDED, (record.reason, a.tasks, cluster.logs())
+                assert {t.node for t in a.tasks} == {ns for ns, _ in hosts[:2]}
+                launcher = next(t for t in a.tasks if (t.role, t.index) == ("worker", 0))
+                ranks = sorted(line for line in launcher.last_lines if line.startswith("rank "))
+                assert len(ranks) == 3 and all(line.endswith("sum = 6") for line in ranks), (
+                    launcher.last_lines
+                )
+                # Every rank ran in a worker task, and ranks ran on both hosts.
+                addresses = {address for _, address in hosts[:2]}
+                assert {line.split(" at ")[1].split(":")[0] for line in ranks} == addresses, ranks
+            finally:
+                await nc.close()
+        finally:
+            cluster.stop_all()
