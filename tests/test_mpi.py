@@ -17,7 +17,7 @@ from shared.jobconfig import JobConfig, check_job
 from shared.messages import ClusterSpec, Endpoint, JobState, TaskState, TaskStatus
 from shared.natsserver import NatsServer
 from tests.conftest import CORE, NET, ROOT, Cluster
-from tests.test_jobs import attempt, run_job
+from tests.test_jobs import attempt, nc, run_job  # noqa: F401 - nc is a fixture
 
 EXAMPLE = ROOT / "examples" / "mpi-allreduce"
 
@@ -157,9 +157,9 @@ def test_an_mpi_task_gets_open_mpi_settings_for_the_host_network_without_ssh():
     assert config is not None
     spec = spec_of(config, [("w", 0, "198.18.0.1"), ("w", 1, "198.18.0.1"), ("w", 2, "198.18.0.2")])
     env = env_of(config, spec, "w", 0)
-    assert env["OMPI_MCA_plm_rsh_agent"] == "/w/j1/1/muster-rsh"
+    assert env["OMPI_MCA_plm_rsh_agent"] == "/usr/bin/env python3 /w/j1/1/muster-rsh"
     assert env["OMPI_MCA_orte_default_hostfile"] == env["MUSTER_MPI_HOSTFILE"] == "/w/j1/1/hostfile"
-    assert env["OMPI_MCA_plm_rsh_no_tree_spawn"] == "1"
+    assert env["OMPI_MCA_plm_rsh_no_tree_spawn"] == env["OMPI_MCA_if_base_do_not_resolve"] == "1"
     assert env["OMPI_MCA_btl"] == "self,vader,tcp"
     assert env["OMPI_MCA_btl_tcp_if_include"] == env["OMPI_MCA_oob_tcp_if_include"] == "198.18.0.0/30"
     assert env["OMPI_ALLOW_RUN_AS_ROOT"] == env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] == "1"
@@ -242,3 +242,37 @@ async def test_mpirun_across_three_tasks_on_two_hosts_all_reduces_and_the_job_su
                 await nc.close()
         finally:
             cluster.stop_all()
+
+
+@pytest.fixture(scope="session")
+def mpi_image(base_image: str) -> str:
+    """muster/mpi:bookworm (deploy/build-mpi-image.sh); skips when there is no Docker engine."""
+    proc = subprocess.run(
+        [str(ROOT / "deploy" / "build-mpi-image.sh")], capture_output=True, text=True, timeout=900
+    )
+    if proc.returncode == 2:
+        pytest.skip(f"cannot build the MPI image: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, f"build-mpi-image.sh failed:\n{proc.stderr}"
+    return os.environ.get("MUSTER_MPI_IMAGE", "muster/mpi:bookworm")
+
+
+@pytest.mark.docker
+async def test_mpirun_starts_ranks_in_other_agents_containers_by_docker_exec(mpi_image, cluster, nc):  # noqa: F811
+    """Docker runtime: two agents on this machine, each its own address on the loopback network;
+    worker 0's mpirun (in its container) has the agents start each host's daemon in that host's
+    worker container (docker exec), as user 1000, never root."""
+    cluster.core()
+    for node, address in (("mpi-a", "127.0.0.2"), ("mpi-b", "127.0.0.3")):
+        cluster.agent(node, "--runtime", "docker", "--address", address, "--cpus", "2")
+    config = example()
+    # The test's addresses are not the interfaces' own (127.0.0.1 is): the job says where Open
+    # MPI's TCP goes, as a job on such a network would.
+    net = {"OMPI_MCA_btl_tcp_if_include": "127.0.0.0/8", "OMPI_MCA_oob_tcp_if_include": "127.0.0.0/8"}
+    config.update(image=mpi_image, codeDir=str(EXAMPLE), jobEnvs=net)
+    record = await run_job(nc, config, timeout=240)
+    a = await attempt(nc, record.job_id)
+    launcher = next(t for t in a.tasks if (t.role, t.index) == ("worker", 0))
+    assert record.state == JobState.SUCCEEDED, (record.reason, launcher.last_lines, a.tasks, cluster.logs())
+    ranks = sorted(line for line in launcher.last_lines if line.startswith("rank "))
+    assert len(ranks) == 3 and all(line.endswith("sum = 6") for line in ranks), launcher.last_lines
+    assert {line.split(" at ")[1].split(":")[0] for line in ranks} == {"127.0.0.2", "127.0.0.3"}, ranks

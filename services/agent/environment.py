@@ -300,10 +300,18 @@ def _mpi(ctx: TaskContext, gang: list[Endpoint], me: Endpoint) -> dict[str, str]
     env["MUSTER_MPI_NP"] = str(len(workers) * mpi.slots(ctx.config, shape.workers))
     env["MUSTER_MPI_LAUNCHER"] = "1" if shape.is_launcher(me.role, me.index) else "0"
     if ctx.rsh_agent_path is not None:
-        env["OMPI_MCA_plm_rsh_agent"] = ctx.rsh_agent_path
+        # Run through /usr/bin/env: the daemons check that the agent's first word exists where
+        # they run too, and the script is in the launcher's attempt directory only.
+        env["OMPI_MCA_plm_rsh_agent"] = f"/usr/bin/env python3 {ctx.rsh_agent_path}"
         # Only mpirun starts daemons (through its own agent's bus link), never a daemon on a worker.
         env["OMPI_MCA_plm_rsh_no_tree_spawn"] = "1"
         env["OMPI_MCA_plm_rsh_assume_same_shell"] = "1"
+        # Daemons stay in the foreground (no --daemonize): the agent's session lives as long as
+        # the daemon, stopping it stops the daemon, and what it says reaches mpirun's output.
+        env["OMPI_MCA_orte_leave_session_attached"] = "1"
+        # Never take a hostfile line for mpirun's own host (all tasks of a node share its address
+        # on the host network): every host's ranks start in its workers task, through the agent.
+        env["OMPI_MCA_if_base_do_not_resolve"] = "1"
     return env
 
 
