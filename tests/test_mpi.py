@@ -276,3 +276,47 @@ async def test_mpirun_starts_ranks_in_other_agents_containers_by_docker_exec(mpi
     ranks = sorted(line for line in launcher.last_lines if line.startswith("rank "))
     assert len(ranks) == 3 and all(line.endswith("sum = 6") for line in ranks), launcher.last_lines
     assert {line.split(" at ")[1].split(":")[0] for line in ranks} == {"127.0.0.2", "127.0.0.3"}, ranks
+
+
+def launcher_job(command: str) -> dict:
+    """Arena's default shape: a launcher role of its own (no GPU, hosts no ranks) and workers."""
+    config = example()
+    worker = dict(config["taskRoles"][0], taskNumber=2, command="true")  # hosts ranks: not run
+    launcher = dict(config["taskRoles"][0], name="launcher", taskNumber=1, command=command)
+    config.update(
+        taskRoles=[launcher, worker],
+        extras={"mpi": {"launcher": "launcher", "workers": "worker"}},
+        codeDir=str(EXAMPLE),
+        # The test's addresses are not the interfaces' own (127.0.0.1 is).
+        jobEnvs={"OMPI_MCA_btl_tcp_if_include": "127.0.0.0/8", "OMPI_MCA_oob_tcp_if_include": "127.0.0.0/8"},
+    )
+    return config
+
+
+def two_agents(cluster: Cluster) -> None:
+    cluster.core()
+    for node, address in (("mpi-a", "127.0.0.2"), ("mpi-b", "127.0.0.3")):
+        cluster.agent(node, "--address", address, "--cpus", "2")
+
+
+@pytest.mark.skipif(_mpi_on_this_machine() is not None, reason=str(_mpi_on_this_machine()))
+async def test_a_launcher_of_its_own_starts_every_rank_in_the_workers_and_the_job_succeeds(cluster, nc):  # noqa: F811
+    two_agents(cluster)
+    record = await run_job(nc, launcher_job("mpirun -np $MUSTER_MPI_NP /usr/bin/python3 allreduce.py"), 180)
+    a = await attempt(nc, record.job_id)
+    launcher = next(t for t in a.tasks if t.role == "launcher")
+    assert record.state == JobState.SUCCEEDED, (record.reason, launcher.last_lines, cluster.logs())
+    ranks = sorted(line for line in launcher.last_lines if line.startswith("rank "))
+    assert len(ranks) == 2 and all(" in task worker." in r and r.endswith("sum = 3") for r in ranks), ranks
+    workers = [t for t in a.tasks if t.role == "worker"]
+    assert all(t.state == TaskState.STOPPED for t in workers), workers  # stopped once the launcher ended
+
+
+@pytest.mark.skipif(_mpi_on_this_machine() is not None, reason=str(_mpi_on_this_machine()))
+async def test_ranks_that_fail_fail_the_job_and_nothing_hangs(cluster, nc):  # noqa: F811
+    two_agents(cluster)
+    record = await run_job(nc, launcher_job("mpirun -np $MUSTER_MPI_NP /bin/false"), 180)
+    a = await attempt(nc, record.job_id)
+    launcher = next(t for t in a.tasks if t.role == "launcher")
+    assert record.state == JobState.FAILED, (record.reason, launcher.last_lines)
+    assert launcher.state == TaskState.FAILED and launcher.exit_code not in (0, None), launcher
