@@ -303,6 +303,7 @@ class Rsh:
         alive: asyncio.Task[None] | None = None
         try:
             task, why = await self._refusal(caller, ask)
+            why = why[:500]  # names from the ask: bounded in the log and the answer
             if task is None:
                 EXEC_MESSAGES.labels("refused").inc()
                 self.log.warning("agent.exec_refused", caller=caller, job_id=ask.job_id, reason=why)
