@@ -269,7 +269,7 @@ def replay(trace: Trace, jobs: list[Job], scenario: str, dwell: float) -> Outcom
                     for r in running.values()
                     if r.rank < high.rank and r.record is not None
                 ]
-                victims = quota.choose_victims(cluster, capacity, w, sorted(options, key=lambda o: o.lost))
+                victims = quota.choose_victims(cluster, w, sorted(options, key=lambda o: o.lost))
                 for v in victims or []:
                     stop(by_name[v.job_id])
                     queue.append(by_name[v.job_id])
@@ -286,7 +286,7 @@ def replay(trace: Trace, jobs: list[Job], scenario: str, dwell: float) -> Outcom
             if blocked:
                 for w in blocked[:16]:  # as the scheduler (PREEMPT_TRIES)
                     pending = placement.PendingJob(w.name, w.config.smallest())
-                    chosen = elastic.shrink_for(cluster, capacity, pending, [(j.config, r) for j, r in ready])
+                    chosen = elastic.shrink_for(cluster, pending, [(j.config, r) for j, r in ready])
                     if chosen:
                         for record, spec in chosen:
                             j = by_name[record.job_id]
@@ -302,7 +302,7 @@ def replay(trace: Trace, jobs: list[Job], scenario: str, dwell: float) -> Outcom
                         break
             if not helped and used < total:  # as the scheduler: grow into room no one waiting can use
                 for j, record in ready:
-                    added = elastic.grow(cluster, capacity, j.config, record)
+                    added = elastic.grow(cluster, j.config, record)
                     if added:
                         cluster.allocate(j.config, added)
                         joined = [_running(s, at(now)) for s in added]

@@ -228,6 +228,7 @@ def permissions(ident: Identity | Credentials) -> dict[str, Any]:
             *_bucket(subjects.JOB_NAMES_BUCKET, write=True),
             *_bucket(subjects.SECRETS_BUCKET, write=True),
             *_bucket(subjects.VCS_BUCKET, write=False),
+            *_bucket(subjects.DATASETS_BUCKET, write=False),
             f"{ev}.submission.>",
             f"{ev}.job.>",
         ]
@@ -313,6 +314,9 @@ def _agent(own_inbox: str, node: str, consumer: str) -> dict[str, Any]:
         f"{api}.DIRECT.GET.{kv(nodes_kv)}.$KV.{nodes_kv}.{node}",
         # Attempt records (placements and states, no job specs) to recover after a restart.
         *_read(kv(attempts_kv)),
+        # Datasets (operators' records) a job mounts, read at launch by name.
+        f"{api}.DIRECT.GET.{kv(subjects.DATASETS_BUCKET)}.$KV.{subjects.DATASETS_BUCKET}.*",
+        f"{api}.STREAM.INFO.{kv(subjects.DATASETS_BUCKET)}",
         # Cluster specs (peers' addresses), and this node's own endpoint reports.
         f"{api}.DIRECT.GET.{events}.{subjects.cluster_spec('*', '*')}",
         f"{api}.DIRECT.GET.{events}.{subjects.task_event('*', '*', '*', '*', 'endpoint', node)}",

@@ -195,6 +195,7 @@ BUCKETS: dict[str, tuple[int, float]] = {
     subjects.RENDEZVOUS_BUCKET: (1, 0),
     subjects.SECRETS_BUCKET: (1, 0),
     subjects.VCS_BUCKET: (5, 0),
+    subjects.DATASETS_BUCKET: (5, 0),
     subjects.LEASES_BUCKET: (1, LEASE_TTL),
 }
 

@@ -140,4 +140,10 @@ def check_dirs(config: JobConfig, user: str, roots: list[str]) -> list[FieldErro
         why = lexical_problem(path, mine)
         if why:
             errors.append(FieldError(path=field, reason=why))
+    # A local repository for codeSync (a path or file://) is read from the host like a dir field.
+    source = config.codeSync.git if config.codeSync else None
+    if source and (source.startswith("/") or source.lower().startswith("file://")):
+        why = lexical_problem(source[len("file://") :] if "://" in source else source, mine)
+        if why:
+            errors.append(FieldError(path="codeSync.git", reason=why))
     return errors

@@ -12,6 +12,7 @@ import re
 from typing import Annotated, Any, Literal, TypeGuard
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -39,8 +40,14 @@ MAX_TASKS_PER_ROLE = 10_000
 MAX_ROLES = 64
 MAX_COMMAND_CHARS = 64 * 1024
 RESERVED_ENV_PREFIXES = ("PAI_", "MUSTER_")
+# OpenPAI let jobEnvs set PAI_ names (its job-editor example sets PAI_USER_NAME and PAI_URL): they
+# are accepted with a warning, the platform's value winning where it sets the same name. MUSTER_
+# names are Muster's own and stay refused.
+REFUSED_ENV_PREFIXES = ("MUSTER_",)
+WARNED_ENV_PREFIXES = ("PAI_",)
 
 Name = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=NAME_RE)]
+Image = Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=IMAGE_RE)]
 Ident = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=IDENT_RE)]
 PathStr = Annotated[str, StringConstraints(max_length=4096)]
 # NaN and infinities would not survive a JSON round trip (they serialize as null).
@@ -63,12 +70,37 @@ def _check_path(value: str | None) -> str | None:
     return value
 
 
+def _integer_or_digits(schema: dict[str, Any]) -> None:
+    """An integer field's JSON schema made to admit a string of digits too (the model converts it)."""
+    integer = {k: schema.pop(k) for k in ("type", "minimum", "maximum") if k in schema}
+    schema["anyOf"] = [integer, {"type": "string", "pattern": "^[0-9]{1,5}$"}]
+
+
 class PortType(_Model):
     """OpenPAI v1 portList entry: `portNumber` ports labelled `label`; beginAt 0 = any free port."""
 
     label: Ident
-    beginAt: int = Field(ge=0, le=65535)
+    # The schema also admits a string of digits, as OpenPAI's server did (accepted with a warning).
+    beginAt: int = Field(
+        ge=0,
+        le=65535,
+        json_schema_extra=_integer_or_digits,
+    )
     portNumber: int = Field(ge=1, le=100)
+
+    @field_validator("beginAt", mode="before")
+    @classmethod
+    def _number_as_string(cls, v: Any) -> Any:
+        """OpenPAI's server converted `"beginAt": "0"` (its documentation writes it so): a string
+        of digits is taken as its number (with a warning, see `job_warnings`); any other string
+        is refused naming the field."""
+        if isinstance(v, str):
+            if not re.fullmatch(r"[0-9]{1,5}", v.strip()):
+                raise ValueError(
+                    f"must be an integer (or a string of digits, as OpenPAI took), got {_show(v)}"
+                )
+            return int(v.strip())
+        return v
 
 
 class TaskRole(_Model):
@@ -86,6 +118,9 @@ class TaskRole(_Model):
     # the scheduler keeps it between the two; taskNumber must lie between them.
     minTaskNumber: int | None = Field(default=None, ge=1, le=MAX_TASKS_PER_ROLE)
     maxTaskNumber: int | None = Field(default=None, ge=1, le=MAX_TASKS_PER_ROLE)
+    # Muster's extension (seed 004: master, workers and parameter servers each with their own
+    # image): this role's tasks run this image instead of the job's `image`.
+    image: Image | None = None
 
     @property
     def elastic(self) -> bool:
@@ -101,6 +136,96 @@ class TaskRole(_Model):
         return v
 
 
+MAX_DATA = 32
+DATA_RE = r"^(?P<name>[A-Za-z0-9][A-Za-z0-9_-]{0,63}):(?P<path>/[^:]*)(?::(?P<mode>rw|ro))?$"
+
+
+class DataMount(BaseModel):
+    """One `data` entry, parsed: dataset `name` mounted at `path` in the task, writable only
+    when asked (`:rw`) and the dataset allows it (decided by the operator's record)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    path: str
+    rw: bool = False
+
+
+def parse_data(entry: str) -> DataMount:
+    """`<dataset>:/path` or `<dataset>:/path:rw` (`:ro`, the default, may be written); raises
+    ValueError saying what is wrong."""
+    m = re.fullmatch(DATA_RE, entry)
+    if m is None:
+        raise ValueError(
+            f"must be '<dataset>:/path' or '<dataset>:/path:rw' (a dataset name of letters, digits, "
+            f"'_' and '-', an absolute path without ':'), got {_show(entry)}"
+        )
+    path = m["path"]
+    if "\x00" in path or any(c.isspace() for c in path):
+        raise ValueError(f"the path must not contain spaces or NULs, got {_show(entry)}")
+    if ".." in path.split("/"):
+        raise ValueError(f"the path must not contain a '..' segment, got {_show(entry)}")
+    normal = "/" + "/".join(p for p in path.split("/") if p and p != ".")
+    if normal == "/":
+        raise ValueError("cannot mount a dataset over '/'")
+    return DataMount(name=m["name"], path=normal, rw=m["mode"] == "rw")
+
+
+def _data_entry(entry: str) -> str:
+    parse_data(entry)
+    return entry
+
+
+DataEntry = Annotated[str, StringConstraints(max_length=4096), AfterValidator(_data_entry)]
+
+GIT_REF_RE = r"^[A-Za-z0-9_][A-Za-z0-9._/+-]{0,254}$"
+GIT_COMMIT_RE = r"^[0-9a-f]{7,40}$"
+
+
+def shown_url(url: str) -> str:
+    """A git URL fit for logs, events and errors: user info (`https://user:token@host`) cut out."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    authority, slash, path = rest.partition("/")
+    if "@" in authority:
+        authority = "***@" + authority.rsplit("@", 1)[1]
+    return f"{scheme}{sep}{authority}{slash}{path}"
+
+
+class CodeSync(_Model):
+    """Muster's extension (seed 001's git source): the code is fetched from `git` once per
+    attempt on each node, into codeDir (or a directory of the attempt's), before its tasks start;
+    a failure is a configuration error. `branch` or `commit` (neither: the default branch)."""
+
+    git: str = Field(min_length=1, max_length=2048)
+    branch: Annotated[str, StringConstraints(pattern=GIT_REF_RE)] | None = None
+    commit: Annotated[str, StringConstraints(pattern=GIT_COMMIT_RE)] | None = None
+
+    @field_validator("git")
+    @classmethod
+    def _git_source(cls, v: str) -> str:
+        if v.startswith("-") or any(c.isspace() or ord(c) < 32 for c in v):
+            raise ValueError("must be a git URL or an absolute path, without spaces or a leading '-'")
+        if "::" in v.split("/", 1)[0] or v.lower().startswith(("ext:", "fd:")):
+            raise ValueError("remote helpers (<transport>::<address>) are not allowed")
+        scheme = v.split("://", 1)[0].lower() if "://" in v else None
+        if scheme is not None and scheme not in ("https", "http", "ssh", "git", "file"):
+            raise ValueError(f"must be an https, http, ssh, git or file URL (or a path), got {scheme}://")
+        if scheme is None and not v.startswith("/") and not re.match(r"^[A-Za-z0-9._-]+@[^/:]+:", v):
+            raise ValueError(
+                "must be a URL (https://, ssh://, git://, file://), user@host:path or an absolute path"
+            )
+        return v
+
+    @field_validator("branch")
+    @classmethod
+    def _ref(cls, v: str | None) -> str | None:
+        if v is not None and (".." in v or v.endswith((".lock", "/", "."))):
+            raise ValueError(f"is not a git branch name, got {_show(v)}")
+        return v
+
+
 Priority = Literal["low", "normal", "high"]
 PRIORITIES: tuple[str, ...] = ("low", "normal", "high")  # lowest first: the index is the rank
 
@@ -112,7 +237,7 @@ def rank(priority: str) -> int:
 
 class JobConfig(_Model):
     jobName: Name
-    image: str = Field(min_length=1, max_length=512, pattern=IMAGE_RE)
+    image: Image
     authFile: PathStr | None = None
     dataDir: PathStr | None = None
     outputDir: PathStr | None = None
@@ -125,6 +250,15 @@ class JobConfig(_Model):
     priority: Priority = "normal"  # Muster's extension: a waiting job may preempt lower ones
     jobEnvs: dict[EnvName, EnvValue] = Field(default_factory=dict)
     extras: dict[str, Any] = Field(default_factory=dict)
+    # Muster's extensions (seed 001): operator-defined datasets mounted in every task
+    # (`<dataset>:/path[:rw]`, see docs/data.md), and code fetched from git for each attempt.
+    data: list[DataEntry] = Field(default_factory=list, max_length=MAX_DATA)
+    codeSync: CodeSync | None = None
+
+    @property
+    def mounts(self) -> list[DataMount]:
+        """The `data` entries, parsed."""
+        return [parse_data(e) for e in self.data]
 
     @field_validator("authFile", "dataDir", "outputDir", "codeDir")
     @classmethod
@@ -168,6 +302,15 @@ class JobConfig(_Model):
 
     def role(self, name: str) -> TaskRole:
         return next(r for r in self.taskRoles if r.name == name)
+
+    def image_for(self, role: str) -> str:
+        """The image the tasks of `role` run: the role's own `image`, else the job's."""
+        return self.role(role).image or self.image
+
+    @property
+    def images(self) -> list[str]:
+        """Every image the job's tasks run, the job's first, each once."""
+        return list(dict.fromkeys([self.image, *(r.image for r in self.taskRoles if r.image)]))
 
 
 class FieldError(BaseModel):
@@ -374,6 +517,8 @@ def _cross_field_errors(data: dict[str, Any]) -> list[FieldError]:
                             )
                         )
                     labels.add(label)
+                if isinstance(begin, str) and begin.strip().isdigit():
+                    begin = int(begin.strip())  # OpenPAI's number as a string
                 if (
                     _is_int(begin)
                     and _is_int(count)
@@ -387,6 +532,24 @@ def _cross_field_errors(data: dict[str, Any]) -> list[FieldError]:
                             reason=f"ports {begin}..{begin + count - 1} run past 65535",
                         )
                     )
+    mounts = data.get("data")
+    targets: dict[str, int] = {}
+    for i, entry in enumerate(mounts if isinstance(mounts, list) else []):
+        try:
+            target = parse_data(entry).path if isinstance(entry, str) else None
+        except ValueError:
+            continue
+        if target in targets:
+            errors.append(
+                FieldError(
+                    path=f"data[{i}]", reason=f"{target} is already mounted by data[{targets[target]}]"
+                )
+            )
+        elif target is not None:
+            targets[target] = i
+    sync = data.get("codeSync")
+    if isinstance(sync, dict) and sync.get("branch") is not None and sync.get("commit") is not None:
+        errors.append(FieldError(path="codeSync.commit", reason="give a branch or a commit, not both"))
     kill_all = data.get("killAllOnCompletedTaskNumber")
     if counting and _is_int(kill_all) and kill_all > total:
         errors.append(
@@ -398,14 +561,57 @@ def _cross_field_errors(data: dict[str, Any]) -> list[FieldError]:
     envs = data.get("jobEnvs")
     if isinstance(envs, dict):
         for key in envs:
-            if isinstance(key, str) and key.startswith(RESERVED_ENV_PREFIXES):
+            if isinstance(key, str) and key.startswith(REFUSED_ENV_PREFIXES):
                 errors.append(
                     FieldError(
                         path=f"jobEnvs.{key}",
-                        reason="names starting with PAI_ or MUSTER_ are set by the platform",
+                        reason="names starting with MUSTER_ are set by the platform",
                     )
                 )
     return errors
+
+
+def job_warnings(data: Any) -> list[FieldError]:
+    """What an accepted config says that OpenPAI accepted but is not the contract's own form:
+    each a FieldError naming the field and why (the verdict carries them; the CLI prints them).
+    Never raises."""
+    if not isinstance(data, dict):
+        return []
+    warnings: list[FieldError] = []
+    roles = data.get("taskRoles")
+    for i, role in enumerate(roles if isinstance(roles, list) else []):
+        ports = role.get("portList") if isinstance(role, dict) else None
+        for j, port in enumerate(ports if isinstance(ports, list) else []):
+            begin = port.get("beginAt") if isinstance(port, dict) else None
+            if isinstance(begin, str):
+                warnings.append(
+                    FieldError(
+                        path=f"taskRoles[{i}].portList[{j}].beginAt",
+                        reason=f"a number written as a string ({begin!r}): taken as {begin.strip()}, "
+                        "as OpenPAI did; write it as a number",
+                    )
+                )
+    sync = data.get("codeSync")
+    url = sync.get("git") if isinstance(sync, dict) else None
+    if isinstance(url, str) and shown_url(url) != url:
+        warnings.append(
+            FieldError(
+                path="codeSync.git",
+                reason="credentials in the URL are kept in the job's record (never shown in logs "
+                "or errors); prefer a URL without them",
+            )
+        )
+    envs = data.get("jobEnvs")
+    for key in envs if isinstance(envs, dict) else []:
+        if isinstance(key, str) and key.startswith(WARNED_ENV_PREFIXES):
+            warnings.append(
+                FieldError(
+                    path=f"jobEnvs.{key}",
+                    reason="PAI_ names are the platform's: where Muster sets this name its value "
+                    "wins over this one (OpenPAI's rule too)",
+                )
+            )
+    return warnings
 
 
 def _is_int(v: Any) -> TypeGuard[int]:

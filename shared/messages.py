@@ -7,11 +7,12 @@ publish the JSON they wrote, with metadata in headers (see `shared.subjects.Head
 from __future__ import annotations
 
 import hashlib
+import re
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from shared.jobconfig import FieldError, JobConfig, Priority
 
@@ -60,6 +61,9 @@ class Verdict(Message):
     job_id: str | None = None
     job_name: str | None = None
     errors: list[FieldError] = Field(default_factory=list)
+    # An accepted config's forms OpenPAI took that are not the contract's own (a port's beginAt
+    # as a string, PAI_ names in jobEnvs), each naming its field and why.
+    warnings: list[FieldError] = Field(default_factory=list)
     at: datetime = Field(default_factory=now)
 
 
@@ -506,6 +510,48 @@ class VirtualCluster(Message):
 def vc_refusal(key: str, vc: VirtualCluster) -> str | None:
     """A VC record is believed only under its own name (the key is the name a job gives)."""
     return None if vc.name == key else f"stored under {key!r} but names {vc.name!r}"
+
+
+DATASET_VOLUME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"  # a Docker named volume
+
+
+class Dataset(Message):
+    """A dataset jobs may mount (`"data": ["<name>:/path"]`) as an operator defined it: KV
+    bucket `muster_datasets`, key = its name (`muster admin dataset set`). `source` is a host
+    directory (absolute; on each node it must lie under that agent's data roots) or a Docker
+    named volume. Mounted read-only unless the job asks `:rw` and `writable` allows it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")]
+    source: Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+    writable: bool = False
+    users: list[str] = Field(default_factory=lambda: ["*"])  # who may mount it; "*": everyone
+    description: Annotated[str, StringConstraints(max_length=500)] = ""
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str) -> str:
+        if v.startswith("/"):
+            if "\x00" in v or ".." in v.split("/") or v.rstrip("/") == "":
+                raise ValueError("a host directory must be absolute, without '..', and not '/'")
+            return v
+        if not re.fullmatch(DATASET_VOLUME_RE, v):
+            raise ValueError("must be an absolute host directory or a Docker volume name")
+        return v
+
+    @property
+    def volume(self) -> bool:
+        """Whether `source` names a Docker volume (else it is a host directory)."""
+        return not self.source.startswith("/")
+
+    def admits(self, user: str) -> bool:
+        return "*" in self.users or user in self.users
+
+
+def dataset_refusal(key: str, ds: Dataset) -> str | None:
+    """A dataset record is believed only under its own name (the key is the name a job gives)."""
+    return None if ds.name == key else f"stored under {key!r} but names {ds.name!r}"
 
 
 class Question(Message):

@@ -28,6 +28,7 @@ from shared.messages import (
     Assignment,
     AttemptRecord,
     ClusterSpec,
+    Dataset,
     DrainOrder,
     EndpointReported,
     ExecReply,
@@ -58,7 +59,8 @@ JOBCONFIG_DESCRIPTION = (
     "for gpuType mean unset, as in OpenPAI's own examples. Rules spanning fields (unique role "
     "names and port labels, "
     "minFailedTaskCount/minSucceededTaskCount ≤ taskNumber, shmMB ≤ memoryMB, "
-    "killAllOnCompletedTaskNumber ≤ total tasks, no PAI_/MUSTER_ jobEnvs) and job name uniqueness "
+    "killAllOnCompletedTaskNumber ≤ total tasks, no MUSTER_ jobEnvs, distinct data mount paths) "
+    "and job name uniqueness "
     "are checked by the validator, not by this schema."
 )
 
@@ -236,6 +238,17 @@ CHANNELS: dict[str, Channel] = {
             "admins write it): its quota, who may submit to it, the highest priority its jobs may use."
         ),
     ),
+    "datasetRecord": Channel(
+        address="$KV." + subjects.DATASETS_BUCKET + ".{dataset}",
+        parameters=("dataset",),
+        message=Dataset,
+        action="receive",
+        description=(
+            "A dataset jobs may mount (`data`), as an operator defined it (JetStream KV bucket "
+            "muster_datasets; only admins write it): its source (a host directory or a Docker "
+            "volume), whether jobs may write it, who may mount it."
+        ),
+    ),
     "jobRecord": Channel(
         address="$KV." + subjects.JOBS_BUCKET + ".{jobId}",
         parameters=("jobId",),
@@ -273,6 +286,7 @@ PARAMETERS: dict[str, dict[str, Any]] = {
     "node": {"description": "A node name, as its agent registered it."},
     "sender": {"description": "The node whose agent sends it (only that node's agent may publish it)."},
     "vc": {"description": "A virtual cluster's name (a job's virtualCluster)."},
+    "dataset": {"description": "A dataset's name (as a job's `data` entries give it)."},
     "attempt": {"description": "The attempt number, from 1."},
     "role": {"description": "A task role name from the job config."},
     "index": {"description": "The task's index in its role, from 0."},

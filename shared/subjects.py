@@ -163,6 +163,7 @@ def name_key(user: str, job_name: str) -> str:
 
 
 VCS_BUCKET = "muster_vcs"  # virtual clusters, as the operator configured them (key: the VC's name)
+DATASETS_BUCKET = "muster_datasets"  # datasets jobs may mount (`data`), as operators defined them
 SECRETS_BUCKET = "muster_secrets"  # jobEnvs values whose names look secret, kept out of job records
 LEASES_BUCKET = "muster_leases"
 SCHEDULER_LEASE = "scheduler"

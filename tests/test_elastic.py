@@ -128,11 +128,10 @@ def test_an_attempt_changes_only_when_every_member_runs_and_after_the_dwell():
 
 def test_grow_takes_what_is_free_up_to_the_maximum_with_new_indexes():
     cluster = placement.Cluster(nodes(1, 4))
-    capacity = placement.Capacity(nodes(1, 4))
     cfg = config(1, 3)
     running = attempt([task(0)])
     cluster.allocate(cfg, [t.spec() for t in running.tasks])
-    added = elastic.grow(cluster, capacity, cfg, running)
+    added = elastic.grow(cluster, cfg, running)
     assert [(s.index, s.node) for s in added] == [(1, "n0"), (2, "n0")]  # up to 3, not 4
     assert sorted(cluster.nodes["n0"].used_gpus) == [0]  # left as it was
     assert len({g for s in added for g in s.gpus} | {0}) == 3  # no GPU given twice
@@ -141,18 +140,17 @@ def test_grow_takes_what_is_free_up_to_the_maximum_with_new_indexes():
     cluster.allocate(
         other, [TaskSpec(role="worker", role_no=0, index=i, node="n0", gpus=[i + 1]) for i in range(2)]
     )
-    assert [s.index for s in elastic.grow(cluster, capacity, cfg, running)] == [1]
+    assert [s.index for s in elastic.grow(cluster, cfg, running)] == [1]
     # After a failed member, the next index goes on from the highest.
     gone = attempt([task(0), task(1, TaskState.FAILED)])
-    assert [s.index for s in elastic.grow(cluster, capacity, cfg, gone)] == [2]
+    assert [s.index for s in elastic.grow(cluster, cfg, gone)] == [2]
     # A role one of whose tasks succeeded is finishing: it does not grow.
     finishing = attempt([task(0), task(1, TaskState.SUCCEEDED)])
-    assert elastic.grow(cluster, capacity, cfg, finishing) == []
+    assert elastic.grow(cluster, cfg, finishing) == []
 
 
 def test_shrink_removes_the_newest_tasks_above_the_minimum_and_only_if_that_is_enough():
     cluster = placement.Cluster(nodes(1, 4))
-    capacity = placement.Capacity(nodes(1, 4))
     cfg = config(1, 4)
     old, new = T0, T0 + timedelta(minutes=5)
     members = [task(0), task(1), task(2), task(3)]
@@ -161,11 +159,11 @@ def test_shrink_removes_the_newest_tasks_above_the_minimum_and_only_if_that_is_e
     running = attempt(members)
     cluster.allocate(cfg, [t.spec() for t in members])
     wants2 = placement.PendingJob("w2", JobConfig.model_validate(raw(gpuNumber=2)))
-    chosen = elastic.shrink_for(cluster, capacity, wants2, [(cfg, running)])
+    chosen = elastic.shrink_for(cluster, wants2, [(cfg, running)])
     assert chosen is not None and sorted(s.index for _, s in chosen) == [2, 3]  # the newest two
     assert sorted(cluster.nodes["n0"].used_gpus) == [0, 1, 2, 3]  # left as it was
     wants4 = placement.PendingJob("w4", JobConfig.model_validate(raw(gpuNumber=4)))
-    assert elastic.shrink_for(cluster, capacity, wants4, [(cfg, running)]) is None  # the minimum stays
+    assert elastic.shrink_for(cluster, wants4, [(cfg, running)]) is None  # the minimum stays
 
 
 def test_an_elastic_task_sees_the_gang_of_its_spec_version_and_where_to_rendezvous():

@@ -53,6 +53,7 @@ ROLE_FIELDS = [
     "minFailedTaskCount",
     "minSucceededTaskCount",
     "portList",
+    "image",
 ]
 PORT_FIELDS = ["label", "beginAt", "portNumber"]
 KEYS = st.sampled_from(TOP_FIELDS + ROLE_FIELDS + PORT_FIELDS) | st.text(max_size=8)
@@ -105,7 +106,7 @@ GOOD_NAMES = st.sampled_from(["w", "ps_server", "_x", "Worker2"])
 PORT = st.fixed_dictionaries(
     {
         "label": mostly(st.sampled_from(["http", "ssh", "SSH_2"]), NAMES | JUNK),
-        "beginAt": mostly(st.sampled_from([0, 8080, 65535]), INTS | JUNK),
+        "beginAt": mostly(st.sampled_from([0, 8080, 65535, "0", "8080"]), INTS | JUNK | st.just("x1")),
         "portNumber": mostly(SMALL, INTS | JUNK),
     },
 )
@@ -125,6 +126,7 @@ ROLE = st.fixed_dictionaries(
         "minFailedTaskCount": mostly(st.just(1) | st.none(), INTS | JUNK),
         "minSucceededTaskCount": mostly(st.just(1) | st.none(), INTS | JUNK),
         "portList": mostly(st.lists(PORT, max_size=2, unique_by=lambda p: repr(p["label"])), JUNK),
+        "image": mostly(st.sampled_from(["ubuntu", "reg:5000/a/b:1"]), st.sampled_from(["Bad", ""]) | JUNK),
     },
 )
 CONFIG_SHAPED = st.fixed_dictionaries(
@@ -152,6 +154,19 @@ CONFIG_SHAPED = st.fixed_dictionaries(
             st.dictionaries(NAMES | KEYS, SCALAR | JUNK, max_size=3) | JUNK,
         ),
         "extras": mostly(st.dictionaries(st.text(max_size=5), FINITE_JSON, max_size=3), JUNK),
+        "data": mostly(
+            st.lists(st.sampled_from(["ds:/data", "ds2:/x:rw", "ds:/y:ro"]), max_size=3),
+            st.lists(st.sampled_from(["ds:/data", "ds", "ds:/a/../b", "ds:/", ":/x", "ds:rel"]) | JUNK)
+            | JUNK,
+        ),
+        "codeSync": mostly(
+            st.fixed_dictionaries(
+                {"git": st.sampled_from(["https://h/r.git", "/srv/repo", "git@h:r.git"])},
+                optional={"branch": st.sampled_from(["main", "v1/x"]), "commit": st.just("abcdef0")},
+            ),
+            st.fixed_dictionaries({"git": st.sampled_from(["-x", "ext::sh", "ftp://x", "rel"]) | JUNK})
+            | JUNK,
+        ),
     },
 )
 

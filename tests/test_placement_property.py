@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.placement import NodeState, PendingJob, Plan, allocate, plan, release
+from services.scheduler.placement import Cluster, NodeState, PendingJob, Plan, allocate, plan, release
 from shared.jobconfig import JobConfig
 from shared.messages import GpuDevice, TaskSpec
 
@@ -113,6 +113,9 @@ def test_invariants_hold_through_submits_and_completions(cluster: list[NodeState
         if queue and queue[0].job_id not in result.unschedulable:  # FIFO: the first job is never held back
             alone = plan(view.values(), queue[:1])
             assert (queue[0].job_id in result.placements) == (queue[0].job_id in alone.placements)
+            # The cheap question the preemption and elastic cores ask has the same answer.
+            assert Cluster(view.values()).place_alone(queue[0]) == alone.placements.get(queue[0].job_id)
+            assert view == before
         seen: dict[str, set[int]] = {name: set(n.used_gpus) for name, n in view.items()}
         for job in queue:
             if job.job_id in result.placements:

@@ -143,7 +143,6 @@ def spec(node_name: str, gpus: list[int], index: int = 0) -> TaskSpec:
 
 def test_choose_victims_frees_enough_at_least_lost_work_and_leaves_the_cluster_as_it_was():
     cluster = placement.Cluster([node("a", 4), node("b", 4)])
-    capacity = placement.Capacity([node("a", 4), node("b", 4)])
     low = [config(f"low{i}", gpus=2, priority="low") for i in range(4)]
     gangs = [
         running("old-a", low[0], [spec("a", [0, 1])], lost=9000),
@@ -158,13 +157,13 @@ def test_choose_victims_frees_enough_at_least_lost_work_and_leaves_the_cluster_a
     ledger = quota.Ledger(quota.limits({}, quota.capacity_of(cluster.nodes.values())), gangs)
     options = quota.candidates(hi, ledger, gangs)
     assert [o.job_id for o in options] == ["new-a", "new-b", "old-b", "old-a"]  # cheapest first
-    victims = quota.choose_victims(cluster, capacity, hi, options)
+    victims = quota.choose_victims(cluster, hi, options)
     # 4 GPUs on one node: both gangs of one node. b's two cost 5020 GPU-s, a's 9010: b's.
     assert victims is not None and sorted(v.job_id for v in victims) == ["new-b", "old-b"]
     assert {n: sorted(s.used_gpus) for n, s in cluster.nodes.items()} == before
     # A job no victims can make room for gets none.
     huge = waiting("huge", config("huge", gpus=8, priority="high"))
-    assert quota.choose_victims(cluster, capacity, huge, options) is None
+    assert quota.choose_victims(cluster, huge, options) is None
 
 
 def test_who_may_be_preempted():

@@ -333,6 +333,7 @@ class DockerRuntime:
 
     async def start(self, launch: TaskLaunch, output: OutputSink) -> DockerTask:
         await self._ensure_image(launch.image, launch.auth)
+        await self._check_volumes(launch)
         await self._remove_leftover(launch.name)
         t0 = time.monotonic()
         user = await asyncio.to_thread(self._user_for, launch.image)
@@ -421,6 +422,21 @@ class DockerRuntime:
 
     # -- steps of start ----------------------------------------------------------------------------
 
+    async def _check_volumes(self, launch: TaskLaunch) -> None:
+        """A dataset's named volume must exist (the engine would make an empty one)."""
+        for m in launch.mounts:
+            if m.kind != "volume":
+                continue
+            try:
+                await asyncio.to_thread(self._client.volumes.get, m.host)
+            except docker.errors.NotFound:
+                raise LaunchError(
+                    f"Docker volume {m.host} (mounted at {m.container}) does not exist on this node",
+                    TaskCause.CONFIG,
+                ) from None
+            except docker.errors.APIError as e:
+                raise LaunchError(f"cannot look up Docker volume {m.host}: {_explain(e)}", _cause(e)) from e
+
     async def _ensure_image(self, image: str, auth: RegistryAuth | None) -> None:
         try:
             await asyncio.to_thread(self._client.images.get, image)
@@ -475,6 +491,15 @@ class DockerRuntime:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(len(launch.gpus)))
         mounts = []
         for i, m in enumerate(launch.mounts):
+            if m.kind == "volume":
+                mounts.append(
+                    DockerMount(target=m.container, source=m.host, type="volume", read_only=m.read_only)
+                )
+                continue
+            if not os.path.isabs(m.host):  # checked before anything is made relative to our cwd
+                raise LaunchError(
+                    f"mount {m.host!r} -> {m.container}: the host path must be absolute", TaskCause.CONFIG
+                )
             created = not m.read_only and not os.path.exists(m.host)
             if not m.read_only:
                 os.makedirs(m.host, exist_ok=True)

@@ -6,6 +6,7 @@ are configuration errors."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shlex
 import signal
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.agent import environment, rsh
+from services.agent.prepare import Prepared
 from services.agent.runtime import (
     LABEL_ATTEMPT,
     LABEL_HOME,
@@ -30,7 +32,7 @@ from services.agent.runtime import (
     TaskLaunch,
 )
 from shared import hostpaths, mpi
-from shared.jobconfig import RESIZE_SIGNALS
+from shared.jobconfig import RESERVED_ENV_PREFIXES, RESIZE_SIGNALS
 from shared.messages import Assignment, ClusterSpec, TaskCause, TaskSpec
 
 MAX_AUTH_FILE = 4096  # bytes: three short lines
@@ -46,13 +48,14 @@ class Where:
     default_fs_uri: str
     gpu_devices: bool
     data_roots: tuple[str, ...] = ()  # where dir fields may point ({user}: the submitter)
+    containers: bool = True  # tasks run in containers (mounts are seen at their container paths)
 
 
 def task_name(job_id: str, attempt: int, role: str, index: int) -> str:
     return f"muster-{job_id}-{attempt}-{role}-{index}"
 
 
-def attempt_dir(where: Where, a: Assignment) -> Path:
+def attempt_path(where: Where, a: Assignment) -> Path:
     """The attempt's directory on this node, mounted into each of its tasks here."""
     return Path(where.work_root) / a.job_id / str(a.attempt)
 
@@ -88,7 +91,12 @@ def task_env(a: Assignment, spec: TaskSpec, cluster: ClusterSpec, where: Where) 
         env_file = task_dir / "env"
         env["MUSTER_ENV_FILE"] = str(env_file)
         env["MUSTER_SPEC_VERSION"] = str(cluster.version)
-        own = set(a.config.jobEnvs)  # the job's own values (secrets among them) stay out of files
+        # The job's own values (secrets among them) stay out of files; a PAI_ name it sets that
+        # the platform sets too holds the platform's value, which the file carries.
+        own = set(a.config.jobEnvs)
+        if any(k.startswith(RESERVED_ENV_PREFIXES) for k in own):
+            bare = a.config.model_copy(update={"jobEnvs": {}})
+            own -= set(environment.render_env(dataclasses.replace(ctx, config=bare)))
         _replace(
             env_file,
             "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(env.items()) if k not in own),
@@ -111,9 +119,16 @@ def _replace(path: Path, text: str) -> None:
 
 
 def build_launch(
-    a: Assignment, spec: TaskSpec, ports: list[int], cluster: ClusterSpec, where: Where
+    a: Assignment,
+    spec: TaskSpec,
+    ports: list[int],
+    cluster: ClusterSpec,
+    where: Where,
+    prepared: Prepared | None = None,
 ) -> TaskLaunch:
+    """`prepared`: the job's datasets and synced code (services/agent/prepare.py), if any."""
     config, role = a.config, a.config.role(spec.role)
+    image = config.image_for(spec.role)  # the role's own image, else the job's
     attempt_dir = Path(where.work_root) / a.job_id / str(a.attempt)
     task_dir = attempt_dir / f"{spec.role}-{spec.index}"
     env = task_env(a, spec, cluster, where)
@@ -131,11 +146,19 @@ def build_launch(
         mounts.append(Mount(real, real))
         if is_code:
             workdir = real
+    if prepared is not None:
+        mounts += prepared.mounts
+        env.update(prepared.env)
+        if prepared.code_dir:
+            workdir = prepared.code_dir
+            env["MUSTER_CODE_DIR"] = prepared.code_dir
+            if not config.codeDir:
+                env["PAI_CODE_DIR"] = prepared.code_dir
     shape = mpi.shape(config)
     hosts_only = shape is not None and shape.hosts_ranks_only(spec.role, spec.index)
     return TaskLaunch(
         name=task_name(a.job_id, a.attempt, spec.role, spec.index),
-        image=config.image,
+        image=image,
         # An MPI worker that is not the launcher only hosts ranks: it waits to be stopped.
         command=mpi.HOST_RANKS_COMMAND if hosts_only else role.command,
         env=env,
@@ -145,7 +168,7 @@ def build_launch(
         gpus=spec.gpus if where.gpu_devices else [],
         mounts=mounts,
         workdir=workdir,
-        auth=read_auth_file(config.authFile, list(where.data_roots), a.user, config.image),
+        auth=read_auth_file(config.authFile, list(where.data_roots), a.user, image, config.images),
         labels={
             LABEL_JOB: a.job_id,
             LABEL_ATTEMPT: str(a.attempt),
@@ -182,12 +205,18 @@ _readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="authfile")
 
 
 def read_auth_file(
-    path: str | None, roots: list[str] | None = None, user: str = "", image: str = ""
+    path: str | None,
+    roots: list[str] | None = None,
+    user: str = "",
+    image: str = "",
+    images: list[str] | None = None,
 ) -> RegistryAuth | None:
     """authFile: three lines — registry server, user name, password. Read only from the
     submitting user's own roots (those with {user}), only a regular file of at most 4 KiB,
-    within AUTH_TIMEOUT, and only for the registry of the job's own image. Errors never show
-    the contents."""
+    within AUTH_TIMEOUT, and only for the registry of the task's `image`. Where roles have their
+    own images (`images`: every image of the job), a role whose image is on another registry
+    than the file's gets no credentials (it pulls anonymously); a file whose registry none of the
+    job's images is on is refused. Errors never show the contents."""
     local = local_path(path)
     if not local:
         return None
@@ -208,6 +237,8 @@ def read_auth_file(
         raise LaunchError(f"authFile {local}: expected 3 lines (server, user, password)", TaskCause.CONFIG)
     auth = RegistryAuth(server=lines[0].strip(), username=lines[1].strip(), password=lines[2].rstrip("\r\n"))
     if image and registry_host(auth.server) != image_registry(image):
+        if any(registry_host(auth.server) == image_registry(other) for other in images or []):
+            return None  # another role's registry: this role's image is pulled without them
         raise LaunchError(
             f"authFile {local}: its registry {registry_host(auth.server)} is not the image's "
             f"({image_registry(image)}); credentials are sent only to the registry of the job's image",

@@ -132,6 +132,8 @@ class ProcessRuntime:
     def detach(self) -> None:
         fence.detach(self._fence)
 
+    containers = False  # tasks see host paths: a Mount's container path means nothing here
+
     async def start(self, launch: TaskLaunch, output: OutputSink) -> ProcessTask:
         if launch.image not in self._warned:
             self._warned.add(launch.image)
@@ -140,7 +142,7 @@ class ProcessRuntime:
         if workdir:
             os.makedirs(workdir, exist_ok=True)
         for m in launch.mounts:
-            if not m.read_only:
+            if not m.read_only and m.kind == "bind":
                 os.makedirs(m.host, exist_ok=True)
         env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),

@@ -21,9 +21,10 @@ LABEL_HOME = "muster.home"  # the agent's work root: which agent installation on
 
 @dataclass(frozen=True)
 class Mount:
-    host: str
+    host: str  # a host path; for kind "volume", a Docker named volume
     container: str
     read_only: bool = False
+    kind: str = "bind"  # "bind" (a host path) or "volume" (a Docker named volume: datasets)
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,7 @@ class Agent:
             default_fs_uri=options.default_fs_uri,
             gpu_devices=options.gpu_devices,
             data_roots=tuple(options.data_roots),
+            containers=getattr(runtime, "containers", True),
         )
         self.tasks = Tasks(
             nc, js, runtime, self.reporter, self.attempts, ports, where, shared.specs if shared else None

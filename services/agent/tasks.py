@@ -9,6 +9,7 @@ import asyncio
 import collections
 import contextlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import nats.errors
@@ -18,7 +19,15 @@ from nats.js import JetStreamContext
 from prometheus_client import Counter, Gauge
 
 from services.agent.inventory import PortPool
-from services.agent.launch import Where, attempt_dir, build_launch, resize_signal, task_env, task_name
+from services.agent.launch import Where, attempt_path, build_launch, resize_signal, task_env, task_name
+from services.agent.prepare import (
+    SYNCED_MARK,
+    CodeSyncs,
+    Prepared,
+    check_source,
+    resolve_datasets,
+    sync_target,
+)
 from services.agent.reporting import Reporter
 from services.agent.rsh import Rsh
 from services.agent.runtime import LaunchError, RunningTask, Runtime
@@ -28,12 +37,14 @@ from shared.messages import (
     Assignment,
     AttemptRecord,
     ClusterSpec,
+    Dataset,
     Endpoint,
     TaskCause,
     TaskEvent,
     TaskEventKind,
     TaskSpec,
     attempt_key,
+    dataset_refusal,
 )
 from shared.secrets import Masker
 from shared.store import Store
@@ -45,6 +56,7 @@ TASKS_ENDED = Counter("muster_agent_tasks_ended_total", "Tasks ended on this age
 LAST_LINES = 30
 # Exit code reported for a task that never started (launch failure, killed before the barrier).
 NOT_STARTED = -1
+DATASET_WAIT = 10.0  # seconds to read a dataset's record
 REMEMBERED = 10_000  # ended tasks remembered against late orders
 TaskKey = tuple[str, int, str, int]  # job id, attempt, role, index
 
@@ -97,6 +109,8 @@ class Tasks:
         self.detaching = False  # the agent stops for a restart: tasks go on, nothing is reported
         self._following: dict[tuple[str, int], asyncio.Task[None]] = {}  # elastic attempts' specs
         self.log = log.bind(node=self.node)
+        self.code_syncs = CodeSyncs()  # codeSync: one fetch per attempt on this node
+        self._datasets: Store[Dataset] | None = None
         self.rsh: Rsh | None = None  # MPI jobs' daemons in peer tasks (the agent sets it)
 
     def known(self, key: TaskKey) -> bool:
@@ -131,7 +145,8 @@ class Tasks:
             cluster = await self.specs.wait(a.job_id, a.attempt, task.spec.key)
             if await self.obsolete(key):
                 raise asyncio.CancelledError
-            launch = build_launch(a, task.spec, task.ports, cluster, self.where)
+            prepared = await self.prepare(a)
+            launch = build_launch(a, task.spec, task.ports, cluster, self.where, prepared)
             task.version = cluster.version
             task.cluster = cluster
             shape = mpi.shape(a.config)
@@ -140,7 +155,7 @@ class Tasks:
                 and shape is not None
                 and shape.is_launcher(task.spec.role, task.spec.index)
             ):
-                await self.rsh.serve(a.job_id, a.attempt, attempt_dir(self.where, a))
+                await self.rsh.serve(a.job_id, a.attempt, attempt_path(self.where, a))
             task.starting = True
             task.handle = await self.runtime.start(launch, lambda line: self.output(task, line))
             if task.kill_reason is not None:  # killed while it was being started
@@ -163,6 +178,34 @@ class Tasks:
             self._follow(a.job_id, a.attempt)
         self.log.info("agent.task_started", task=task.name)
         await self._watch(key, task)
+
+    async def prepare(self, a: Assignment) -> Prepared | None:
+        """The job's datasets and its code, fetched once per attempt here (prepare.py)."""
+        config = a.config
+        if not config.data and config.codeSync is None:
+            return None
+        roots = list(self.where.data_roots)
+        mounts, env = await resolve_datasets(config, a.user, self._dataset, roots, self.where.containers)
+        code_dir = None
+        if config.codeSync is not None:
+            attempt_dir = Path(self.where.work_root) / a.job_id / str(a.attempt)
+            attempt_dir.mkdir(parents=True, exist_ok=True)
+            check_source(config.codeSync, a.user, roots)
+            code_dir, own = sync_target(config, a.user, attempt_dir, roots)
+            mark = attempt_dir / SYNCED_MARK
+            await self.code_syncs.sync(a.job_id, a.attempt, config.codeSync, code_dir, own, mark)
+        return Prepared(mounts=mounts, env=env, code_dir=code_dir)
+
+    async def _dataset(self, name: str) -> Dataset | None:
+        """The operators' record of dataset `name` (bounded wait; the bus away: a platform error)."""
+        try:
+            if self._datasets is None:
+                kv = await asyncio.wait_for(self.js.key_value(subjects.DATASETS_BUCKET), DATASET_WAIT)
+                self._datasets = Store(kv, Dataset, check=dataset_refusal)
+            return await asyncio.wait_for(self._datasets.get(name), DATASET_WAIT)
+        except (TimeoutError, nats.errors.Error) as exc:
+            why = str(exc) or type(exc).__name__
+            raise LaunchError(f"cannot read dataset {name!r}: {why}", TaskCause.PLATFORM) from None
 
     async def _watch(self, key: TaskKey, task: LocalTask) -> None:
         assert task.handle is not None

@@ -1,4 +1,5 @@
-"""The `muster` command: up, submit, status, kill, drain, logs, validate, admin (init, user, keys, vc).
+"""The `muster` command: up, submit, status, kill, drain, logs, validate, admin (init, user, keys, vc,
+dataset).
 
 Exit codes: 0 success; 1 the job did not succeed (`submit --wait`) or an operational failure
 (bus unreachable, Muster not set up on it); 2 the config was rejected, the job can never run
@@ -80,8 +81,16 @@ def print_errors(errors: list[Any], source: str) -> None:
         err(f"  {e}")
 
 
+def print_warnings(warnings: list[Any], source: str) -> None:
+    """An accepted config's warnings (FieldErrors or a verdict's JSON), on stderr."""
+    for w in warnings:
+        if isinstance(w, dict):
+            w = f"{w['path']}: {w['reason']}" if w.get("path") else w.get("reason", "")
+        err(f"{source}: warning: {w}")
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
-    from shared.jobconfig import check_job
+    from shared.jobconfig import check_job, job_warnings
 
     _, raw = read_config(args.file)
     config, errors = check_job(raw)
@@ -89,6 +98,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print_errors(errors, args.file)
         return EXIT_INVALID
     assert config is not None
+    print_warnings(job_warnings(raw), args.file)
     out(
         f"{args.file}: valid — job {config.jobName!r}, "
         f"{config.total_tasks} tasks in {len(config.taskRoles)} roles"
@@ -223,6 +233,7 @@ async def submit(args: argparse.Namespace) -> int:
                 print_errors(verdict.get("errors") or [], args.file)
             return EXIT_INVALID
         if not args.json:
+            print_warnings(verdict.get("warnings") or [], args.file)
             out(f"{verdict['job_id']}  {verdict['job_name']}  accepted")
         if not args.wait:
             return EXIT_OK
@@ -350,6 +361,7 @@ def describe(r: JobRecord, history: list[AttemptRecord] | None = None) -> str:
         lines.append(
             f"  [{i}] {role.name} ×{role.taskNumber}: {role.cpuNumber} CPU, {role.memoryMB} MB, "
             f"{role.gpuNumber} GPU{(' ' + c.gpuType) if c.gpuType and role.gpuNumber else ''}"
+            + (f", image {role.image}" if role.image else "")
         )
     for a in history or []:
         lines.append(attempt_line(a))
@@ -761,6 +773,109 @@ async def admin_vc(args: argparse.Namespace) -> int:
         await nc.close()
 
 
+# ---------------------------------------------------------------- admin dataset
+
+
+def user_list(text: str) -> list[str]:
+    users = [u.strip() for u in text.split(",") if u.strip()]
+    if not users:
+        raise CliError(f"--users {text!r}: name at least one user, or '*' for everyone", EXIT_INVALID)
+    for u in users:
+        if u != "*" and not auth.NAME_RE.match(u):
+            raise CliError(
+                f"--users {text!r}: {u!r} is not a user name (letters, digits, '_', '-'; "
+                "or '*' for everyone)",
+                EXIT_INVALID,
+            )
+    return users
+
+
+async def admin_dataset(args: argparse.Namespace) -> int:
+    """`muster admin dataset set|remove|list`: the datasets jobs may mount (`data`), in bucket
+    muster_datasets. Validators watch it; agents read a job's datasets when they start its tasks."""
+    from nats.js.errors import KeyNotFoundError, NoKeysError
+    from pydantic import ValidationError
+
+    from shared.jobconfig import _reason
+    from shared.messages import Dataset
+
+    if args.action != "list" and not auth.NAME_RE.match(args.name):
+        raise CliError(
+            f"NAME {args.name!r}: a dataset's name starts with a letter or digit and has only "
+            "letters, digits, '_' and '-' (64 at most)",
+            EXIT_INVALID,
+        )
+    record = None
+    if args.action == "set":
+        try:
+            record = Dataset.model_validate(
+                {
+                    "name": args.name,
+                    "source": args.source,
+                    "writable": args.writable,
+                    "users": user_list(args.users),
+                    "description": args.description,
+                }
+            )
+        except ValidationError as exc:
+            first = exc.errors(include_url=False)[0]
+            field = str(first["loc"][0]) if first["loc"] else ""
+            raise CliError(f"--{field}: {_reason(first)}", EXIT_INVALID) from None
+    nc = await connect(args.connect_timeout)
+    try:
+        if client.asker(nc) != subjects.ALL:
+            raise CliError("managing datasets takes an admin identity")
+        try:
+            kv = await nc.jetstream(timeout=10).key_value(subjects.DATASETS_BUCKET)
+        except NotFoundError:
+            raise CliError(
+                f"bucket {subjects.DATASETS_BUCKET} is missing on this NATS: run `muster admin init`"
+            ) from None
+        if record is not None:
+            await kv.put(record.name, record.to_bytes())
+            kind = "Docker volume" if record.volume else "host directory"
+            out(
+                f"{record.name}: set — {kind} {record.source}; "
+                f"{'writable with :rw' if record.writable else 'read-only'}; users {','.join(record.users)}"
+            )
+            return EXIT_OK
+        if args.action == "remove":
+            try:
+                await kv.get(args.name)
+            except KeyNotFoundError:
+                raise CliError(f"no dataset {args.name!r}", EXIT_INVALID) from None
+            await kv.purge(args.name)
+            out(f"{args.name}: removed (running tasks keep their mounts; new jobs naming it are refused)")
+            return EXIT_OK
+        try:
+            keys = sorted(await kv.keys())
+        except NoKeysError:
+            keys = []
+        records: list[Dataset] = []
+        rows: list[tuple[str, ...]] = [("NAME", "SOURCE", "WRITABLE", "USERS", "DESCRIPTION")]
+        for key in keys:
+            try:
+                entry = await kv.get(key)
+                ds = Dataset.model_validate_json(entry.value or b"")
+                if ds.name != key:
+                    raise ValueError(f"names {ds.name!r}")
+            except KeyNotFoundError:
+                continue
+            except ValueError:
+                rows.append((key, "(does not decode: ignored)", "-", "-", "-"))
+                continue
+            records.append(ds)
+            writable = "yes" if ds.writable else "no"
+            rows.append((ds.name, ds.source, writable, ",".join(ds.users), ds.description or "-"))
+        if args.json:
+            out(json.dumps([ds.model_dump(mode="json") for ds in records], indent=2))
+            return EXIT_OK
+        out(columns(rows))
+        return EXIT_OK
+    finally:
+        await nc.close()
+
+
 # ---------------------------------------------------------------- up
 
 
@@ -977,7 +1092,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_validate)
 
     s = sub.add_parser("admin", help="set up a NATS for Muster; manage who may use it")
-    admin = s.add_subparsers(dest="admin_command", metavar="{init,user,keys,vc}", required=True)
+    admin = s.add_subparsers(dest="admin_command", metavar="{init,user,keys,vc,dataset}", required=True)
     s = admin.add_parser("init", help="declare or update every stream and bucket from this shell's settings")
     s.set_defaults(func=lambda a: asyncio.run(admin_init(a)))
     s = admin.add_parser("user", help="add, rotate, remove or list identities (then the server reloads)")
@@ -1028,11 +1143,30 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="the stored records as JSON")
     for s in vc.choices.values():
         s.set_defaults(func=lambda a: asyncio.run(admin_vc(a)))
+    s = admin.add_parser("dataset", help="set, remove or list the datasets jobs may mount (`data`)")
+    ds = s.add_subparsers(dest="action", metavar="{set,remove,list}", required=True)
+    s = ds.add_parser("set", help="write a dataset's whole record; applies to the next submission")
+    s.add_argument("name", metavar="NAME")
+    s.add_argument(
+        "--source",
+        required=True,
+        help="a host directory (absolute; under each agent's data roots) or a Docker volume name",
+    )
+    s.add_argument("--writable", action="store_true", help="jobs may mount it writable (`:rw`)")
+    s.add_argument("--users", default="*", help="who may mount it: alice,bob or '*' (default: everyone)")
+    s.add_argument("--description", default="", help="a line shown by `muster admin dataset list`")
+    s = ds.add_parser("remove", help="remove a dataset's record (running tasks keep their mounts)")
+    s.add_argument("name", metavar="NAME")
+    s = ds.add_parser("list", help="a table of the datasets")
+    s.add_argument("--json", action="store_true", help="the stored records as JSON")
+    for s in ds.choices.values():
+        s.set_defaults(func=lambda a: asyncio.run(admin_dataset(a)))
 
     for s in (
         *(sub.choices[n] for n in ("submit", "status", "vc", "logs", "kill", "drain")),
         admin.choices["init"],
         *vc.choices.values(),
+        *ds.choices.values(),
     ):
         s.add_argument(
             "--connect-timeout", type=TIMEOUT, default=2.0, help="seconds to keep trying to reach NATS"

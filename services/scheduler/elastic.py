@@ -40,9 +40,7 @@ def settled(record: AttemptRecord, at: datetime, dwell: float = DWELL) -> bool:
     return (at - (record.resized_at or record.placed_at)).total_seconds() >= dwell
 
 
-def grow(
-    cluster: placement.Cluster, capacity: placement.Capacity, config: JobConfig, record: AttemptRecord
-) -> list[TaskSpec]:
+def grow(cluster: placement.Cluster, config: JobConfig, record: AttemptRecord) -> list[TaskSpec]:
     """The tasks to add to the attempt's elastic roles now: as many as fit, up to each role's
     maximum, each with the next index after its role's highest so far."""
     added: list[TaskSpec] = []
@@ -66,8 +64,7 @@ def grow(
             )
             index = max((t.index for t in record.tasks if t.role == role.name), default=-1) + 1
             for _ in range(role.maxTaskNumber - counts.get(role.name, 0)):
-                plan = cluster.plan([placement.PendingJob(record.key, one)], capacity)
-                placed = plan.placements.get(record.key)
+                placed = cluster.place_alone(placement.PendingJob(record.key, one))
                 if not placed:
                     break
                 spec = TaskSpec(
@@ -84,7 +81,6 @@ def grow(
 
 def shrink_for(
     cluster: placement.Cluster,
-    capacity: placement.Capacity,
     waiting: placement.PendingJob,
     running: Sequence[tuple[JobConfig, AttemptRecord]],
 ) -> list[tuple[AttemptRecord, TaskSpec]] | None:
@@ -102,7 +98,7 @@ def shrink_for(
     options.sort(key=lambda o: (o[0], o[1]), reverse=True)  # newest first
 
     def fits() -> bool:
-        return waiting.job_id in cluster.plan([waiting], capacity).placements
+        return cluster.place_alone(waiting) is not None
 
     released: list[tuple[JobConfig, AttemptRecord, TaskSpec]] = []
     try:

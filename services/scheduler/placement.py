@@ -698,6 +698,17 @@ class Cluster:
 
     # -------------------------------------------------------- planning
 
+    def place_alone(self, job: PendingJob, avoid: Set[str] = frozenset()) -> list[TaskSpec] | None:
+        """Where `job` would go now, alone (as `plan([job])` places it), or None: without working
+        out a reason or a reservation when it does not fit, the cost of a failed plan. The cluster
+        is unchanged."""
+        stmt = _Statement(self)
+        try:
+            specs, failed = _place(_demand(job.config), self, {}, _Free(self, avoid), stmt, keep=False)
+        finally:
+            stmt.discard()
+        return None if failed is not None else sorted(specs, key=lambda t: (t.role_no, t.index))
+
     def plan(
         self,
         queue: Sequence[PendingJob],

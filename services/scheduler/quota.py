@@ -244,18 +244,16 @@ def candidates(job: Waiting, ledger: Ledger, running: Iterable[Running]) -> list
     return sorted(out, key=lambda r: (r.lost, r.rank, r.key))
 
 
-def choose_victims(
-    cluster: placement.Cluster, capacity: placement.Capacity, job: Waiting, options: list[Running]
-) -> list[Running] | None:
+def choose_victims(cluster: placement.Cluster, job: Waiting, options: list[Running]) -> list[Running] | None:
     """The victims that make room for `job` at the least lost work, or None when stopping every
     option would not be enough. `cluster` (what is placed now) is left as it was."""
     if not options:
         return None
-    pending = [placement.PendingJob(job.job_id, job.config)]
+    pending = placement.PendingJob(job.job_id, job.config)
     released: list[Running] = []
 
     def fits() -> bool:
-        return job.job_id in cluster.plan(pending, capacity).placements
+        return cluster.place_alone(pending) is not None
 
     try:
         for victim in options:  # cheapest first, until it fits

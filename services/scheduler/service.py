@@ -273,7 +273,7 @@ class Scheduler:
             for waiting in blocked[:PREEMPT_TRIES]:
                 pending = placement.PendingJob(waiting.job_id, waiting.config.smallest())
                 running = [(job.config, record) for job, record in ready if job.job_id != waiting.job_id]
-                chosen = elastic.shrink_for(self.view.cluster, self.view.capacity, pending, running)
+                chosen = elastic.shrink_for(self.view.cluster, pending, running)
                 if chosen:
                     await self._shrink(chosen, waiting)
                     return
@@ -282,7 +282,7 @@ class Scheduler:
             capacity = quota.capacity_of(self.view.capacity.cluster.nodes.values())
             ledger = quota.Ledger(quota.limits(self.vcs, capacity), self.view.running(at))
         for job, record in ready:
-            added = elastic.grow(self.view.cluster, self.view.capacity, job.config, record)
+            added = elastic.grow(self.view.cluster, job.config, record)
             if added and ledger is not None and not ledger.limit(job.config.virtualCluster).borrow:
                 kept = []
                 for spec in added:
@@ -453,7 +453,7 @@ class Scheduler:
                 job.submitted_at,
             )
             options = quota.candidates(w, ledger, running)
-            victims = quota.choose_victims(self.view.cluster, self.view.capacity, w, options)
+            victims = quota.choose_victims(self.view.cluster, w, options)
             if not victims:
                 continue
             await asyncio.gather(*(self._preempt(job, v) for v in victims))

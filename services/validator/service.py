@@ -28,6 +28,10 @@ same way and changeable at run time: a job naming a VC that has no record (other
 which every user may use at any priority unless a record of that name says otherwise), or one
 that does not admit its submitter, is refused on `virtualCluster`; a priority above the VC's
 `max_priority` is refused on `priority`. A redelivered submission keeps the verdict its job got.
+
+Datasets are the operator's too (`muster admin dataset set`, bucket `muster_datasets`), watched
+alike: a `data` entry naming a dataset that has no record, one that does not admit the submitter,
+or asking `:rw` of a read-only one is refused on `data[i]` (docs/data.md).
 """
 
 from __future__ import annotations
@@ -50,15 +54,17 @@ from prometheus_client import Counter, Histogram
 
 from services.validator import limits
 from shared import auth, bus, hostpaths, subjects
-from shared.jobconfig import NAME_RE, FieldError, JobConfig, check_job, rank, split_secrets
+from shared.jobconfig import NAME_RE, FieldError, JobConfig, check_job, job_warnings, rank, split_secrets
 from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
 from shared.messages import (
+    Dataset,
     JobEvent,
     JobEventKind,
     JobRecord,
     JobState,
     Verdict,
     VirtualCluster,
+    dataset_refusal,
     job_id_for,
     now,
     vc_refusal,
@@ -88,6 +94,9 @@ class Validator:
         self.vc_store = Store(buckets[subjects.VCS_BUCKET], VirtualCluster, check=vc_refusal)
         self.vcs: dict[str, VirtualCluster] = {}  # the VCs bucket as a watcher keeps it
         self.vcs_synced = asyncio.Event()
+        self.ds_store = Store(buckets[subjects.DATASETS_BUCKET], Dataset, check=dataset_refusal)
+        self.datasets: dict[str, Dataset] = {}  # the datasets bucket as a watcher keeps it
+        self.datasets_synced = asyncio.Event()
         self.claim_timeout = claim_timeout()
         self.limits = limits.Limits.from_env()
         # Where dir fields may point, when known here (else the agents judge at launch).
@@ -106,10 +115,13 @@ class Validator:
         watching = [
             asyncio.create_task(self.jobs.mirror(self.view, self.synced, self.job_changed, limits.Live.of)),
             asyncio.create_task(self.vc_store.mirror(self.vcs, self.vcs_synced)),
+            asyncio.create_task(self.ds_store.mirror(self.datasets, self.datasets_synced)),
         ]
         try:
             # Judge nothing before every user's live tasks and every virtual cluster are known.
-            ready = asyncio.ensure_future(asyncio.gather(self.synced.wait(), self.vcs_synced.wait()))
+            ready = asyncio.ensure_future(
+                asyncio.gather(self.synced.wait(), self.vcs_synced.wait(), self.datasets_synced.wait())
+            )
             stopped = asyncio.ensure_future(stop.wait())
             await asyncio.wait((ready, stopped), return_when=asyncio.FIRST_COMPLETED)
             ready.cancel()
@@ -207,8 +219,9 @@ class Validator:
         if existing is not None:  # a redelivery, or the submission id used again
             if record_digest(existing) != digest:
                 return await self.reject(sid, user, config.jobName, [reused(job_id)], data)
-            return await self.accept(existing, data)
+            return await self.accept(existing, data, job_warnings(raw))
         errors = check_vc(config, user, self.vcs)
+        errors += check_data(config, user, self.datasets)
         errors += limits.check(config.most_tasks, user, self.live.of(user), self.limits)
         errors += hostpaths.check_dirs(config, user, self.roots) if self.roots else []
         if errors:
@@ -228,11 +241,13 @@ class Validator:
         # Counted now, before any await: a submission judged meanwhile sees these tasks.
         self.live.update(job_id, limits.Live.of(record))
         try:
-            return await self._admit(record, hidden, data)
+            return await self._admit(record, hidden, data, job_warnings(raw))
         finally:
             self.live.update(job_id, self.view.get(job_id) or self._admitted.pop(job_id, None))
 
-    async def _admit(self, record: JobRecord, hidden: dict[str, Any], data: bytes) -> Verdict:
+    async def _admit(
+        self, record: JobRecord, hidden: dict[str, Any], data: bytes, warnings: list[FieldError]
+    ) -> Verdict:
         """Claim the job's name, store its secrets and record: the accepted job, or a rejection."""
         sid, user, config, job_id = record.submission_id, record.user, record.config, record.job_id
         digest = record.digest
@@ -266,9 +281,11 @@ class Validator:
                     await self.release_name(subjects.name_key(user, config.jobName), job_id)
                 return await self.reject(sid, user, config.jobName, [reused(job_id)], data)
             record = winner
-        return await self.accept(record, data)
+        return await self.accept(record, data, warnings)
 
-    async def accept(self, record: JobRecord, data: bytes) -> Verdict:
+    async def accept(
+        self, record: JobRecord, data: bytes, warnings: list[FieldError] | None = None
+    ) -> Verdict:
         """Announce an accepted job (again, on a redelivery: every publish is deduplicated).
         The three publishes leave in this order and their acks are awaited together."""
         sends = []
@@ -294,6 +311,7 @@ class Validator:
             accepted=True,
             job_id=record.job_id,
             job_name=record.job_name,
+            warnings=warnings or [],
         )
         sends.append(self.publish_verdict(verdict, data))
         await asyncio.gather(*sends)
@@ -394,6 +412,24 @@ def check_vc(config: JobConfig, user: str, vcs: dict[str, VirtualCluster]) -> li
             f"{config.priority!r} is above virtual cluster {name!r}'s highest priority, {vc.max_priority!r}"
         )
         errors.append(FieldError(path="priority", reason=reason))
+    return errors
+
+
+def check_data(config: JobConfig, user: str, datasets: dict[str, Dataset]) -> list[FieldError]:
+    """The errors of `user` mounting `config`'s `data` entries, given the configured datasets."""
+    errors = []
+    for i, mount in enumerate(config.mounts):
+        ds = datasets.get(mount.name)
+        if ds is None:
+            known = ", ".join(sorted(n for n, d in datasets.items() if d.admits(user))) or "none"
+            reason = f"no dataset {mount.name!r}; yours to mount: {known}"
+        elif not ds.admits(user):
+            reason = f"user {user!r} may not mount dataset {mount.name!r}"
+        elif mount.rw and not ds.writable:
+            reason = f"dataset {mount.name!r} is read-only: drop ':rw'"
+        else:
+            continue
+        errors.append(FieldError(path=f"data[{i}]", reason=reason))
     return errors
 
 
