@@ -3,10 +3,12 @@ a real `mpirun` whose ranks start in the gang's tasks on hosts of their own, thr
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
 import subprocess
+import time
 
 import pytest
 
@@ -226,6 +228,7 @@ async def test_mpirun_across_three_tasks_on_two_hosts_all_reduces_and_the_job_su
             config["codeDir"] = str(EXAMPLE)
             nc = await bus.connect("test", server.url)
             try:
+                await bus.open_jetstream(nc, wait=60)  # the services have declared the streams
                 record = await run_job(nc, config, timeout=180)
                 a = await attempt(nc, record.job_id)
                 assert record.state == JobState.SUCCEEDED, (record.reason, a.tasks, cluster.logs())
@@ -269,6 +272,7 @@ async def test_mpirun_starts_ranks_in_other_agents_containers_by_docker_exec(mpi
     # MPI's TCP goes, as a job on such a network would.
     net = {"OMPI_MCA_btl_tcp_if_include": "127.0.0.0/8", "OMPI_MCA_oob_tcp_if_include": "127.0.0.0/8"}
     config.update(image=mpi_image, codeDir=str(EXAMPLE), jobEnvs=net)
+    await bus.open_jetstream(nc, wait=60)  # the services have declared the streams
     record = await run_job(nc, config, timeout=240)
     a = await attempt(nc, record.job_id)
     launcher = next(t for t in a.tasks if (t.role, t.index) == ("worker", 0))
@@ -302,19 +306,25 @@ def two_agents(cluster: Cluster) -> None:
 @pytest.mark.skipif(_mpi_on_this_machine() is not None, reason=str(_mpi_on_this_machine()))
 async def test_a_launcher_of_its_own_starts_every_rank_in_the_workers_and_the_job_succeeds(cluster, nc):  # noqa: F811
     two_agents(cluster)
+    await bus.open_jetstream(nc, wait=60)  # the services have declared the streams
     record = await run_job(nc, launcher_job("mpirun -np $MUSTER_MPI_NP /usr/bin/python3 allreduce.py"), 180)
     a = await attempt(nc, record.job_id)
     launcher = next(t for t in a.tasks if t.role == "launcher")
     assert record.state == JobState.SUCCEEDED, (record.reason, launcher.last_lines, cluster.logs())
     ranks = sorted(line for line in launcher.last_lines if line.startswith("rank "))
     assert len(ranks) == 2 and all(" in task worker." in r and r.endswith("sum = 3") for r in ranks), ranks
-    workers = [t for t in a.tasks if t.role == "worker"]
-    assert all(t.state == TaskState.STOPPED for t in workers), workers  # stopped once the launcher ended
+    # The workers are stopped once the launcher has ended (their end is reported just after).
+    deadline = time.monotonic() + 60
+    while not all(t.state.ended for t in a.tasks) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        a = await attempt(nc, record.job_id)
+    assert all(t.state == TaskState.STOPPED for t in a.tasks if t.role == "worker"), a.tasks
 
 
 @pytest.mark.skipif(_mpi_on_this_machine() is not None, reason=str(_mpi_on_this_machine()))
 async def test_ranks_that_fail_fail_the_job_and_nothing_hangs(cluster, nc):  # noqa: F811
     two_agents(cluster)
+    await bus.open_jetstream(nc, wait=60)  # the services have declared the streams
     record = await run_job(nc, launcher_job("mpirun -np $MUSTER_MPI_NP /bin/false"), 180)
     a = await attempt(nc, record.job_id)
     launcher = next(t for t in a.tasks if t.role == "launcher")

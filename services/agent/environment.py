@@ -287,6 +287,9 @@ def _mpi(ctx: TaskContext, gang: list[Endpoint], me: Endpoint) -> dict[str, str]
         "OMPI_MCA_pml": "ob1",
         "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
         "OMPI_MCA_hwloc_base_binding_policy": "none",
+        # No hwloc topology in shared memory at a guessed free address: under load the guess
+        # collides now and then and orted dies in hwloc_shmem_topology_write (SIGSEGV).
+        "OMPI_MCA_rtc_hwloc_vmhole": "none",
         "OMPI_MCA_rmaps_base_mapping_policy": "slot",
         "OMPI_ALLOW_RUN_AS_ROOT": "1",
         "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",

@@ -25,8 +25,10 @@ import codecs
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -54,18 +56,26 @@ class ProcessTask:
     async def exec(self, command: str, output: Callable[[str], Awaitable[None]]) -> int:
         """Run `command` beside the task, with its environment and directory (an MPI daemon):
         its output to `output`, its exit code returned. Cancelled or the task stopped: killed.
-        It carries the task's MUSTER_TASK mark, so a fence that kills the task kills it too."""
-        proc = await asyncio.create_subprocess_exec(
-            "/bin/sh",
-            "-c",
-            command,
-            env=self.env,
-            cwd=self.cwd,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
-        )
+        It carries the task's MUSTER_TASK mark, so a fence that kills the task kills it too.
+        Its TMPDIR is a directory of its own (short: sockets are made there), removed after:
+        processes share the machine's /tmp and host name, and two MPI daemons of one job making
+        their session directories there at once collide (mkdir: File exists)."""
+        tmp = tempfile.mkdtemp(prefix="muster-exec-")
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                "/bin/sh",
+                "-c",
+                command,
+                env={**self.env, "TMPDIR": tmp},
+                cwd=self.cwd,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         self._execs.add(proc)
         assert proc.stdout is not None
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -78,6 +88,7 @@ class ProcessTask:
             raise
         finally:
             self._execs.discard(proc)
+            shutil.rmtree(tmp, ignore_errors=True)
         return 128 - code if code < 0 else code
 
     async def wait(self) -> int:

@@ -51,6 +51,7 @@ ALIVE = 5.0  # seconds between the peer's `alive` while a command runs
 IDLE_WAIT = 30.0  # the caller gives up after this long without a word from the peer
 OPEN_WAIT = 90.0  # ... and this long for the first one (the peer may wait for its task to start)
 START_WAIT = 60.0  # the peer waits this long for the task to be started
+TAKE_WAIT = 5.0  # ... and this long for the task to be known here at all
 SPEC_WAIT = 10.0  # for the attempt's cluster spec, when the task does not hold it
 ASK_WAIT = 10.0  # for muster-rsh to say what it wants
 MAX_SESSIONS = 256  # commands a peer runs at once, all attempts together
@@ -278,6 +279,12 @@ class Rsh:
     async def _refusal(self, caller: str, ask: ExecRequest) -> tuple[LocalTask | None, str]:
         key = (ask.job_id, ask.attempt, ask.role, ask.index)
         task = self.tasks.live.get(key)
+        # The agent reports a task's endpoint just before it takes the task on: an ask right
+        # after the rendezvous may come first. A task that is not here by then never will be.
+        deadline = asyncio.get_running_loop().time() + TAKE_WAIT
+        while task is None and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
+            task = self.tasks.live.get(key)
         if task is None:
             return None, f"no task {ask.role}.{ask.index} of attempt {ask.attempt} of {ask.job_id} here"
         shape = mpi.shape(task.assignment.config)

@@ -202,12 +202,12 @@ class Agent:
         pidfile = Path(self.opts.work_root) / "agent.pid"
         pidfile.parent.mkdir(parents=True, exist_ok=True)
         pidfile.write_text(str(os.getpid()))
+        if self.runtime.name != "sim":  # simulated tasks run no MPI daemons
+            await self.rsh.start()  # before adopting: an adopted launcher may call at once
         await self.reconciler.at_start(placed)
         # From here on, tasks do not outlive this agent unless it detaches on purpose.
         self.runtime.start_fence(self.opts.work_root, str(pidfile), 0.6 * bus.node_timeout())
         self.reporter.start()
-        if self.runtime.name != "sim":  # simulated tasks run no MPI daemons
-            await self.rsh.start()
         await self._write_node()
         self._last_beat = asyncio.get_running_loop().time()
         await self.js.publish(subjects.node_event(self.opts.node, "registered"), self.info().to_bytes())

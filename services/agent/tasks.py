@@ -112,6 +112,7 @@ class Tasks:
         self.code_syncs = CodeSyncs()  # codeSync: one fetch per attempt on this node
         self._datasets: Store[Dataset] | None = None
         self.rsh: Rsh | None = None  # MPI jobs' daemons in peer tasks (the agent sets it)
+        self._serving: set[asyncio.Task[None]] = set()
 
     def known(self, key: TaskKey) -> bool:
         """Whether this agent runs the task, or has already reported its end."""
@@ -138,6 +139,24 @@ class Tasks:
         self.live[key] = task
         TASKS_LIVE.labels(self.node).set(len(self.live))
         task.runner = asyncio.create_task(self._watch(key, task))
+        if self._is_mpi_launcher(task):  # its mpirun may start more daemons: listen again
+            serving = asyncio.create_task(self._serve_adopted(task))
+            self._serving.add(serving)
+            serving.add_done_callback(self._serving.discard)
+
+    def _is_mpi_launcher(self, task: LocalTask) -> bool:
+        shape = mpi.shape(task.assignment.config)
+        return (
+            self.rsh is not None and shape is not None and shape.is_launcher(task.spec.role, task.spec.index)
+        )
+
+    async def _serve_adopted(self, task: LocalTask) -> None:
+        a = task.assignment
+        assert self.rsh is not None
+        try:
+            await self.rsh.serve(a.job_id, a.attempt, attempt_path(self.where, a))
+        except OSError as exc:
+            self.log.warning("agent.rsh_not_served", task=task.name, error=str(exc))
 
     async def _run(self, key: TaskKey, task: LocalTask) -> None:
         a = task.assignment
@@ -149,12 +168,7 @@ class Tasks:
             launch = build_launch(a, task.spec, task.ports, cluster, self.where, prepared)
             task.version = cluster.version
             task.cluster = cluster
-            shape = mpi.shape(a.config)
-            if (
-                self.rsh is not None
-                and shape is not None
-                and shape.is_launcher(task.spec.role, task.spec.index)
-            ):
+            if self.rsh is not None and self._is_mpi_launcher(task):
                 await self.rsh.serve(a.job_id, a.attempt, attempt_path(self.where, a))
             task.starting = True
             task.handle = await self.runtime.start(launch, lambda line: self.output(task, line))
@@ -226,8 +240,7 @@ class Tasks:
 
     async def _finish(self, key: TaskKey, task: LocalTask, cause: TaskCause, code: int, reason: str) -> None:
         self.ports.release(task.ports)
-        shape = mpi.shape(task.assignment.config)
-        if self.rsh is not None and shape is not None and shape.is_launcher(task.spec.role, task.spec.index):
+        if self.rsh is not None and self._is_mpi_launcher(task):
             self.rsh.forget(task.assignment.job_id, task.assignment.attempt)
         self.live.pop(key, None)
         self.remember(key)
