@@ -12,7 +12,7 @@ Roles:
 - user: submit and kill as itself; ask the gateway about its own jobs; read its own verdicts.
 - validator, scheduler, registry, supervisor, gateway: the subjects, streams and buckets the
   service uses, nothing else (no service may create, change or delete a stream).
-- agent (one identity per node): its own node's record, task events, endpoints and logs; its
+- agent (one identity per node): its own node's record, task events, endpoints, logs and metrics; its
   own node's orders; the cluster specs and attempt records it needs to run and recover tasks.
 - sim (`sim-agents`, benchmarks only): an agent on *every* node, for a process that holds
   thousands of simulated nodes on one connection (services/agent/sim.py). It can act as any
@@ -154,6 +154,7 @@ STREAMS = (
     subjects.EVENTS_STREAM,
     subjects.COMMANDS_STREAM,
     subjects.LOGS_STREAM,
+    subjects.METRICS_STREAM,
 )
 
 
@@ -276,6 +277,7 @@ def permissions(ident: Identity | Credentials) -> dict[str, Any]:
         publish = [
             *lookup,
             *_read(subjects.LOGS_STREAM),
+            *_read(subjects.METRICS_STREAM),
             f"$JS.API.DIRECT.GET.{subjects.EVENTS_STREAM}.{ev}.submission.>",
             # A job's history: consumers on MUSTER_EVENTS (its job events), read-only.
             *_read(subjects.EVENTS_STREAM),
@@ -310,6 +312,7 @@ def _agent(own_inbox: str, node: str, consumer: str) -> dict[str, Any]:
         subjects.task_event("*", "*", "*", "*", "*", node),
         subjects.node_event(node, ">"),
         subjects.task_logs("*", "*", "*", "*", node),
+        subjects.task_metrics("*", "*", "*", "*", node),
         *_lookup_all(),
         f"{api}.DIRECT.GET.{kv(nodes_kv)}.$KV.{nodes_kv}.{node}",
         # Attempt records (placements and states, no job specs) to recover after a restart.

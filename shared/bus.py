@@ -41,6 +41,7 @@ from shared import auth, subjects
 DEFAULT_URL = "nats://127.0.0.1:4222"
 LEASE_TTL = 4.0  # seconds a leader's lease lives without renewal
 LOGS_MAX_BYTES = int(os.environ.get("MUSTER_LOGS_MAX_BYTES", str(1 << 30)))
+METRICS_MAX_BYTES = int(os.environ.get("MUSTER_METRICS_MAX_BYTES", str(256 << 20)))
 log = structlog.get_logger()
 
 
@@ -186,6 +187,7 @@ STREAMS = (
     subjects.EVENTS_STREAM,
     subjects.COMMANDS_STREAM,
     subjects.LOGS_STREAM,
+    subjects.METRICS_STREAM,
 )
 BUCKETS: dict[str, tuple[int, float]] = {
     subjects.JOBS_BUCKET: (5, 0),
@@ -258,6 +260,22 @@ async def ensure_jetstream(nc: NATS) -> tuple[JetStreamContext, dict[str, KeyVal
             num_replicas=r,
             allow_direct=True,
             description="Task output, one subject per task: outlives containers and retries",
+        ),
+    )
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=subjects.METRICS_STREAM,
+            subjects=[subjects.METRICS_PREFIX + ".>"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD,
+            max_age=7 * 24 * 3600,
+            max_bytes=METRICS_MAX_BYTES,
+            max_msg_size=1 << 20,
+            num_replicas=r,
+            allow_direct=True,
+            description="Training metrics tasks printed, batched, one subject per task",
         ),
     )
     buckets = {}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from nats.aio.msg import Msg
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from shared import subjects
 from shared.bus import consume
@@ -33,6 +33,28 @@ REFUSED = Counter(
     "user's job, an attempt that does not exist, a heartbeat from the future or beyond belief",
     ["kind"],
 )
+
+REDELIVERED = Counter(
+    "muster_messages_redelivered_total",
+    "Messages handled again: delivered before and not acked (a handler failed, or a consumer died)",
+    ["consumer"],
+)
+# From the server's consumer info, polled every LAG_EVERY seconds by each replica consuming (so
+# read them with max by (consumer)): what the stream holds that no replica has taken yet, and
+# what was taken but not acked yet.
+PENDING = Gauge(
+    "muster_consumer_pending_messages", "Messages not yet delivered to the consumer", ["consumer"]
+)
+ACK_PENDING = Gauge(
+    "muster_consumer_ack_pending_messages", "Messages delivered but not acked yet", ["consumer"]
+)
+REDELIVERING = Gauge(
+    "muster_consumer_redelivered_messages",
+    "Messages delivered more than once and not acked yet",
+    ["consumer"],
+)
+LAG_EVERY = float(os.environ.get("MUSTER_LAG_EVERY", "10"))
+LAG_WAIT = 3.0  # seconds one consumer-info request may take
 
 
 class Handling(Generic[M]):
@@ -81,6 +103,9 @@ class Handling(Generic[M]):
             with contextlib.suppress(Exception):
                 await msg.term()
             return
+        with contextlib.suppress(Exception):
+            if (msg.metadata.num_delivered or 1) > 1:
+                REDELIVERED.labels(self.consumer).inc()
         await self.slots.acquire()
         key = self.key(decoded) if self.key else None
         before = self.last.get(key) if key is not None else None
@@ -137,8 +162,29 @@ def sent(model: Any) -> Callable[[Msg], Sent[Any]]:
 
 async def serve(sub: Any, handling: Handling[Any], stop: asyncio.Event, batch: int = 64) -> None:
     """`consume` with typed, concurrent handling (see `Handling`); waits for the handlers in
-    flight before returning."""
+    flight before returning. Meanwhile the consumer's lag is polled (`watch_lag`)."""
+    lag = asyncio.create_task(watch_lag(sub, handling.consumer, stop))
     try:
         await consume(sub, handling.take, stop, handling.log, batch)
     finally:
+        lag.cancel()
         await handling.drain()
+
+
+async def watch_lag(sub: Any, consumer: str, stop: asyncio.Event, every: float | None = None) -> None:
+    """Every `every` seconds (LAG_EVERY), the consumer's info from the server, each request
+    bounded by LAG_WAIT: its pending, ack-pending and redelivered counts as gauges. A request that
+    fails or times out leaves the last values and is tried again next time; never raises."""
+    every = LAG_EVERY if every is None else every
+    while not stop.is_set():
+        try:
+            info = await asyncio.wait_for(sub.consumer_info(), LAG_WAIT)
+            PENDING.labels(consumer).set(info.num_pending or 0)
+            ACK_PENDING.labels(consumer).set(info.num_ack_pending or 0)
+            REDELIVERING.labels(consumer).set(info.num_redelivered or 0)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            pass  # the bus is down or slow: the health endpoint says so, not this
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every)

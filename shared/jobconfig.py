@@ -23,6 +23,8 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
+from shared import trainmetrics
+
 # Names end up in container names, NATS subjects, KV keys and paths: letters, digits, '_' and '-'.
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
 # Role names and port labels end up inside environment variable names
@@ -235,6 +237,17 @@ def rank(priority: str) -> int:
     return PRIORITIES.index(priority)
 
 
+def _metric_decl(value: str) -> str:
+    trainmetrics.parse_spec(value)
+    return value
+
+
+# `NAME` or `NAME:FORMAT` (RAW or PERCENTAGE): a metric the job prints (shared/trainmetrics.py).
+MetricDecl = Annotated[str, StringConstraints(min_length=1, max_length=80), AfterValidator(_metric_decl)]
+MIN_NO_PROGRESS = 5
+MAX_NO_PROGRESS = 7 * 24 * 3600
+
+
 class JobConfig(_Model):
     jobName: Name
     image: Image
@@ -259,6 +272,27 @@ class JobConfig(_Model):
     def mounts(self) -> list[DataMount]:
         """The `data` entries, parsed."""
         return [parse_data(e) for e in self.data]
+
+    # Muster's extensions for training metrics and hang detection (docs/metrics.md): the metrics
+    # the tasks print (`accuracy=0.93`), and how long a running task may print nothing before
+    # the agent stops it as hung (a platform failure: the gang runs again as a new attempt).
+    metrics: list[MetricDecl] = Field(default_factory=list, max_length=trainmetrics.MAX_METRICS)
+    noProgressTimeoutSec: int | None = Field(default=None, ge=MIN_NO_PROGRESS, le=MAX_NO_PROGRESS)
+
+    @field_validator("metrics")
+    @classmethod
+    def _metrics_once(cls, v: list[str]) -> list[str]:
+        seen: dict[str, int] = {}
+        for i, entry in enumerate(v):  # each entry is already checked: this finds repeats
+            name = trainmetrics.parse_spec(entry).name
+            if name in seen:
+                raise ValueError(f"{name!r} is declared twice (metrics[{seen[name]}] and metrics[{i}])")
+            seen[name] = i
+        return v
+
+    @property
+    def metric_specs(self) -> list[trainmetrics.MetricSpec]:
+        return trainmetrics.parse_specs(self.metrics)
 
     @field_validator("authFile", "dataDir", "outputDir", "codeDir")
     @classmethod

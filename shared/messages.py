@@ -322,6 +322,34 @@ class TaskEvent(Message):
     at: datetime = Field(default_factory=now)
 
 
+class MetricPoint(BaseModel):
+    """One value of a training metric a task printed: when the agent read it, the step printed
+    on the same line (if any), the metric's name and its value."""
+
+    t: datetime
+    step: int | None = None
+    name: str = Field(max_length=64)
+    value: float = Field(allow_inf_nan=False)
+
+
+class MetricBatch(Message):
+    """Agent -> MUSTER_METRICS, on `muster.metrics.<job>.<attempt>.<role>.<index>.<node>`: the
+    metric points one task printed since the last batch (oldest first; `dropped`: points thinned
+    out because it printed faster than kept), the latest point of every metric so far, and when
+    it last printed anything (hang detection's clock)."""
+
+    job_id: str
+    attempt: int
+    role: str
+    index: int
+    node: str
+    points: list[MetricPoint] = Field(default_factory=list, max_length=4000)
+    latest: list[MetricPoint] = Field(default_factory=list, max_length=64)
+    dropped: int = Field(default=0, ge=0)
+    last_output_at: datetime | None = None
+    at: datetime = Field(default_factory=now)
+
+
 class TaskState(StrEnum):
     PLACED = "PLACED"
     RUNNING = "RUNNING"
@@ -566,7 +594,7 @@ class Question(Message):
     job_id: str | None = Field(default=None, max_length=128)
     attempt: int | None = Field(default=None, ge=1)
     task: str | None = Field(default=None, max_length=140)  # ROLE or ROLE.INDEX
-    after: int = Field(default=0, ge=0)  # a MUSTER_LOGS stream sequence
+    after: int = Field(default=0, ge=0)  # a MUSTER_LOGS (MUSTER_METRICS for metrics) stream sequence
     limit: int = Field(default=1000, ge=1, le=10000)
 
 

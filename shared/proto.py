@@ -39,6 +39,7 @@ from shared.messages import (
     KillOrder,
     KillRequest,
     MembersChanged,
+    MetricBatch,
     NodeInfo,
     Question,
     Rendezvous,
@@ -115,7 +116,8 @@ CHANNELS: dict[str, Channel] = {
             "A question to the gateway, asked as {user} (only identity {user} may publish here; "
             "_all: an admin, about every job), answered by request/reply with JSON: jobs (the asker's "
             "jobs), job (one, with its attempts), verdict (of a submission), logs (a page of output "
-            "lines after a stream sequence), events (a page of the job's history), ping. Another "
+            "lines after a stream sequence), metrics (a page of training metric points, the same way), "
+            "events (a page of the job's history), ping. Another "
             "user's job is answered as no such job."
         ),
     ),
@@ -165,6 +167,16 @@ CHANNELS: dict[str, Channel] = {
         description=(
             "A task started running, or exited (exit code, last lines of output), from {node}: the node "
             "it was placed on (only that node's agent may publish it), or _platform (the supervisor)."
+        ),
+    ),
+    "taskMetrics": Channel(
+        address=subjects.METRICS_PREFIX + ".{jobId}.{attempt}.{role}.{index}.{node}",
+        parameters=("jobId", "attempt", "role", "index", "node"),
+        message=MetricBatch,
+        action="send",
+        description=(
+            "The training metrics a task printed (the job's `metrics`), batched, from the agent of "
+            "{node} (only that node's agent may publish it); kept in stream MUSTER_METRICS."
         ),
     ),
     "clusterSpec": Channel(
@@ -271,7 +283,7 @@ PARAMETERS: dict[str, dict[str, Any]] = {
     },
     "verb": {
         "description": "What the gateway is asked.",
-        "enum": ["ping", "jobs", "job", "verdict", "logs", "events", "vcs"],
+        "enum": ["ping", "jobs", "job", "verdict", "logs", "metrics", "events", "vcs"],
     },
     "user": {
         "description": (

@@ -14,18 +14,46 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
-from typing import Protocol
+import weakref
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, Protocol
 
 import prometheus_client
 import structlog
 from nats.aio.client import Client as NATS
+from prometheus_client.core import CounterMetricFamily
 
 from shared import auth, bus, logs
 
 NATS_CONNECTED = prometheus_client.Gauge(
     "muster_nats_connected", "1 while this service's NATS connection is up", ["service"]
 )
+
+
+class BusCollector:
+    """`muster_nats_reconnects_total{service}`: read on scrape from the connection's own count
+    (nats-py's `stats`), for every service connected in this process (`muster up` runs several)."""
+
+    def __init__(self) -> None:
+        self.clients: weakref.WeakValueDictionary[str, NATS] = weakref.WeakValueDictionary()
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "muster_nats_reconnects",
+            "Times this service's NATS connection was re-established",
+            labels=["service"],
+        )
+        for name, nc in sorted(self.clients.items()):
+            with contextlib.suppress(Exception):
+                family.add_metric([name], float(nc.stats.get("reconnects", 0)))
+        yield family
+
+
+BUS = BusCollector()
+prometheus_client.REGISTRY.register(BUS)
 
 
 class Service(Protocol):
@@ -94,6 +122,7 @@ async def run_service(
     log = structlog.get_logger(service=name)
     stop = stop or asyncio.Event()
     nc = await bus.connect(name, url, credentials=credentials)
+    BUS.clients[name] = nc
     server = None
     try:
         if metrics_port:

@@ -135,11 +135,24 @@ def task_logs(
     return f"{LOGS_PREFIX}.{job_id}.{attempt}.{role}.{index}.{node}"
 
 
+# Training metrics a task printed (shared/trainmetrics.py), one subject per task, in batches,
+# kept in the MUSTER_METRICS stream.
+METRICS_PREFIX = "muster.metrics"
+
+
+def task_metrics(
+    job_id: str, attempt: int | str = "*", role: str = "*", index: int | str = "*", node: str = "*"
+) -> str:
+    """One task's metric batches; the last token is the node that sent them."""
+    return f"{METRICS_PREFIX}.{job_id}.{attempt}.{role}.{index}.{node}"
+
+
 # JetStream
 SUBMISSIONS_STREAM = "MUSTER_SUBMISSIONS"
 EVENTS_STREAM = "MUSTER_EVENTS"
 COMMANDS_STREAM = "MUSTER_COMMANDS"
 LOGS_STREAM = "MUSTER_LOGS"
+METRICS_STREAM = "MUSTER_METRICS"
 VALIDATOR_CONSUMER = "validator"
 REGISTRY_CONSUMER = "registry"
 SUPERVISOR_CONSUMER = "supervisor"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import nats.errors
+import nats.js.errors
 import pytest
 from nats.aio.client import Client as NATS
 
@@ -30,6 +31,8 @@ from shared.messages import (
     JobRecord,
     JobState,
     KillRequest,
+    MetricBatch,
+    MetricPoint,
     NodeInfo,
     TaskCause,
     TaskEvent,
@@ -198,7 +201,11 @@ async def test_an_agent_cannot_act_for_another_node(secured):
     try:
         # Its own record: allowed. Another node's: refused by the server.
         nodes = await js.key_value(subjects.NODES_BUCKET)
-        entry = await nodes.get("n1")
+        for _ in range(300):  # the agent, started with the module's fixture, registers soon
+            with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+                entry = await nodes.get("n1")
+                break
+            await asyncio.sleep(0.1)
         assert NodeInfo.from_bytes(entry.value).node == "n1"
         await refused(nc, lambda: nodes.put("n2", entry.value), "muster_nodes.n2")
         ev = TaskEvent(job_id="jx", attempt=1, role="w", index=0, node="n2", kind=TaskEventKind.EXITED)
@@ -210,6 +217,7 @@ async def test_an_agent_cannot_act_for_another_node(secured):
             lambda: js.publish(subjects.task_event("jx", 1, "w", 0, "endpoint", "n2"), b"{}"),
             "endpoint.n2",
         )
+        await refused(nc, lambda: js.publish(subjects.task_metrics("jx", 1, "w", 0, "n2"), b"{}"), "n2")
         # Another node's orders: neither its durable consumer nor a plain subscription.
         await refused(
             nc,
@@ -247,6 +255,8 @@ async def test_users_see_and_kill_only_their_own_jobs(secured):
                 await client.ask(bob, "job", {"ref": ref})
         with pytest.raises(client.Refused, match="no job"):
             await client.ask(bob, "logs", {"job_id": job.job_id, "attempt": 1})
+        with pytest.raises(client.Refused, match="no job"):
+            await client.ask(bob, "metrics", {"job_id": job.job_id, "attempt": 1})
         assert job.job_id not in {j["job_id"] for j in (await client.ask(bob, "jobs"))["jobs"]}
         with pytest.raises(client.Refused, match="no job"):
             await client.ask(bob, "events", {"job_id": job.job_id})
@@ -365,6 +375,14 @@ async def test_forged_exits_endpoints_and_specs_change_nothing(secured):
             subjects.task_event(job.job_id, 1, task.role, task.index, "endpoint", other), ep.to_bytes()
         )
         spec = ClusterSpec(job_id=job.job_id, attempt=1, endpoints=[ep.endpoint]).to_bytes()
+        # Training metrics for it from the wrong node, and garbage: neither is shown.
+        point = MetricPoint(t=now(), name="accuracy", value=0.99)
+        forged = MetricBatch(
+            job_id=job.job_id, attempt=1, role=task.role, index=task.index, node=other, points=[point]
+        )
+        metrics_subject = subjects.task_metrics(job.job_id, 1, task.role, task.index, other)
+        await forger.jetstream().publish(metrics_subject, forged.to_bytes())
+        await forger.jetstream().publish(metrics_subject, b"not json")
         await refused(
             alice,
             lambda: alice.jetstream(timeout=1).publish(subjects.cluster_spec(job.job_id, 2), spec),
@@ -390,6 +408,8 @@ async def test_forged_exits_endpoints_and_specs_change_nothing(secured):
         assert (await job_as(alice, job.job_id)).state == JobState.RUNNING
         rendezvous = await root.jetstream().key_value(subjects.RENDEZVOUS_BUCKET)
         assert b"6.6.6.6" not in (await rendezvous.get(attempt_key(job.job_id, 1))).value
+        page = await client.ask(alice, "metrics", {"job_id": job.job_id, "attempt": 1})
+        assert page["batches"] == [] and page["last"] > 0, page  # read, and not believed
         await alice.jetstream().publish(
             subjects.kill_request("alice"), KillRequest(job_id=job.job_id, user="alice", grace=0).to_bytes()
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -19,13 +20,14 @@ import time
 import tomllib
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from shared import auth, bus, client, subjects
-from shared.messages import JobRecord, JobState, NodeInfo, Verdict
+from shared.messages import JobRecord, JobState, KillRequest, NodeInfo, Verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -117,7 +119,7 @@ class Stack:
         out = self.run("logs", "--no-color", "--tail", "25", timeout=60)
         return (out.stdout + out.stderr)[-12000:]
 
-    def wait_healthy(self, timeout: float) -> None:
+    def wait_healthy(self, timeout: float, expected: dict[str, int] | None = None) -> None:
         deadline = time.monotonic() + timeout
         while True:
             healthy: dict[str, int] = {}
@@ -127,7 +129,7 @@ class Stack:
                 health = (c["State"].get("Health") or {}).get("Status", c["State"]["Status"])
                 states.append(f"{c['Name'].lstrip('/')}: {health}")
                 healthy[service] = healthy.get(service, 0) + (health == "healthy")
-            if all(healthy.get(s, 0) >= n for s, n in EXPECTED.items()):
+            if all(healthy.get(s, 0) >= n for s, n in (expected or EXPECTED).items()):
                 return
             if time.monotonic() > deadline:
                 pytest.fail(f"not all healthy after {timeout:g}s: {states}\n{self.logs()}")
@@ -146,28 +148,47 @@ class Stack:
         return None
 
 
-@pytest.fixture
-def stack(compose: list[str], muster_image: str, tmp_path: Path) -> Iterator[Stack]:
+@contextmanager
+def bring_up(
+    compose: list[str],
+    muster_image: str,
+    tmp_path: Path,
+    extra: dict[str, int] | None = None,
+    env: dict[str, str] | None = None,
+    profiles: tuple[str, ...] = (),
+    also: tuple[str, ...] = (),
+) -> Iterator[Stack]:
+    """A compose project of its own with EXPECTED (and `extra`) services healthy, and `also`
+    (services without a healthcheck) started; taken down after."""
     project = f"musterdeploytest{uuid.uuid4().hex[:8]}"
     ports = [free_port() for _ in range(3)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
     # The demo agents' node names, unique (agents act on task containers labelled with them),
     # known before `keys` makes their identities.
-    env.update(MUSTER_IMAGE=muster_image, MUSTER_AUTH_DIR=str(tmp_path / "auth"))
-    env.update(MUSTER_AGENT_NODE=f"mdt{uuid.uuid4().hex[:6]}")
-    env.update(
+    environ.update(MUSTER_IMAGE=muster_image, MUSTER_AUTH_DIR=str(tmp_path / "auth"))
+    environ.update(MUSTER_AGENT_NODE=f"mdt{uuid.uuid4().hex[:6]}")
+    environ.update(
         MUSTER_NATS_PORT=str(ports[0]), MUSTER_NATS_PORT_2=str(ports[1]), MUSTER_NATS_PORT_3=str(ports[2])
     )
+    environ.update(env or {})
     urls = [f"nats://127.0.0.1:{p}" for p in ports]
-    s = Stack(compose, project, env, urls[0], ",".join(urls), tmp_path / "auth")
+    s = Stack(compose, project, environ, urls[0], ",".join(urls), tmp_path / "auth")
+    expected = {**EXPECTED, **(extra or {})}
+    chosen = [arg for p in profiles for arg in ("--profile", p)]
     try:
-        up = s.run("up", "-d", *EXPECTED)
+        up = s.run(*chosen, "up", "-d", *expected, *also, timeout=600)
         assert up.returncode == 0, f"compose up failed:\n{up.stderr[-4000:]}\n{s.logs()}"
-        s.wait_healthy(120)
+        s.wait_healthy(120, expected)
         yield s
     finally:
-        down = s.run("down", "-v", "--remove-orphans", "-t", "5", timeout=120)
+        down = s.run(*chosen, "down", "-v", "--remove-orphans", "-t", "5", timeout=120)
         assert down.returncode == 0, f"compose down failed:\n{down.stderr[-4000:]}"
+
+
+@pytest.fixture
+def stack(compose: list[str], muster_image: str, tmp_path: Path) -> Iterator[Stack]:
+    with bring_up(compose, muster_image, tmp_path) as s:
+        yield s
 
 
 def job_config(name: str) -> bytes:
@@ -301,3 +322,189 @@ async def test_scaled_agents_are_distinct_nodes_and_survive_a_dead_nats_server(
         assert [c["RestartCount"] for c in stack.containers("agent")] == [0, 0, 0], stack.logs()
     finally:
         await nc.close()
+
+
+class Prometheus:
+    """The real Prometheus of a stack, asked through its HTTP API."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def query(self, expr: str) -> list[dict]:
+        """The result of an instant query; fails the test on an error status (a query that does
+        not parse or cannot run). Retries a refused connection (Prometheus is starting)."""
+        import httpx
+
+        for _ in range(30):
+            try:
+                answer = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10).json()
+                break
+            except (httpx.TransportError, ValueError):
+                time.sleep(1)
+        else:
+            pytest.fail(f"Prometheus at {self.url} does not answer")
+        assert answer.get("status") == "success", f"{expr}: {answer}"
+        return answer["data"]["result"]
+
+    def value(self, expr: str) -> float | None:
+        result = self.query(expr)
+        return float(result[0]["value"][1]) if result else None
+
+    def wait(self, expected: dict[str, float], timeout: float, stack: Stack) -> None:
+        """Until each query's single value is as expected (polled: scrapes come every 2 s, but a
+        loaded machine may be slower), or fail naming what differed."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = {expr: self.value(expr) for expr in expected}
+            if got == expected:
+                return
+            if time.monotonic() > deadline:
+                wrong = {e: (got[e], want) for e, want in expected.items() if got[e] != want}
+                pytest.fail(f"after {timeout:g}s, (got, expected): {wrong}\n{stack.logs()}")
+            time.sleep(1)
+
+
+def prometheus_config(tmp_path: Path) -> Path:
+    """deploy/prometheus.yml, scraping every 2 s instead of 15 (the test's pace, not production's)."""
+    text = (ROOT / "deploy" / "prometheus.yml").read_text()
+    text = re.sub(
+        r"(scrape_interval|evaluation_interval|refresh_interval|scrape_timeout): \d+s", r"\1: 2s", text
+    )
+    path = tmp_path / "prometheus.yml"
+    path.write_text(text)
+    return path
+
+
+def gpu_job(name: str, tasks: int, gpus: int, command: str, metrics: tuple[str, ...] = ()) -> bytes:
+    role = dict(name="worker", taskNumber=tasks, cpuNumber=1, memoryMB=256, gpuNumber=gpus, command=command)
+    name = f"{name}-{uuid.uuid4().hex[:6]}"
+    config = dict(jobName=name, image="muster/base:bookworm", taskRoles=[role], metrics=metrics)
+    return json.dumps(config).encode()
+
+
+@pytest.mark.timeout(900)
+async def test_prometheus_sees_the_cluster(
+    compose: list[str], muster_image: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The `monitoring` profile: the real Prometheus (Debian's, built on the local base image)
+    scrapes every service replica (compose DNS), the NATS exporter and 3 scaled agents (target
+    file), and reads the cluster's numbers right: GPUs total/allocated/free, jobs by state. Its
+    config passes `promtool check config` where it runs, and every dashboard query runs on it."""
+    from tests.test_monitoring import dashboard_queries
+
+    monkeypatch.setenv("MUSTER_JS_REPLICAS", "3")
+    agents_dir = tmp_path / "prometheus-agents"
+    agents_dir.mkdir()
+    low, port = free_port(), free_port()
+    env = dict(
+        MUSTER_PROMETHEUS_PORT=str(port),
+        MUSTER_PROMETHEUS_CONFIG=str(prometheus_config(tmp_path)),
+        MUSTER_PROMETHEUS_AGENTS=str(agents_dir),
+        MUSTER_DATA_DIR=str(tmp_path / "agents"),
+        MUSTER_AGENT_METRICS_PORT=f"{low}-{min(low + 40, 65535)}",
+        MUSTER_AGENT_GPUS="2xT4",  # declared: 3 agents, 6 GPUs (no device is requested for them)
+    )
+    with bring_up(
+        compose,
+        muster_image,
+        tmp_path,
+        extra={"nats-exporter": 1},
+        env=env,
+        profiles=("monitoring",),
+        also=("prometheus",),
+    ) as stack:
+        (prom,) = stack.containers("prometheus")
+        check = _run(
+            ["docker", "exec", prom["Id"], "promtool", "check", "config", "/etc/prometheus/prometheus.yml"]
+        )
+        assert check.returncode == 0, check.stdout + check.stderr
+
+        up = stack.run("up", "-d", "--scale", "agent=3", "agent")
+        assert up.returncode == 0, f"compose up failed:\n{up.stderr[-4000:]}\n{stack.logs()}"
+        node = stack.env["MUSTER_AGENT_NODE"]
+        nc = await stack.connect("test-monitoring", stack.urls)
+        try:
+            await alive_nodes(nc, {node, f"{node}-2", f"{node}-3"}, 120)
+            # The agents' metrics ports (each replica takes the first free one) as a target file.
+            ports: list[str] = []
+            deadline = time.monotonic() + 90
+            while len(ports) < 3 and time.monotonic() < deadline:
+                ports = [
+                    _run(["docker", "exec", c["Id"], "cat", "/tmp/muster-agent-metrics-port"]).stdout.strip()
+                    for c in stack.containers("agent")
+                ]
+                ports = [p for p in ports if p.isdigit()]
+                if len(ports) < 3:
+                    time.sleep(0.5)
+            assert len(ports) == 3, ports
+            targets = [
+                {"targets": [f"host.docker.internal:{p}" for p in ports], "labels": {"deployment": "test"}}
+            ]
+            (agents_dir / "agents.yml.tmp").write_text(json.dumps(targets))
+            (agents_dir / "agents.yml.tmp").rename(agents_dir / "agents.yml")
+
+            prometheus = Prometheus(f"http://127.0.0.1:{port}")
+            replicas = {
+                f'count(up{{job="{s}"}} == 1)': float(n) for s, n in EXPECTED.items() if "nats" not in s
+            }
+            prometheus.wait(
+                {
+                    **replicas,
+                    'count(up{job="agent"} == 1)': 3.0,
+                    'count(up{job="nats"} == 1)': 1.0,
+                    "sum(muster_nats_server_up)": 3.0,
+                    "sum(muster_scheduler_leader)": 1.0,
+                    'sum(muster_nodes{status="alive"})': 3.0,
+                    "sum(muster_gpus)": 6.0,
+                    'sum(muster_gpus{model="T4"})': 6.0,
+                    "sum(muster_gpus_allocated)": 0.0,
+                },
+                180,
+                stack,
+            )
+
+            # A job that holds 2 GPUs until killed, and one that succeeds.
+            user = "compose-test"
+            holding = gpu_job("hold", 2, 1, "echo accuracy=0.93; sleep 600", ("accuracy",))
+            _, held = await client.submit(nc, holding, user=user, timeout=30)
+            _, done = await client.submit(nc, gpu_job("done", 2, 0, "true"), user=user, timeout=30)
+            assert held is not None and held.accepted and done is not None and done.accepted, (held, done)
+            prometheus.wait(
+                {
+                    'sum(muster_jobs{state="RUNNING"})': 1.0,
+                    'sum(muster_jobs{state="SUCCEEDED"})': 1.0,
+                    'sum(muster_jobs{state="WAITING"})': 0.0,
+                    "sum(muster_queue_jobs)": 0.0,
+                    "sum(muster_gpus_allocated)": 2.0,
+                    "sum(muster_gpus_free)": 4.0,
+                    'sum(muster_validator_verdicts_total{verdict="accepted"})': 2.0,
+                    # The training metric the held job printed, from its two tasks' agents.
+                    'count(muster_task_metric{metric="accuracy"} == 0.93)': 2.0,
+                },
+                180,
+                stack,
+            )
+
+            request = KillRequest(job_id=held.job_id, user=user, grace=1)
+            await nc.jetstream(timeout=10).publish(subjects.kill_request(user), request.to_bytes())
+            prometheus.wait(
+                {
+                    'sum(muster_jobs{state="RUNNING"})': 0.0,
+                    'sum(muster_jobs{state="STOPPED"})': 1.0,
+                    "sum(muster_gpus_allocated)": 0.0,
+                    "sum(muster_gpus_free)": 6.0,
+                },
+                120,
+                stack,
+            )
+        finally:
+            await nc.close()
+
+        # Every dashboard query runs on the real Prometheus; those the cluster has had data for
+        # by now return some (the training-metric gauge went with its killed job).
+        quiet = {"Training metrics", "Retries by classification", "Messages rejected", "Redeliveries"}
+        has_data: dict[str, bool] = {}
+        for title, expr in dashboard_queries():
+            has_data[title] = bool(prometheus.query(expr)) or has_data.get(title, False)
+        no_data = {title for title, data in has_data.items() if not data}
+        assert no_data <= quiet, f"panels without data: {sorted(no_data - quiet)}"

@@ -742,6 +742,7 @@ def test_seed_001s_arena_shape_is_a_muster_config():
             "branch": "cnn_tf_v1.9_compatible",
         },
         "jobEnvs": {"NCCL_DEBUG": "INFO", "GIT_SYNC_BRANCH": "cnn_tf_v1.9_compatible"},
+        "metrics": ["Train-accuracy:PERCENTAGE"],  # Arena's metrics=[...], read from stdout
         "taskRoles": [
             {
                 "name": "worker",
@@ -756,6 +757,7 @@ def test_seed_001s_arena_shape_is_a_muster_config():
     checked, errors = check_job(config)
     assert checked is not None, errors
     assert checked.mounts[0].name == "user-susan" and checked.mounts[0].path == "/training"
+    assert [(m.name, m.format) for m in checked.metric_specs] == [("Train-accuracy", "PERCENTAGE")]
     assert job_warnings(config) == []
 
 

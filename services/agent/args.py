@@ -17,7 +17,7 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=env("MUSTER_AGENT_ADDRESS"), help="address peers reach tasks at")
     p.add_argument(
         "--gpus",
-        default=env("MUSTER_AGENT_GPUS"),
+        default=env("MUSTER_AGENT_GPUS") or None,  # set but empty (compose's default): discover
         help="declared GPUs, e.g. 8xV100 or 4xV100,2xT4 (default: discovered through NVML, else none)",
     )
     p.add_argument("--cpus", type=int, default=env("MUSTER_AGENT_CPUS"), help="CPUs to offer")

@@ -35,6 +35,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
+from prometheus_client import Counter
 
 from services.agent.inventory import PortPool
 from services.agent.launch import Where
@@ -62,6 +63,10 @@ from shared.messages import (
 )
 from shared.store import Store
 from shared.subjects import Headers
+
+HEARTBEATS_MISSED = Counter(
+    "muster_agent_heartbeats_missed_total", "Heartbeats this agent could not write to the bus", ["node"]
+)
 
 log = structlog.get_logger(service="agent")
 
@@ -270,6 +275,7 @@ class Agent:
             self._failing = False
             await self.reconciler.stop_obsolete()
         except Exception as exc:
+            HEARTBEATS_MISSED.labels(self.opts.node).inc()
             if not self._failing:
                 self.log.warning("agent.heartbeat_failed", error=str(exc) or type(exc).__name__)
             self._failing = True

@@ -28,6 +28,7 @@ from services.agent.prepare import (
     resolve_datasets,
     sync_target,
 )
+from services.agent.progress import Progress
 from services.agent.reporting import Reporter
 from services.agent.rsh import Rsh
 from services.agent.runtime import LaunchError, RunningTask, Runtime
@@ -58,6 +59,7 @@ LAST_LINES = 30
 NOT_STARTED = -1
 DATASET_WAIT = 10.0  # seconds to read a dataset's record
 REMEMBERED = 10_000  # ended tasks remembered against late orders
+HUNG_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for a task stopped as hung
 TaskKey = tuple[str, int, str, int]  # job id, attempt, role, index
 
 
@@ -71,6 +73,7 @@ class LocalTask:
     handle: RunningTask | None = None
     runner: asyncio.Task[None] | None = None
     kill_reason: str | None = None
+    kill_cause: TaskCause | None = None  # how a stop is reported when not KILLED (a hang: PLATFORM)
     kill_grace: float = 0.0
     starting: bool = False  # the runtime is starting it: it must not be cancelled then
     masker: Masker | None = None  # its job's secret values, cut out of its output
@@ -111,6 +114,7 @@ class Tasks:
         self.log = log.bind(node=self.node)
         self.code_syncs = CodeSyncs()  # codeSync: one fetch per attempt on this node
         self._datasets: Store[Dataset] | None = None
+        self.progress = Progress(nc, self.node, self.hung)  # training metrics, hang detection
         self.rsh: Rsh | None = None  # MPI jobs' daemons in peer tasks (the agent sets it)
         self._serving: set[asyncio.Task[None]] = set()
 
@@ -138,6 +142,8 @@ class Tasks:
         """Watch a task already running (adopted after a restart) until it ends."""
         self.live[key] = task
         TASKS_LIVE.labels(self.node).set(len(self.live))
+        if not self._hosts_ranks_only(task):
+            self.progress.track(key, task.assignment.config)
         task.runner = asyncio.create_task(self._watch(key, task))
         if self._is_mpi_launcher(task):  # its mpirun may start more daemons: listen again
             serving = asyncio.create_task(self._serve_adopted(task))
@@ -149,6 +155,13 @@ class Tasks:
         return (
             self.rsh is not None and shape is not None and shape.is_launcher(task.spec.role, task.spec.index)
         )
+
+    @staticmethod
+    def _hosts_ranks_only(task: LocalTask) -> bool:
+        """An MPI worker that is not the launcher: it prints nothing of its own (its ranks'
+        output goes to mpirun), so it is not watched for progress (the launcher is)."""
+        shape = mpi.shape(task.assignment.config)
+        return shape is not None and shape.hosts_ranks_only(task.spec.role, task.spec.index)
 
     async def _serve_adopted(self, task: LocalTask) -> None:
         a = task.assignment
@@ -171,7 +184,10 @@ class Tasks:
             if self.rsh is not None and self._is_mpi_launcher(task):
                 await self.rsh.serve(a.job_id, a.attempt, attempt_path(self.where, a))
             task.starting = True
+            if not self._hosts_ranks_only(task):  # silent by design: mpirun prints for it
+                self.progress.track(key, a.config)  # before its first line can come
             task.handle = await self.runtime.start(launch, lambda line: self.output(task, line))
+            self.progress.started(key)  # its silence counts from now, not from an image pull
             if task.kill_reason is not None:  # killed while it was being started
                 await task.handle.stop(task.kill_grace)
         except asyncio.CancelledError:
@@ -225,7 +241,9 @@ class Tasks:
         assert task.handle is not None
         try:
             code = await task.handle.wait()
-            if task.kill_reason:
+            if task.kill_reason and task.kill_cause is not None:
+                cause, reason = task.kill_cause, task.kill_reason
+            elif task.kill_reason:
                 cause, reason = TaskCause.KILLED, f"killed: {task.kill_reason}"
             elif getattr(task.handle, "oom_killed", False):
                 limit = task.assignment.config.role(task.spec.role).memoryMB
@@ -240,6 +258,8 @@ class Tasks:
 
     async def _finish(self, key: TaskKey, task: LocalTask, cause: TaskCause, code: int, reason: str) -> None:
         self.ports.release(task.ports)
+        with contextlib.suppress(Exception):
+            await self.progress.untrack(key)
         if self.rsh is not None and self._is_mpi_launcher(task):
             self.rsh.forget(task.assignment.job_id, task.assignment.attempt)
         self.live.pop(key, None)
@@ -267,6 +287,7 @@ class Tasks:
         a, spec = task.assignment, task.spec
         line = task.mask(line)  # a task printing its secrets: logs and last_lines show ***
         task.lines.append(line)
+        self.progress.line((a.job_id, a.attempt, spec.role, spec.index), line)
         subject = subjects.task_logs(a.job_id, a.attempt, spec.role, spec.index, self.node)
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().create_task(self.nc.publish(subject, line.encode()))
@@ -329,6 +350,17 @@ class Tasks:
         if task.runner is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task.runner
+
+    async def hung(self, key: TaskKey, timeout: int) -> None:
+        """A running task printed nothing for `timeout` seconds (its job's noProgressTimeoutSec):
+        it is stopped as a platform failure, so its attempt ends and the gang runs again."""
+        task = self.live.get(key)
+        if task is None or task.kill_reason is not None or task.handle is None:
+            return
+        task.kill_cause = TaskCause.PLATFORM
+        reason = f"hung: no output for {timeout} s (noProgressTimeoutSec)"
+        self.log.warning("agent.stopping_hung_task", task=task.name, reason=reason)
+        await self.stop(task, reason, HUNG_GRACE)
 
     async def stop_all(self, reason: str, grace: float) -> None:
         await asyncio.gather(*(self.stop(t, reason, grace) for t in list(self.live.values())))

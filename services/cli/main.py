@@ -1,5 +1,5 @@
-"""The `muster` command: up, submit, status, kill, drain, logs, validate, admin (init, user, keys, vc,
-dataset).
+"""The `muster` command: up, submit, status, kill, drain, logs, metrics, validate, admin (init,
+user, keys, vc, dataset).
 
 Exit codes: 0 success; 1 the job did not succeed (`submit --wait`) or an operational failure
 (bus unreachable, Muster not set up on it); 2 the config was rejected, the job can never run
@@ -176,9 +176,12 @@ async def resolve(nc: NATS, ref: str) -> JobRecord:
 
 
 async def job_and_attempts(nc: NATS, ref: str) -> tuple[JobRecord, list[AttemptRecord]]:
+    return job_of(await ask(nc, "job", ref=ref))
+
+
+def job_of(answer: dict[str, Any]) -> tuple[JobRecord, list[AttemptRecord]]:
     from shared.messages import AttemptRecord, JobRecord
 
-    answer = await ask(nc, "job", ref=ref)
     return JobRecord.model_validate(answer["job"]), [
         AttemptRecord.model_validate(a) for a in answer["attempts"]
     ]
@@ -287,13 +290,19 @@ async def status(args: argparse.Namespace) -> int:
     nc = await connect(args.connect_timeout)
     try:
         if args.job:
-            record, history = await job_and_attempts(nc, args.job)
+            answer = await ask(nc, "job", ref=args.job)
+            record, history = job_of(answer)
+            latest = answer.get("metrics") or {}
             if args.json:
                 doc = record.model_dump(mode="json")
                 doc["attempts"] = [a.model_dump(mode="json") for a in history]
+                if latest:
+                    doc["metrics"] = latest
                 out(json.dumps(doc, indent=2))
             else:
                 out(describe(record, history))
+                if latest:
+                    out(metrics_table(record, latest))
             if args.events:
                 after = 0
                 while True:
@@ -378,6 +387,26 @@ def describe(r: JobRecord, history: list[AttemptRecord] | None = None) -> str:
             rows.append((t.key, t.node, ",".join(map(str, t.gpus)) or "-", str(t.state), exit_code, t.reason))
         lines += ["  " + line for line in columns(rows).splitlines()]
     return "\n".join(line.rstrip() for line in lines)
+
+
+def metrics_table(r: JobRecord, latest: dict[str, Any]) -> str:
+    """The latest value of each declared metric per task of the current attempt, and how long
+    ago it last printed anything."""
+    from datetime import UTC, datetime
+
+    from shared.trainmetrics import shown
+
+    specs = r.config.metric_specs
+    rows = [("TASK", *(s.name for s in specs), "STEP", "LAST OUTPUT")]
+    now = datetime.now(UTC)
+    for task, seen in sorted(latest.items()):
+        points = {p["name"]: p for p in seen.get("latest") or [] if isinstance(p, dict)}
+        values = tuple(shown(points[s.name]["value"], s.format) if s.name in points else "-" for s in specs)
+        steps = [p["step"] for p in points.values() if p.get("step") is not None]
+        last = seen.get("last_output_at")
+        ago = f"{(now - datetime.fromisoformat(last)).total_seconds():.0f}s ago" if last else "-"
+        rows.append((task, *values, str(max(steps)) if steps else "-", ago))
+    return f"metrics (attempt {r.attempt}):\n" + "\n".join("  " + line for line in columns(rows).splitlines())
 
 
 def attempt_line(a: AttemptRecord) -> str:
@@ -528,6 +557,62 @@ async def show_logs(args: argparse.Namespace) -> int:
         return EXIT_OK
     finally:
         await nc.close()
+
+
+async def show_metrics(args: argparse.Namespace) -> int:
+    """The series of a job's training metrics (its `metrics`), as `logs` prints its output."""
+    from shared.trainmetrics import MetricFormat, shown
+
+    nc = await connect(args.connect_timeout)
+    try:
+        record = await resolve(nc, args.job)
+        if not record.config.metrics:
+            raise CliError(f"job {record.job_id} declares no metrics (its config's `metrics`)", EXIT_INVALID)
+        attempt = await _attempt_and_task(record, args)
+        formats = {s.name: s.format for s in record.config.metric_specs}
+        if not args.json:
+            out(f"{'TIME':<23}  {'TASK':<12}  {'STEP':>8}  {'METRIC':<20}  VALUE")
+        after = 0
+        while True:
+            page = await ask(
+                nc, "metrics", job_id=record.job_id, attempt=attempt, task=args.task or "", after=after
+            )
+            for batch in page["batches"]:
+                for p in batch["points"]:
+                    if args.json:
+                        out(json.dumps({"task": batch["task"], "attempt": attempt, **p}))
+                        continue
+                    step = "-" if p.get("step") is None else str(p["step"])
+                    value = shown(p["value"], formats.get(p["name"], MetricFormat.RAW))
+                    when = str(p["t"])[:23].replace("T", " ")
+                    out(f"{when:<23}  {batch['task']:<12}  {step:>8}  {p['name']:<20}  {value}")
+                if batch.get("dropped") and not args.json:
+                    err(f"muster: {batch['dropped']} points of {batch['task']} thinned out (too fast)")
+            after = page["last"]
+            if page["more"]:
+                continue
+            if not args.follow or (page["final"] and not page["batches"]):
+                break
+            await asyncio.sleep(0.5)
+        return EXIT_OK
+    finally:
+        await nc.close()
+
+
+async def _attempt_and_task(record: JobRecord, args: argparse.Namespace) -> int:
+    """The attempt `--attempt` names (default: the current one), with `--task` checked."""
+    role, _, index = (args.task or "*.*").partition(".")
+    sizes = {r.name: r.taskNumber for r in record.config.taskRoles}
+    if args.task and (role not in sizes or (index and int(index) >= sizes[role])):
+        tasks = ", ".join(f"{r}.0-{n - 1}" if n > 1 else f"{r}.0" for r, n in sizes.items())
+        raise CliError(f"job {record.job_id} has no task {args.task}; its tasks: {tasks}", EXIT_INVALID)
+    if args.attempt and args.attempt > record.attempt:
+        has = f"its attempts: 1-{record.attempt}" if record.attempt else "it has not started yet"
+        raise CliError(f"job {record.job_id} has no attempt {args.attempt}; {has}", EXIT_INVALID)
+    attempt: int = args.attempt or record.attempt
+    if attempt == 0:
+        raise CliError(f"job {record.job_id} has not started yet: {record.reason}")
+    return attempt
 
 
 # ---------------------------------------------------------------- admin
@@ -951,6 +1036,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 node=sim.prefix if sim else (options.node if options else None),
                 open_bus=args.open,
                 sim=sim is not None,
+                metrics_port=args.metrics_port,
             )
         )
     except (RuntimeError, TimeoutError, ConnectionError, FileNotFoundError, auth.AuthError) as exc:
@@ -1039,6 +1125,13 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no authentication on the embedded NATS: anyone who reaches its port may do anything",
     )
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve /metrics and /healthz of every service, the local agent and the embedded NATS "
+        "here (default $MUSTER_METRICS_PORT, else 9100 or a free one if taken; 0: off)",
+    )
     add_agent_arguments(s)
     s.set_defaults(func=cmd_up)
 
@@ -1086,6 +1179,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--attempt", type=COUNT, help="which attempt (default: the current one)")
     s.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
     s.set_defaults(func=lambda a: asyncio.run(show_logs(a)))
+
+    s = sub.add_parser("metrics", help="print the training metrics a job's tasks printed (its `metrics`)")
+    s.add_argument("job")
+    s.add_argument("--task", type=task_ref, help="one task, as ROLE.INDEX (or ROLE)")
+    s.add_argument("--attempt", type=COUNT, help="which attempt (default: the current one)")
+    s.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    s.add_argument("--json", action="store_true", help="one JSON object per point")
+    s.set_defaults(func=lambda a: asyncio.run(show_metrics(a)))
 
     s = sub.add_parser("validate", help="check a config locally (every rule but name uniqueness)")
     s.add_argument("file")
@@ -1163,7 +1264,7 @@ def parser() -> argparse.ArgumentParser:
         s.set_defaults(func=lambda a: asyncio.run(admin_dataset(a)))
 
     for s in (
-        *(sub.choices[n] for n in ("submit", "status", "vc", "logs", "kill", "drain")),
+        *(sub.choices[n] for n in ("submit", "status", "vc", "logs", "metrics", "kill", "drain")),
         admin.choices["init"],
         *vc.choices.values(),
         *ds.choices.values(),

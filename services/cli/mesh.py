@@ -25,7 +25,7 @@ from nats.aio.client import Client as NATS
 
 from shared import auth, bus
 from shared.natsserver import NatsServer, free_port
-from shared.service import Service, run_service
+from shared.service import Service, run_service, serve_health
 
 log = structlog.get_logger(service="mesh")
 
@@ -120,11 +120,14 @@ async def up(
     node: str | None = None,
     open_bus: bool = False,
     sim: bool = False,
+    metrics_port: int | None = None,
 ) -> int:
     """Run the mesh until SIGTERM/SIGINT. `node`: the local agent's node name (its identity);
     `sim`: the agent is a process of simulated nodes, as the one sim identity (it can act as any
     node: a benchmark's, see shared/auth.py); `open_bus`: an embedded server without
-    authentication (anyone who reaches it may do anything)."""
+    authentication (anyone who reaches it may do anything). `metrics_port`: /metrics and /healthz
+    of everything in this process, and of the embedded server (read from its monitoring port);
+    None: MUSTER_METRICS_PORT, else 9100 or a free port; 0: off."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -158,6 +161,7 @@ async def up(
             port=port or free_port(4222),
             auth_config=None if open_bus else keys.server_config,
             tls={"cert_file": cert, "key_file": key} if cert and key else None,
+            monitor_port=free_port(8222),
         )
         server.start()  # from the main thread: the server dies with us (see NatsServer)
         url = server.url
@@ -180,11 +184,20 @@ async def up(
                 "give them the file it writes (MUSTER_CREDENTIALS=FILE)"
             )
         creds["muster-up"] = admin
+    if metrics_port is None:
+        metrics_port = int(os.environ.get("MUSTER_METRICS_PORT") or free_port(9100, "0.0.0.0"))
+    health, poll, nc = None, None, None
     try:
         # Fail fast on a bad URL or an unusable JetStream, before starting the services.
         nc = await bus.connect("muster-up", url, connect_timeout=15, credentials=creds.get("muster-up"))
         await bus.ensure_jetstream(nc)
-        await nc.close()
+        if metrics_port:  # the connection stays open: /healthz says whether it is up
+            health = await serve_health("muster-up", nc, metrics_port)
+            announce(f"metrics: http://127.0.0.1:{metrics_port}/metrics")
+            if server is not None and server.monitor_port:
+                poll = _nats_metrics(server, stop)
+        else:
+            await nc.close()
         services = builders()
         if agent is not None:
             services["agent"] = agent()
@@ -197,14 +210,39 @@ async def up(
         for t in pending:
             t.cancel()
         watch.cancel()
+        if poll is not None:
+            poll.cancel()
         if server and server.proc and server.proc.returncode not in (None, 0):
             return 1
         return 0
     finally:
+        if health is not None:
+            health.close()
+        if nc is not None and not nc.is_closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(nc.close(), 5)
         if note is not None:
             note.unlink(missing_ok=True)
         if server:
             await asyncio.to_thread(server.stop)
+
+
+def _nats_metrics(server: NatsServer, stop: asyncio.Event) -> asyncio.Task[None]:
+    """The embedded server's metrics (shared/natsmetrics.py) on this process's /metrics."""
+    import prometheus_client
+
+    from shared.natsmetrics import NatsCollector
+
+    collector = NatsCollector([f"http://{server.host}:{server.monitor_port}"])
+    prometheus_client.REGISTRY.register(collector)  # type: ignore[arg-type]
+
+    async def poll() -> None:
+        try:
+            await collector.poll(stop)
+        finally:
+            prometheus_client.REGISTRY.unregister(collector)  # type: ignore[arg-type]
+
+    return asyncio.create_task(poll())
 
 
 async def _watch_server(server: NatsServer | None, stop: asyncio.Event) -> None:

@@ -13,6 +13,9 @@ Verbs (JSON in, JSON out; every answer is `{"error": ..., "code": ...}` or the r
 - `verdict` `{"sid"}`: the stored verdict on one of the asker's submissions.
 - `logs` `{"job_id", "attempt", "task", "after", "limit"}`: output lines after stream sequence
   `after`, at most `limit` (and 512 KiB) per answer, with `more` when there are others.
+- `metrics` `{"job_id", "attempt", "task", "after", "limit"}`: the training metric batches its
+  tasks published (MUSTER_METRICS), paged the same way; only batches from the node each task ran
+  on count. `job` also answers each task's latest values of its current attempt.
 - `events` `{"job_id", "after", "limit"}`: the job's history, paged the same way.
 - `vcs`: every virtual cluster: its quota, what it holds (and of that, borrowed beyond the quota),
   its jobs running and waiting. Totals only: anyone may ask.
@@ -47,6 +50,7 @@ from shared.messages import (
     AttemptRecord,
     JobRecord,
     JobState,
+    MetricBatch,
     NodeInfo,
     Question,
     Verdict,
@@ -59,7 +63,11 @@ from shared.store import Store
 
 log = structlog.get_logger(service="gateway")
 REQUESTS = Counter("muster_gateway_requests_total", "Questions answered by the gateway", ["verb", "outcome"])
+BAD_BATCHES = Counter(
+    "muster_gateway_bad_metric_batches_total", "Metric batches skipped: not decoded or not believed"
+)
 MAX_REPLY = 512 * 1024
+LATEST_TASKS = 64  # `job` answers the latest metrics of at most this many tasks
 KEY_RE = re.compile(r"^[-/_=.a-zA-Z0-9]{1,128}$")
 TASK_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.\d+)?$")
 
@@ -174,7 +182,55 @@ class Gateway:
             attempt = await self.attempts.get(attempt_key(record.job_id, n))
             if attempt is not None:
                 history.append(attempt.model_dump(mode="json"))
-        return {"job": record.model_dump(mode="json"), "attempts": history}
+        answer: dict[str, Any] = {"job": record.model_dump(mode="json"), "attempts": history}
+        if history and (record.config.metrics or record.config.noProgressTimeoutSec):
+            answer["metrics"] = await self.latest_metrics(AttemptRecord.model_validate(history[-1]))
+        return answer
+
+    async def latest_metrics(self, attempt: AttemptRecord) -> dict[str, Any]:
+        """Per task of the attempt (the first LATEST_TASKS): its latest metric values and when it
+        last printed, from the last batch its node's agent published."""
+
+        async def one(role: str, index: int, node: str) -> dict[str, Any] | None:
+            subject = subjects.task_metrics(attempt.job_id, attempt.attempt, role, index, node)
+            try:
+                stored = await self.js.get_last_msg(subjects.METRICS_STREAM, subject, direct=True)
+            except NotFoundError:
+                return None
+            except Exception as exc:  # status without metrics rather than no status at all
+                log.warning("gateway.metrics_unread", subject=subject, error=str(exc) or type(exc).__name__)
+                return None
+            batch = self.believed(stored.subject, stored.data, {f"{role}.{index}": node})
+            if batch is None:
+                return None
+            return {
+                "latest": [p.model_dump(mode="json") for p in batch.latest],
+                "last_output_at": batch.last_output_at.isoformat() if batch.last_output_at else None,
+            }
+
+        tasks = attempt.tasks[:LATEST_TASKS]
+        found = await asyncio.gather(*(one(t.role, t.index, t.node) for t in tasks))
+        return {t.key: f for t, f in zip(tasks, found, strict=True) if f is not None}
+
+    @staticmethod
+    def believed(subject: str, data: bytes | None, nodes: dict[str, str]) -> MetricBatch | None:
+        """A batch whose subject names the node its task ran on (`nodes`: task -> node) and that
+        decodes and agrees with its subject; else None, counted."""
+        token = subject.split(".")
+        try:
+            batch = MetricBatch.from_bytes(data)
+            task = f"{token[-3]}.{token[-2]}"
+            if (
+                nodes.get(task) != token[-1]
+                or batch.node != token[-1]
+                or f"{batch.role}.{batch.index}" != task
+                or str(batch.attempt) != token[-4]
+            ):
+                raise ValueError("not its task's node")
+            return batch
+        except (ValueError, IndexError):
+            BAD_BATCHES.inc()
+            return None
 
     async def verdict(self, who: str, request: Question) -> dict[str, Any]:
         sid = request.sid
@@ -203,6 +259,34 @@ class Gateway:
 
         lines, last, more = await self.page(subjects.LOGS_STREAM, subject, after, limit, line)
         return {"lines": lines, "last": last, "more": more, "final": record.state.final}
+
+    async def metrics(self, who: str, request: Question) -> dict[str, Any]:
+        """A page of the training metric batches of one attempt's tasks (or one task's): each
+        `{"task", "points": [{"t", "step", "name", "value"}], "dropped"}`."""
+        record = await self.resolve(who, request.job_id)
+        attempt, after, limit, task = request.attempt, request.after, request.limit, request.task or ""
+        if attempt is None or not 1 <= attempt <= max(1, record.attempt):
+            raise Refused(f"job {record.job_id} has no attempt {attempt}")
+        if task and not TASK_RE.match(task):
+            raise Refused(f"bad task {task!r}: expected ROLE or ROLE.INDEX")
+        role, _, index = task.partition(".") if task else ("*", "", "*")
+        subject = subjects.task_metrics(record.job_id, attempt, role or "*", index or "*")
+        placed = await self.attempts.get(attempt_key(record.job_id, attempt))
+        nodes = {t.key: t.node for t in placed.tasks} if placed is not None else {}
+
+        def render(m: Msg) -> dict[str, Any] | None:
+            batch = self.believed(m.subject, m.data, nodes)
+            if batch is None:
+                return None
+            return {
+                "task": f"{batch.role}.{batch.index}",
+                "points": [p.model_dump(mode="json") for p in batch.points],
+                "dropped": batch.dropped,
+            }
+
+        batches, last, more = await self.page(subjects.METRICS_STREAM, subject, after, limit, render)
+        metrics = [b for b in batches if b is not None and (b["points"] or b["dropped"])]
+        return {"batches": metrics, "last": last, "more": more, "final": record.state.final}
 
     async def events(self, who: str, request: Question) -> dict[str, Any]:
         """The job's history (submitted, accepted, placed, running, retrying, ended...)."""
@@ -331,6 +415,7 @@ class Gateway:
         "job": job,
         "verdict": verdict,
         "logs": logs,
+        "metrics": metrics,
         "events": events,
         "vcs": virtual_clusters,
     }

@@ -33,6 +33,7 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.scheduler import elastic, placement, quota
+from services.scheduler import metrics as cluster_metrics
 from services.scheduler.avoid import nodes_to_avoid, plan_around
 from services.scheduler.view import Job, View
 from shared import bus, subjects
@@ -76,6 +77,13 @@ PREEMPT_GRACE = float(os.environ.get("MUSTER_PREEMPT_GRACE", "30"))
 ELASTIC_GRACE = float(os.environ.get("MUSTER_ELASTIC_GRACE", "10"))  # SIGTERM..SIGKILL of a removed task
 PREEMPT_TRIES = 16  # waiting jobs one cycle looks at for a preemption that would let them run
 PREEMPTIONS = Counter("muster_scheduler_preemptions_total", "Gangs stopped to make room", ["why"])
+# Seconds from a job's submission to its first placement (waits of minutes to a day are normal).
+LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400)
+TO_PLACED = Histogram(
+    "muster_job_placed_seconds",
+    "Time from a job's submission to its first placement",
+    buckets=LATENCY_BUCKETS,
+)
 
 
 class Scheduler:
@@ -96,6 +104,8 @@ class Scheduler:
         self.nodes, self.jobs, self.attempts = self.view.nodes, self.view.jobs, self.view.attempts
         self.wake = asyncio.Event()
         self.synced = {name: asyncio.Event() for name in ("nodes", "jobs", "attempts", "vcs")}
+        self.leading = False  # its view is synced and it leads: the cluster gauges are its
+        cluster_metrics.COLLECTOR.schedulers.add(self)
 
     @classmethod
     async def build(cls, nc: NATS) -> Scheduler:
@@ -171,6 +181,7 @@ class Scheduler:
         try:
             synced = asyncio.gather(*(e.wait() for e in self.synced.values()))
             await asyncio.wait_for(synced, 30)
+            self.leading = True
             await self._finish_interrupted_commits()
             self.wake.set()  # the first cycle of a new leader plans whatever waits
             while not stop.is_set() and not lost.is_set():
@@ -188,6 +199,7 @@ class Scheduler:
                 for w in waits:
                     w.cancel()
         finally:
+            self.leading = False
             renewing.cancel()
 
     # ------------------------------------------------------------ one cycle
@@ -527,6 +539,8 @@ class Scheduler:
         if updated is not None:
             self.jobs[job.job_id] = Job.of(updated)
             self.view.job_changed(job.job_id)
+            if n == 1:
+                TO_PLACED.observe(max(0.0, (now() - job.submitted_at).total_seconds()))
         record = AttemptRecord(
             job_id=job.job_id,
             attempt=n,

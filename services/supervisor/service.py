@@ -26,7 +26,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
 from services.supervisor import policy
 from services.supervisor.policy import NextStep, RetryLimits
@@ -56,12 +56,39 @@ from shared.subjects import Headers
 log = structlog.get_logger(service="supervisor")
 JOBS_ENDED = Counter("muster_jobs_ended_total", "Jobs that reached a final state", ["state"])
 PRUNED = Counter("muster_supervisor_pruned_total", "Records deleted after their retention", ["kind"])
+# Counted once per fact across replicas: by the replica whose write applied it (a replay changes
+# nothing and counts nothing). Labels are enums: bounded.
+ATTEMPTS_ENDED = Counter("muster_attempts_ended_total", "Attempts that ended, by outcome", ["outcome"])
+RETRIES = Counter(
+    "muster_job_retries_total",
+    "New attempts after an ended one, by classification: user (charged to retryCount), platform "
+    "(its own budget), restart (uncharged: retryCount -2)",
+    ["classification"],
+)
+TASK_STARTS = Counter("muster_task_starts_total", "Tasks that started running")
+TASK_FAILURES = Counter(
+    "muster_task_failures_total",
+    "Tasks that failed, by cause (exited: a non-zero exit code); tasks stopped on purpose "
+    "(kill, gang teardown) are not failures",
+    ["cause"],
+)
+NODES_LOST = Counter("muster_nodes_lost_total", "Nodes this replica saw go silent past the node timeout")
+TO_RUNNING = Histogram(
+    "muster_job_running_seconds",
+    "Time from a job's submission to its first attempt running",
+    buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400),
+)
 
 DAY = 24 * 3600.0
 
 
 def _seconds(name: str, default: float) -> float:
     return float(os.environ.get(name, str(default)))
+
+
+def failed(ev: TaskEvent) -> bool:
+    """A task's end is a failure: not an exit 0, not stopped on purpose."""
+    return ev.cause != TaskCause.KILLED and (ev.cause != TaskCause.EXITED or ev.exit_code != 0)
 
 
 class Supervisor:
@@ -96,6 +123,7 @@ class Supervisor:
         self.view_attempts: dict[str, AttemptRecord] = {}
         self.synced = {name: asyncio.Event() for name in ("nodes", "jobs", "attempts")}
         self.declared: set[str] = set()  # "<attempt>/<task>" this replica already declared ended
+        self.lost: set[str] = set()  # nodes seen lost, counted once until they beat again
         self.prunes = 0
 
     @classmethod
@@ -169,6 +197,10 @@ class Supervisor:
             if attempt is None:
                 log.warning("supervisor.unknown_attempt", attempt=key)
                 return
+        elif ev.kind == TaskEventKind.RUNNING:
+            TASK_STARTS.inc()
+        elif ev.kind == TaskEventKind.EXITED and failed(ev):
+            TASK_FAILURES.labels(ev.cause or "unknown").inc()
         if ev.kind == TaskEventKind.RUNNING and not attempt.ended:
             await self.set_running(ev.job_id, ev.attempt)
         if attempt.ended:
@@ -189,6 +221,8 @@ class Supervisor:
 
         job = await self.jobs.update(job_id, change)
         if job is not None:
+            if attempt == 1:
+                TO_RUNNING.observe(max(0.0, (now() - job.submitted_at).total_seconds()))
             await self.event(job, JobEventKind.RUNNING, "running")
 
     async def end_attempt(self, attempt: AttemptRecord) -> None:
@@ -209,7 +243,9 @@ class Supervisor:
         if job is None:
             return
         step = steps[0]
+        ATTEMPTS_ENDED.labels(attempt.outcome or "unknown").inc()
         if step.state == JobState.WAITING:
+            RETRIES.labels("platform" if step.platform else "user" if step.charged else "restart").inc()
             await self.attempts.update(
                 attempt.key,
                 lambda a: a.model_copy(update={"charged": step.charged}) if a.charged is None else None,
@@ -258,7 +294,8 @@ class Supervisor:
                     return None
                 return a.model_copy(update={"ended_at": now(), "outcome": JobState.STOPPED, "rule": reason})
 
-            await self.attempts.update(attempt_key(job.job_id, job.attempt), end)
+            if await self.attempts.update(attempt_key(job.job_id, job.attempt), end) is not None:
+                ATTEMPTS_ENDED.labels(JobState.STOPPED).inc()
             attempt = await self.attempts.get(attempt_key(job.job_id, job.attempt))
             if attempt is not None:
                 await self.kill_rest(attempt, grace=req.grace)
@@ -314,6 +351,8 @@ class Supervisor:
             name: f"node {name} lost (no heartbeat for {(at - info.heartbeat_at).total_seconds():.0f}s)"
             for name, info in policy.lost_nodes(self.view_nodes.values(), at, self.node_timeout).items()
         }
+        NODES_LOST.inc(len(set(lost) - self.lost))
+        self.lost = set(lost)
         # A node with tasks but no record to believe (deleted, or refused: from the future, beyond
         # belief) is as silent as one that stopped beating.
         placed = {t.node for a in self.view_attempts.values() for t in a.tasks if not t.state.ended}

@@ -53,7 +53,7 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter, Histogram
 
 from services.validator import limits
-from shared import auth, bus, hostpaths, subjects
+from shared import auth, bus, consume, hostpaths, subjects
 from shared.jobconfig import NAME_RE, FieldError, JobConfig, check_job, job_warnings, rank, split_secrets
 from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
 from shared.messages import (
@@ -136,7 +136,11 @@ class Validator:
             # Submissions are judged concurrently: their KV writes and publishes overlap. A
             # user's limits stay exact (each acceptance is counted before its first await) and
             # a job name is claimed atomically, so order between them does not matter.
-            await bus.consume(sub, self.handle, stop, log, self.batch, parallel=PARALLEL)
+            lag = asyncio.create_task(consume.watch_lag(sub, subjects.VALIDATOR_CONSUMER, stop))
+            try:
+                await bus.consume(sub, self.handle, stop, log, self.batch, parallel=PARALLEL)
+            finally:
+                lag.cancel()
         finally:
             for watcher in watching:
                 watcher.cancel()
