@@ -229,7 +229,7 @@ async def test_mpirun_across_three_tasks_on_two_hosts_all_reduces_and_the_job_su
             nc = await bus.connect("test", server.url)
             try:
                 await bus.open_jetstream(nc, wait=60)  # the services have declared the streams
-                record = await run_job(nc, config, timeout=180)
+                record = await run_job(nc, config, timeout=100)
                 a = await attempt(nc, record.job_id)
                 assert record.state == JobState.SUCCEEDED, (record.reason, a.tasks, cluster.logs())
                 assert {t.node for t in a.tasks} == {ns for ns, _ in hosts[:2]}
@@ -260,6 +260,7 @@ def mpi_image(base_image: str) -> str:
 
 
 @pytest.mark.docker
+@pytest.mark.timeout(900)  # the first run builds the images (debootstrap, apt-get)
 async def test_mpirun_starts_ranks_in_other_agents_containers_by_docker_exec(mpi_image, cluster, nc):  # noqa: F811
     """Docker runtime: two agents on this machine, each its own address on the loopback network;
     worker 0's mpirun (in its container) has the agents start each host's daemon in that host's
@@ -273,7 +274,7 @@ async def test_mpirun_starts_ranks_in_other_agents_containers_by_docker_exec(mpi
     net = {"OMPI_MCA_btl_tcp_if_include": "127.0.0.0/8", "OMPI_MCA_oob_tcp_if_include": "127.0.0.0/8"}
     config.update(image=mpi_image, codeDir=str(EXAMPLE), jobEnvs=net)
     await bus.open_jetstream(nc, wait=60)  # the services have declared the streams
-    record = await run_job(nc, config, timeout=240)
+    record = await run_job(nc, config, timeout=100)
     a = await attempt(nc, record.job_id)
     launcher = next(t for t in a.tasks if (t.role, t.index) == ("worker", 0))
     assert record.state == JobState.SUCCEEDED, (record.reason, launcher.last_lines, a.tasks, cluster.logs())
@@ -307,7 +308,7 @@ def two_agents(cluster: Cluster) -> None:
 async def test_a_launcher_of_its_own_starts_every_rank_in_the_workers_and_the_job_succeeds(cluster, nc):  # noqa: F811
     two_agents(cluster)
     await bus.open_jetstream(nc, wait=60)  # the services have declared the streams
-    record = await run_job(nc, launcher_job("mpirun -np $MUSTER_MPI_NP /usr/bin/python3 allreduce.py"), 180)
+    record = await run_job(nc, launcher_job("mpirun -np $MUSTER_MPI_NP /usr/bin/python3 allreduce.py"), 100)
     a = await attempt(nc, record.job_id)
     launcher = next(t for t in a.tasks if t.role == "launcher")
     assert record.state == JobState.SUCCEEDED, (record.reason, launcher.last_lines, cluster.logs())
@@ -325,8 +326,21 @@ async def test_a_launcher_of_its_own_starts_every_rank_in_the_workers_and_the_jo
 async def test_ranks_that_fail_fail_the_job_and_nothing_hangs(cluster, nc):  # noqa: F811
     two_agents(cluster)
     await bus.open_jetstream(nc, wait=60)  # the services have declared the streams
-    record = await run_job(nc, launcher_job("mpirun -np $MUSTER_MPI_NP /bin/false"), 180)
+    record = await run_job(nc, launcher_job("mpirun -np $MUSTER_MPI_NP /bin/false"), 100)
     a = await attempt(nc, record.job_id)
     launcher = next(t for t in a.tasks if t.role == "launcher")
     assert record.state == JobState.FAILED, (record.reason, launcher.last_lines)
     assert launcher.state == TaskState.FAILED and launcher.exit_code not in (0, None), launcher
+
+
+@pytest.mark.skipif(_mpi_on_this_machine() is not None, reason=str(_mpi_on_this_machine()))
+async def test_workers_that_only_host_ranks_are_not_taken_for_hung(cluster, nc):  # noqa: F811
+    """noProgressTimeoutSec watches the launcher (mpirun prints for every rank), not the
+    workers, which print nothing of their own."""
+    two_agents(cluster)
+    ticks = "for i in 1 2 3 4 5 6 7 8 9 10; do echo tick $i; sleep 1; done"
+    config = launcher_job(f"{ticks}; mpirun -np $MUSTER_MPI_NP /usr/bin/python3 allreduce.py")
+    config["noProgressTimeoutSec"] = 5
+    await bus.open_jetstream(nc, wait=60)  # the services have declared the streams
+    record = await run_job(nc, config, 100)
+    assert (record.state, record.attempt) == (JobState.SUCCEEDED, 1), record.reason
