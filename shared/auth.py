@@ -329,8 +329,17 @@ def _agent(own_inbox: str, node: str, consumer: str) -> dict[str, Any]:
         f"{api}.CONSUMER.MSG.NEXT.{cmd}.{consumer}",
         f"$JS.ACK.{cmd}.{consumer}.>",
     ]
-    # Cluster specs as they are published (only the registry may publish them).
-    subscribe = [own_inbox, subjects.cluster_spec("*", "*")]
+    # MPI: ask a peer's agent to start a daemon in its task, and answer such asks, as `node`
+    # (the peer checks that the attempt's launcher runs on the sending node).
+    publish += [subjects.exec_request("*", node), subjects.exec_reply("*", node)]
+    # Cluster specs as they are published (only the registry may publish them); asks and
+    # answers addressed to this node.
+    subscribe = [
+        own_inbox,
+        subjects.cluster_spec("*", "*"),
+        subjects.exec_request(node, "*"),
+        subjects.exec_reply(node, "*"),
+    ]
     return {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}}
 
 

@@ -490,7 +490,9 @@ def _extras_errors(data: dict[str, Any]) -> list[FieldError]:
 
 def _cross_field_errors(data: dict[str, Any]) -> list[FieldError]:
     """Rules that span fields, checked on the raw data so they are reported alongside field errors."""
-    errors: list[FieldError] = _extras_errors(data)
+    from shared import mpi  # extras.mpi's rules (shared/mpi.py imports this module)
+
+    errors: list[FieldError] = _extras_errors(data) + mpi.errors(data)
     roles = data.get("taskRoles")
     if not isinstance(roles, list):
         return errors

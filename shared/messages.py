@@ -10,7 +10,7 @@ import hashlib
 import re
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
@@ -596,3 +596,35 @@ class Question(Message):
     task: str | None = Field(default=None, max_length=140)  # ROLE or ROLE.INDEX
     after: int = Field(default=0, ge=0)  # a MUSTER_LOGS (MUSTER_METRICS for metrics) stream sequence
     limit: int = Field(default=1000, ge=1, le=10000)
+
+
+EXEC_SESSION_RE = r"^[A-Za-z0-9_-]{1,64}$"
+MAX_EXEC_COMMAND = 64 * 1024  # characters of an orted command line
+MAX_EXEC_CHUNK = 32 * 1024  # characters of output in one ExecReply
+
+
+class ExecRequest(Message):
+    """An agent asks a peer's agent (`muster.exec.req.<peer>.<sender>`) to run `command` in task
+    role.index of an MPI attempt, for that attempt's launcher on the sending node (`open`), or to
+    stop what it runs for `session` (`cancel`). The peer checks it all against its own tasks and
+    the attempt's cluster spec: the subject's sender must be the launcher's node."""
+
+    kind: Literal["open", "cancel"]
+    session: Annotated[str, StringConstraints(pattern=EXEC_SESSION_RE)]
+    job_id: str = ""
+    attempt: int = 0
+    role: str = ""
+    index: int = 0
+    command: str = Field(default="", max_length=MAX_EXEC_COMMAND)
+
+
+class ExecReply(Message):
+    """What a peer's agent says of a session (`muster.exec.out.<caller>.<peer>`): `started`, a
+    chunk of output (`out`), `alive` (every few seconds while it runs), `exit` with the exit
+    code, or `error` when it was refused or could not start (the reason in `error`)."""
+
+    kind: Literal["started", "out", "alive", "exit", "error"]
+    session: Annotated[str, StringConstraints(pattern=EXEC_SESSION_RE)]
+    data: str = Field(default="", max_length=MAX_EXEC_CHUNK)
+    code: int = 0
+    error: str = Field(default="", max_length=1024)

@@ -31,6 +31,8 @@ from shared.messages import (
     Dataset,
     DrainOrder,
     EndpointReported,
+    ExecReply,
+    ExecRequest,
     JobEvent,
     JobEventKind,
     JobRecord,
@@ -195,6 +197,28 @@ CHANNELS: dict[str, Channel] = {
             "The payload ({}) is ignored; the registry reads the attempt record."
         ),
     ),
+    "execRequest": Channel(
+        address=subjects.EXEC_PREFIX + ".req.{node}.{sender}",
+        parameters=("node", "sender"),
+        message=ExecRequest,
+        action="receive",
+        description=(
+            "Agent of {sender} to the agent of {node} (core NATS, not kept): start an MPI daemon in a "
+            "task of an attempt whose launcher runs on {sender} (open), or stop it (cancel). Only "
+            "identity agent-{sender} may publish it; {node}'s agent refuses a task that is not its own, "
+            "not of an MPI job's workers role, or of an attempt whose launcher is not on {sender}."
+        ),
+    ),
+    "execReply": Channel(
+        address=subjects.EXEC_PREFIX + ".out.{node}.{sender}",
+        parameters=("node", "sender"),
+        message=ExecReply,
+        action="send",
+        description=(
+            "Agent of {sender} back to the agent of {node}: a session's output, liveness, exit code "
+            "or refusal (core NATS, not kept)."
+        ),
+    ),
     "nodeRecord": Channel(
         address="$KV." + subjects.NODES_BUCKET + ".{node}",
         parameters=("node",),
@@ -272,6 +296,7 @@ PARAMETERS: dict[str, dict[str, Any]] = {
         "enum": [k.value for k in JobEventKind],
     },
     "node": {"description": "A node name, as its agent registered it."},
+    "sender": {"description": "The node whose agent sends it (only that node's agent may publish it)."},
     "vc": {"description": "A virtual cluster's name (a job's virtualCluster)."},
     "dataset": {"description": "A dataset's name (as a job's `data` entries give it)."},
     "attempt": {"description": "The attempt number, from 1."},

@@ -58,6 +58,21 @@ def node_commands(node: str) -> str:
     return f"{NODE_COMMANDS_PREFIX}.{node}.>"
 
 
+# An MPI job's launcher starting a daemon in a peer task: agent to agent, on core NATS (never
+# kept). The last token is the sending agent's node (it may publish only its own).
+EXEC_PREFIX = "muster.exec"
+
+
+def exec_request(target: str, sender: str = "*") -> str:
+    """To node `target`'s agent: run a command in one of its tasks (or stop one it runs)."""
+    return f"{EXEC_PREFIX}.req.{target}.{sender}"
+
+
+def exec_reply(caller: str, sender: str = "*") -> str:
+    """Back to node `caller`'s agent: a command's output, liveness and exit code."""
+    return f"{EXEC_PREFIX}.out.{caller}.{sender}"
+
+
 # Facts
 EVENTS_PREFIX = "muster.events"
 

@@ -4,6 +4,7 @@ real processes (so tests can SIGKILL them)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -144,3 +145,44 @@ def cluster(nats_url: str, tmp_path: Path) -> Iterator[Cluster]:
     c = Cluster(nats_url, tmp_path)
     yield c
     c.stop_all()
+
+
+# ------------------------------------------------------------------ hosts of their own
+
+NET = "198.18.0"  # a test network of our own (RFC 2544's benchmarking range)
+
+
+def sh(*cmd: str, check: bool = True) -> None:
+    subprocess.run(cmd, check=check, capture_output=True)
+
+
+@pytest.fixture
+def hosts():
+    """Three hosts on one machine: network namespaces (ip netns) with addresses NET.1-3 on a
+    bridge of their own (NET.254, where a test's NATS server listens). Needs root and iproute2."""
+    tag = f"m{os.getpid() % 10000}"
+    bridge = f"{tag}br"
+    names = [f"{tag}h{i}" for i in (1, 2, 3)]
+    sh("ip", "link", "add", bridge, "type", "bridge")
+    sh("ip", "addr", "add", f"{NET}.254/24", "dev", bridge)
+    sh("ip", "link", "set", bridge, "up")
+    # Docker's FORWARD policy would drop bridged traffic when br_netfilter is loaded.
+    if shutil.which("iptables"):
+        sh("iptables", "-I", "FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT", check=False)
+    for i, ns in enumerate(names, start=1):
+        sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", f"{tag}v{i}", "type", "veth", "peer", "name", f"{tag}p{i}")
+        sh("ip", "link", "set", f"{tag}v{i}", "master", bridge, "up")
+        sh("ip", "link", "set", f"{tag}p{i}", "netns", ns)
+        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{NET}.{i}/24", "dev", f"{tag}p{i}")
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", f"{tag}p{i}", "up")
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+    try:
+        yield [(ns, f"{NET}.{i}") for i, ns in enumerate(names, start=1)]
+    finally:
+        for i, ns in enumerate(names, start=1):
+            sh("ip", "netns", "del", ns, check=False)
+            sh("ip", "link", "del", f"{tag}v{i}", check=False)
+        if shutil.which("iptables"):
+            sh("iptables", "-D", "FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT", check=False)
+        sh("ip", "link", "del", bridge, check=False)

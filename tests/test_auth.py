@@ -623,3 +623,88 @@ async def test_the_gateway_names_what_is_wrong_with_a_question(secured):
         assert await client.ask(bob, "ping") == {"user": "bob", "admin": False}
     finally:
         await bob.close()
+
+
+# ---------------------------------------------------------------- MPI: exec in a peer's task
+
+
+async def test_only_the_launchers_node_may_run_commands_in_an_mpi_jobs_workers(secured):
+    """docs/mpi.md: an agent asks a peer's agent to run an MPI daemon in a task. The server lets
+    it ask only as its own node and read only answers addressed to it; the peer runs a command
+    only in a workers task of its own whose attempt's launcher runs on the asking node."""
+    from shared.messages import ExecReply, ExecRequest
+
+    alice = await connect(secured, "alice")
+    agents = {node: await connect(secured, auth.agent_name(node)) for node in ("n1", "n2")}
+    job = None
+    try:
+        # An agent cannot ask as another node, nor read another node's answers.
+        n2 = agents["n2"]
+        before = len(bus.refusals(n2))
+        await n2.publish(subjects.exec_request("n1", "n1"), b"{}")
+        await n2.subscribe(subjects.exec_reply("n1"))
+        await n2.flush()
+        await asyncio.sleep(0.3)
+        said = bus.refusals(n2)[before:]
+        assert any("muster.exec.req.n1.n1" in r for r in said), said
+        assert any("muster.exec.out.n1" in r for r in said), said
+
+        async def gateway_up() -> bool:
+            with contextlib.suppress(TimeoutError, client.Refused):
+                return bool(await client.ask(alice, "ping", timeout=2))
+            return False
+
+        await wait_for(gateway_up)  # run alone, this test may come first
+        data = json.loads(sleeper("mpi-exec"))
+        worker = dict(data["taskRoles"][0], name="w", command="true")
+        data["taskRoles"] = [dict(data["taskRoles"][0], name="launcher"), worker]
+        data["extras"] = {"mpi": {"launcher": "launcher"}}
+        job = await running(alice, json.dumps(data).encode())
+        root = await connect(secured, "root")
+        attempts = await root.jetstream().key_value(subjects.ATTEMPTS_BUCKET)
+        attempt = AttemptRecord.from_bytes((await attempts.get(attempt_key(job.job_id, 1))).value)
+        await root.close()
+        launcher_node = attempt.task("launcher", 0).node
+        w = attempt.task("w", 0)
+        other = "n2" if launcher_node == "n1" else "n1"
+
+        async def ask(sender: str, **fields) -> list[ExecReply]:
+            """Ask as `sender` to run in task w.0; its answers until the last one."""
+            nc = agents[sender]
+            sub = await nc.subscribe(subjects.exec_reply(sender, w.node))
+            session = hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:32]
+            ask = dict(kind="open", session=session, job_id=job.job_id, attempt=1, role="w", index=0) | fields
+            await nc.publish(subjects.exec_request(w.node, sender), ExecRequest(**ask).to_bytes())
+            got: list[ExecReply] = []
+            try:
+                while not got or got[-1].kind not in ("exit", "error"):
+                    reply = ExecReply.from_bytes((await sub.next_msg(timeout=30)).data)
+                    if reply.session == session:
+                        got.append(reply)
+            finally:
+                await sub.unsubscribe()
+            return got
+
+        # Garbage first: dropped, the peer goes on answering.
+        await agents[other].publish(subjects.exec_request(w.node, other), b"\x00not json")
+        refusal = await ask(other, command="id")
+        assert refusal[-1].kind == "error" and f"launcher does not run on node {other}" in refusal[-1].error
+        assert (await ask(launcher_node, role="launcher", command="id"))[-1].kind == "error"  # hosts no ranks
+        # The launcher's node: it runs, in the task's environment, and its exit code comes back.
+        ran = await ask(launcher_node, command="echo in $MUSTER_TASK_ROLE.$MUSTER_TASK_INDEX; exit 3")
+        assert ran[0].kind == "started" and ran[-1].kind == "exit" and ran[-1].code == 3
+        assert "in w.0" in "".join(r.data for r in ran if r.kind == "out")
+        # Another job's task: never.
+        other_job = await running(alice, sleeper("not-mpi"))
+        try:
+            stranger = await ask(launcher_node, job_id=other_job.job_id, role="w", command="id")
+            assert stranger[-1].kind == "error"
+        finally:
+            kill = KillRequest(job_id=other_job.job_id, user="alice", grace=0)
+            await alice.jetstream().publish(subjects.kill_request("alice"), kill.to_bytes())
+    finally:
+        if job is not None:
+            kill = KillRequest(job_id=job.job_id, user="alice", grace=0)
+            await alice.jetstream().publish(subjects.kill_request("alice"), kill.to_bytes())
+        for nc in (alice, *agents.values()):
+            await nc.close()

@@ -6,54 +6,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from shared import bus
 from shared.natsserver import NatsServer
-from tests.conftest import CORE, ROOT, Cluster
+from tests.conftest import CORE, NET, ROOT, Cluster
 from tests.test_jobs import attempt, run_job, spec
 
-NET = "198.18.0"
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 for ip netns"
 )
-
-
-def sh(*cmd: str, check: bool = True) -> None:
-    subprocess.run(cmd, check=check, capture_output=True)
-
-
-@pytest.fixture
-def hosts():
-    tag = f"m{os.getpid() % 10000}"
-    bridge = f"{tag}br"
-    names = [f"{tag}h{i}" for i in (1, 2, 3)]
-    sh("ip", "link", "add", bridge, "type", "bridge")
-    sh("ip", "addr", "add", f"{NET}.254/24", "dev", bridge)
-    sh("ip", "link", "set", bridge, "up")
-    # Docker's FORWARD policy would drop bridged traffic when br_netfilter is loaded.
-    if shutil.which("iptables"):
-        sh("iptables", "-I", "FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT", check=False)
-    for i, ns in enumerate(names, start=1):
-        sh("ip", "netns", "add", ns)
-        sh("ip", "link", "add", f"{tag}v{i}", "type", "veth", "peer", "name", f"{tag}p{i}")
-        sh("ip", "link", "set", f"{tag}v{i}", "master", bridge, "up")
-        sh("ip", "link", "set", f"{tag}p{i}", "netns", ns)
-        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{NET}.{i}/24", "dev", f"{tag}p{i}")
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", f"{tag}p{i}", "up")
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-    try:
-        yield [(ns, f"{NET}.{i}") for i, ns in enumerate(names, start=1)]
-    finally:
-        for i, ns in enumerate(names, start=1):
-            sh("ip", "netns", "del", ns, check=False)
-            sh("ip", "link", "del", f"{tag}v{i}", check=False)
-        if shutil.which("iptables"):
-            sh("iptables", "-D", "FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT", check=False)
-        sh("ip", "link", "del", bridge, check=False)
 
 
 async def test_a_gang_spread_over_three_hosts_gets_their_addresses_and_completes(hosts, tmp_path):

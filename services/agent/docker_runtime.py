@@ -8,12 +8,15 @@ read by its own thread that hands complete lines to the event loop."""
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import math
 import os
+import signal
 import subprocess
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import docker
@@ -157,6 +160,43 @@ class DockerTask:
         with contextlib.suppress(docker.errors.NotFound):
             await asyncio.to_thread(self._container.stop, timeout=max(0, math.ceil(grace)))
         await self.wait()
+
+    async def exec(self, command: str, output: Callable[[str], Awaitable[None]]) -> int:
+        """Run `command` in the container (`docker exec`: its user, environment and directory),
+        e.g. an MPI daemon: its output to `output`, its exit code returned. Cancelled: killed."""
+        api = self._container.client.api
+        argv = ["/bin/sh", "-c", MERGE_STDERR + command]
+        try:
+            exec_id = (await asyncio.to_thread(api.exec_create, self._container.id, argv))["Id"]
+        except docker.errors.DockerException as e:
+            raise LaunchError(f"cannot exec in {self.name}: {_explain(e)}") from None
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+        def pump() -> None:
+            try:
+                for chunk in api.exec_start(exec_id, stream=True):
+                    loop.call_soon_threadsafe(chunks.put_nowait, chunk)
+            except Exception as e:  # the container went away, the engine closed the stream
+                log.warning("docker.exec_stream_ended", task=self.name, error=str(e))
+            finally:
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(chunks.put_nowait, None)
+
+        threading.Thread(target=pump, name=f"exec-{self.name}", daemon=True).start()
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        try:
+            while (chunk := await chunks.get()) is not None:
+                await output(decoder.decode(chunk))
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                pid = (await asyncio.to_thread(api.exec_inspect, exec_id)).get("Pid")
+                if pid:
+                    os.kill(int(pid), signal.SIGKILL)  # the engine has no "stop exec"
+            raise
+        info = await asyncio.to_thread(api.exec_inspect, exec_id)
+        code = info.get("ExitCode")
+        return int(code) if code is not None else GONE_EXIT_CODE
 
     async def signal(self, sig: int) -> None:
         with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):  # gone, or not running

@@ -9,7 +9,9 @@ Owns the variable families users' commands rely on:
 - ModelArts / Volcano (seed 002): VC_TASK_INDEX, VC_<ROLE>_HOSTS, VC_<ROLE>_NUM, TF_PS_HOSTS,
   TF_WORKER_HOSTS, MA_TASK_NAME.
 - PyTorch: MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE.
-- MPI: MUSTER_MPI_HOSTFILE, OMPI_MCA_orte_default_hostfile (and `render_hostfile` for the file).
+- MPI: MUSTER_MPI_HOSTFILE, OMPI_MCA_orte_default_hostfile (and `render_hostfile` for the file);
+  for an MPI job (`extras.mpi`, shared/mpi.py) also MUSTER_MPI_NP, MUSTER_MPI_LAUNCHER, the rsh
+  agent (OMPI_MCA_plm_rsh_agent) and OMPI_*/PMIX_* settings for the host network (docs/mpi.md).
 - GPUs: CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES.
 - Muster: MUSTER_JOB_ID, MUSTER_ATTEMPT, MUSTER_TASK_ROLE, MUSTER_TASK_INDEX.
 - The config's jobEnvs, as plain variables. The platform's variables win over a jobEnvs entry of
@@ -32,6 +34,7 @@ import posixpath
 import re
 from dataclasses import dataclass
 
+from shared import mpi
 from shared.jobconfig import JobConfig
 from shared.messages import ClusterSpec, Endpoint
 
@@ -62,6 +65,7 @@ class TaskContext:
     output_root: str  # where outputDir defaults to: <output_root>/<jobName>
     default_fs_uri: str = ""  # PAI_DEFAULT_FS_URI
     hostfile_path: str | None = None  # where the MPI hostfile will be visible to the task
+    rsh_agent_path: str | None = None  # an MPI job's plm_rsh_agent (services/agent/rsh.py)
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,7 @@ def render_env(ctx: TaskContext) -> dict[str, str]:
     env.update(_tf_config(ctx, gang, "CLUSTER_SPEC"))
     env.update(_modelarts(ctx, gang))
     env.update(_pytorch(gang, me))
-    env.update(_mpi(ctx))
+    env.update(_mpi(ctx, gang, me))
     env.update(_gpus(ctx.gpus))
     env.update(_muster(ctx, gang, me))
     return env
@@ -126,10 +130,14 @@ def for_spec(config: JobConfig, spec: ClusterSpec) -> JobConfig:
 
 def render_hostfile(spec: ClusterSpec, config: JobConfig) -> str:
     """An MPI hostfile: one `<host> slots=<n>` line per host in spec order, n = the summed slots of
-    the host's tasks (a task's slots: its role's gpuNumber, or 1 for a CPU-only role)."""
+    the host's tasks (a task's slots: its role's gpuNumber, or 1 for a CPU-only role). An MPI job
+    (`extras.mpi`) lists only the tasks of its workers role: those host its ranks."""
     config = for_spec(config, spec)
+    shape = mpi.shape(config)
     slots: dict[str, int] = {}
     for ep in _ordered(spec, config):
+        if shape is not None and ep.role != shape.workers:
+            continue
         gpus = config.taskRoles[ep.role_no].gpuNumber
         slots[ep.host] = slots.get(ep.host, 0) + (gpus if gpus > 0 else 1)
     return "".join(f"{host} slots={n}\n" for host, n in slots.items())
@@ -264,10 +272,50 @@ def _pytorch(gang: list[Endpoint], me: Endpoint) -> dict[str, str]:
     }
 
 
-def _mpi(ctx: TaskContext) -> dict[str, str]:
+def _mpi(ctx: TaskContext, gang: list[Endpoint], me: Endpoint) -> dict[str, str]:
     if ctx.hostfile_path is None:
         return {}
-    return {"MUSTER_MPI_HOSTFILE": ctx.hostfile_path, "OMPI_MCA_orte_default_hostfile": ctx.hostfile_path}
+    env = {"MUSTER_MPI_HOSTFILE": ctx.hostfile_path, "OMPI_MCA_orte_default_hostfile": ctx.hostfile_path}
+    shape = mpi.shape(ctx.config)
+    if shape is None:
+        return env
+    workers = [ep for ep in gang if ep.role == shape.workers]
+    # Open MPI settings for tasks on the host network without ssh: the job's jobEnvs may tune any
+    # of these (a jobEnvs entry of the same name is kept); the hostfile and the rsh agent are ours.
+    tunable = {
+        "OMPI_MCA_btl": "tcp,self",
+        "OMPI_MCA_pml": "ob1",
+        "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
+        "OMPI_MCA_hwloc_base_binding_policy": "none",
+        # No hwloc topology in shared memory at a guessed free address: under load the guess
+        # collides now and then and orted dies in hwloc_shmem_topology_write (SIGSEGV).
+        "OMPI_MCA_rtc_hwloc_vmhole": "none",
+        "OMPI_MCA_rmaps_base_mapping_policy": "slot",
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "PMIX_MCA_gds": "hash",
+    }
+    network = mpi.common_network(sorted({ep.host for ep in gang}))
+    if network is not None:
+        tunable["OMPI_MCA_btl_tcp_if_include"] = network
+        tunable["OMPI_MCA_oob_tcp_if_include"] = network
+    env.update({k: v for k, v in tunable.items() if k not in ctx.config.jobEnvs})
+    env["MUSTER_MPI_NP"] = str(len(workers) * mpi.slots(ctx.config, shape.workers))
+    env["MUSTER_MPI_LAUNCHER"] = "1" if shape.is_launcher(me.role, me.index) else "0"
+    if ctx.rsh_agent_path is not None:
+        # Run through /usr/bin/env: the daemons check that the agent's first word exists where
+        # they run too, and the script is in the launcher's attempt directory only.
+        env["OMPI_MCA_plm_rsh_agent"] = f"/usr/bin/env python3 {ctx.rsh_agent_path}"
+        # Only mpirun starts daemons (through its own agent's bus link), never a daemon on a worker.
+        env["OMPI_MCA_plm_rsh_no_tree_spawn"] = "1"
+        env["OMPI_MCA_plm_rsh_assume_same_shell"] = "1"
+        # Daemons stay in the foreground (no --daemonize): the agent's session lives as long as
+        # the daemon, stopping it stops the daemon, and what it says reaches mpirun's output.
+        env["OMPI_MCA_orte_leave_session_attached"] = "1"
+        # Never take a hostfile line for mpirun's own host (all tasks of a node share its address
+        # on the host network): every host's ranks start in its workers task, through the agent.
+        env["OMPI_MCA_if_base_do_not_resolve"] = "1"
+    return env
 
 
 def _gpus(gpus: list[int]) -> dict[str, str]:

@@ -16,7 +16,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.agent import environment
+from services.agent import environment, rsh
 from services.agent.prepare import Prepared
 from services.agent.runtime import (
     LABEL_ATTEMPT,
@@ -31,7 +31,7 @@ from services.agent.runtime import (
     RegistryAuth,
     TaskLaunch,
 )
-from shared import hostpaths
+from shared import hostpaths, mpi
 from shared.jobconfig import RESERVED_ENV_PREFIXES, RESIZE_SIGNALS
 from shared.messages import Assignment, ClusterSpec, TaskCause, TaskSpec
 
@@ -55,6 +55,11 @@ def task_name(job_id: str, attempt: int, role: str, index: int) -> str:
     return f"muster-{job_id}-{attempt}-{role}-{index}"
 
 
+def attempt_path(where: Where, a: Assignment) -> Path:
+    """The attempt's directory on this node, mounted into each of its tasks here."""
+    return Path(where.work_root) / a.job_id / str(a.attempt)
+
+
 def task_env(a: Assignment, spec: TaskSpec, cluster: ClusterSpec, where: Where) -> dict[str, str]:
     """The task's environment for the gang of `cluster`; writes the attempt's MPI hostfile and,
     for an elastic job, the task's env file (MUSTER_ENV_FILE: the platform's variables, not the
@@ -65,6 +70,8 @@ def task_env(a: Assignment, spec: TaskSpec, cluster: ClusterSpec, where: Where) 
     task_dir.mkdir(parents=True, exist_ok=True)
     hostfile = attempt_dir / "hostfile"
     _replace(hostfile, environment.render_hostfile(cluster, a.config))
+    # An MPI job's launcher starts its daemons in the other tasks through this (docs/mpi.md).
+    rsh_agent = str(rsh.install(attempt_dir)) if mpi.shape(a.config) is not None else None
     ctx = environment.TaskContext(
         job_id=a.job_id,
         attempt=a.attempt,
@@ -77,6 +84,7 @@ def task_env(a: Assignment, spec: TaskSpec, cluster: ClusterSpec, where: Where) 
         output_root=where.output_root,
         default_fs_uri=where.default_fs_uri,
         hostfile_path=str(hostfile),
+        rsh_agent_path=rsh_agent,
     )
     env = environment.render_env(ctx)
     if a.config.elastic:
@@ -146,10 +154,13 @@ def build_launch(
             env["MUSTER_CODE_DIR"] = prepared.code_dir
             if not config.codeDir:
                 env["PAI_CODE_DIR"] = prepared.code_dir
+    shape = mpi.shape(config)
+    hosts_only = shape is not None and shape.hosts_ranks_only(spec.role, spec.index)
     return TaskLaunch(
         name=task_name(a.job_id, a.attempt, spec.role, spec.index),
         image=image,
-        command=role.command,
+        # An MPI worker that is not the launcher only hosts ranks: it waits to be stopped.
+        command=mpi.HOST_RANKS_COMMAND if hosts_only else role.command,
         env=env,
         cpus=role.cpuNumber,
         memory_mb=role.memoryMB,

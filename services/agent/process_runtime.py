@@ -21,11 +21,15 @@ commands as the agent's user (a laptop, a CI runner); give nodes shared by users
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +49,47 @@ class ProcessTask:
     ) -> None:
         self.name, self.proc, self._reader, self._record = name, proc, reader, record
         self._stopping: asyncio.Task[None] | None = None
+        self.env: dict[str, str] = {}  # what it was started with: commands run in it get the same
+        self.cwd: str | None = None
+        self._execs: set[asyncio.subprocess.Process] = set()
+
+    async def exec(self, command: str, output: Callable[[str], Awaitable[None]]) -> int:
+        """Run `command` beside the task, with its environment and directory (an MPI daemon):
+        its output to `output`, its exit code returned. Cancelled or the task stopped: killed.
+        It carries the task's MUSTER_TASK mark, so a fence that kills the task kills it too.
+        Its TMPDIR is a directory of its own (short: sockets are made there), removed after:
+        processes share the machine's /tmp and host name, and two MPI daemons of one job making
+        their session directories there at once collide (mkdir: File exists)."""
+        tmp = tempfile.mkdtemp(prefix="muster-exec-")
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                "/bin/sh",
+                "-c",
+                command,
+                env={**self.env, "TMPDIR": tmp},
+                cwd=self.cwd,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._execs.add(proc)
+        assert proc.stdout is not None
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        try:
+            while chunk := await proc.stdout.read(1 << 15):
+                await output(decoder.decode(chunk))
+            code = await proc.wait()
+        except asyncio.CancelledError:
+            _kill_group(proc)
+            raise
+        finally:
+            self._execs.discard(proc)
+            shutil.rmtree(tmp, ignore_errors=True)
+        return 128 - code if code < 0 else code
 
     async def wait(self) -> int:
         code = await self.proc.wait()
@@ -59,6 +104,8 @@ class ProcessTask:
         await asyncio.shield(self._stopping)
 
     async def _stop(self, grace: float) -> None:
+        for proc in list(self._execs):  # what ran beside it ends with it
+            _kill_group(proc)
         if self.proc.returncode is not None:
             return
         self._signal(signal.SIGTERM)
@@ -140,7 +187,9 @@ class ProcessRuntime:
             raise LaunchError(f"cannot start {launch.name}: {exc.strerror or exc}") from None
         assert proc.stdout is not None
         reader = asyncio.create_task(_pump(proc.stdout, output))
-        return ProcessTask(launch.name, proc, reader, record)
+        task = ProcessTask(launch.name, proc, reader, record)
+        task.env, task.cwd = env, workdir
+        return task
 
     async def find(self, labels: dict[str, str]) -> list[FoundTask]:
         return [
@@ -206,6 +255,12 @@ def kill_task(name: str) -> None:
             os.killpg(os.getpgid(pid), signal.SIGKILL)
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+
+
+def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 async def _pump(stream: asyncio.StreamReader, output: OutputSink) -> None:

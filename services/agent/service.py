@@ -41,6 +41,7 @@ from services.agent.inventory import PortPool
 from services.agent.launch import Where
 from services.agent.reconcile import Assignments, Placed, Reconciler
 from services.agent.reporting import Reporter
+from services.agent.rsh import Rsh
 from services.agent.runtime import (
     Runtime,
 )
@@ -144,6 +145,8 @@ class Agent:
         self.tasks = Tasks(
             nc, js, runtime, self.reporter, self.attempts, ports, where, shared.specs if shared else None
         )
+        self.rsh = Rsh(nc, options.node, self.tasks)
+        self.tasks.rsh = self.rsh
         self.assignments = Assignments(Path(options.work_root) / "assignments")
         self.reconciler = Reconciler(self.tasks, self.assignments, js, options.address)
         self.agent_id = uuid.uuid4().hex[:12]
@@ -204,6 +207,8 @@ class Agent:
         pidfile = Path(self.opts.work_root) / "agent.pid"
         pidfile.parent.mkdir(parents=True, exist_ok=True)
         pidfile.write_text(str(os.getpid()))
+        if self.runtime.name != "sim":  # simulated tasks run no MPI daemons
+            await self.rsh.start()  # before adopting: an adopted launcher may call at once
         await self.reconciler.at_start(placed)
         # From here on, tasks do not outlive this agent unless it detaches on purpose.
         self.runtime.start_fence(self.opts.work_root, str(pidfile), 0.6 * bus.node_timeout())
@@ -228,6 +233,7 @@ class Agent:
         else:
             await self.tasks.stop_all("agent shutting down", self.opts.stop_grace)
             await self.reporter.flush(10)
+        await self.rsh.close()
         await self.reporter.close()
         await self.runtime.close()
 

@@ -19,7 +19,7 @@ from nats.js import JetStreamContext
 from prometheus_client import Counter, Gauge
 
 from services.agent.inventory import PortPool
-from services.agent.launch import Where, build_launch, resize_signal, task_env, task_name
+from services.agent.launch import Where, attempt_path, build_launch, resize_signal, task_env, task_name
 from services.agent.prepare import (
     SYNCED_MARK,
     CodeSyncs,
@@ -30,9 +30,10 @@ from services.agent.prepare import (
 )
 from services.agent.progress import Progress
 from services.agent.reporting import Reporter
+from services.agent.rsh import Rsh
 from services.agent.runtime import LaunchError, RunningTask, Runtime
 from services.agent.sharing import Specs
-from shared import subjects
+from shared import mpi, subjects
 from shared.messages import (
     Assignment,
     AttemptRecord,
@@ -77,6 +78,7 @@ class LocalTask:
     starting: bool = False  # the runtime is starting it: it must not be cancelled then
     masker: Masker | None = None  # its job's secret values, cut out of its output
     version: int = 0  # the spec version its environment describes (elastic attempts have many)
+    cluster: ClusterSpec | None = None  # the spec it was started with (None: adopted)
 
     def mask(self, text: str) -> str:
         if self.masker is None:
@@ -113,6 +115,8 @@ class Tasks:
         self.code_syncs = CodeSyncs()  # codeSync: one fetch per attempt on this node
         self._datasets: Store[Dataset] | None = None
         self.progress = Progress(nc, self.node, self.hung)  # training metrics, hang detection
+        self.rsh: Rsh | None = None  # MPI jobs' daemons in peer tasks (the agent sets it)
+        self._serving: set[asyncio.Task[None]] = set()
 
     def known(self, key: TaskKey) -> bool:
         """Whether this agent runs the task, or has already reported its end."""
@@ -138,8 +142,34 @@ class Tasks:
         """Watch a task already running (adopted after a restart) until it ends."""
         self.live[key] = task
         TASKS_LIVE.labels(self.node).set(len(self.live))
-        self.progress.track(key, task.assignment.config)
+        if not self._hosts_ranks_only(task):
+            self.progress.track(key, task.assignment.config)
         task.runner = asyncio.create_task(self._watch(key, task))
+        if self._is_mpi_launcher(task):  # its mpirun may start more daemons: listen again
+            serving = asyncio.create_task(self._serve_adopted(task))
+            self._serving.add(serving)
+            serving.add_done_callback(self._serving.discard)
+
+    def _is_mpi_launcher(self, task: LocalTask) -> bool:
+        shape = mpi.shape(task.assignment.config)
+        return (
+            self.rsh is not None and shape is not None and shape.is_launcher(task.spec.role, task.spec.index)
+        )
+
+    @staticmethod
+    def _hosts_ranks_only(task: LocalTask) -> bool:
+        """An MPI worker that is not the launcher: it prints nothing of its own (its ranks'
+        output goes to mpirun), so it is not watched for progress (the launcher is)."""
+        shape = mpi.shape(task.assignment.config)
+        return shape is not None and shape.hosts_ranks_only(task.spec.role, task.spec.index)
+
+    async def _serve_adopted(self, task: LocalTask) -> None:
+        a = task.assignment
+        assert self.rsh is not None
+        try:
+            await self.rsh.serve(a.job_id, a.attempt, attempt_path(self.where, a))
+        except OSError as exc:
+            self.log.warning("agent.rsh_not_served", task=task.name, error=str(exc))
 
     async def _run(self, key: TaskKey, task: LocalTask) -> None:
         a = task.assignment
@@ -150,8 +180,12 @@ class Tasks:
             prepared = await self.prepare(a)
             launch = build_launch(a, task.spec, task.ports, cluster, self.where, prepared)
             task.version = cluster.version
+            task.cluster = cluster
+            if self.rsh is not None and self._is_mpi_launcher(task):
+                await self.rsh.serve(a.job_id, a.attempt, attempt_path(self.where, a))
             task.starting = True
-            self.progress.track(key, a.config)  # before its first line can come
+            if not self._hosts_ranks_only(task):  # silent by design: mpirun prints for it
+                self.progress.track(key, a.config)  # before its first line can come
             task.handle = await self.runtime.start(launch, lambda line: self.output(task, line))
             self.progress.started(key)  # its silence counts from now, not from an image pull
             if task.kill_reason is not None:  # killed while it was being started
@@ -226,6 +260,8 @@ class Tasks:
         self.ports.release(task.ports)
         with contextlib.suppress(Exception):
             await self.progress.untrack(key)
+        if self.rsh is not None and self._is_mpi_launcher(task):
+            self.rsh.forget(task.assignment.job_id, task.assignment.attempt)
         self.live.pop(key, None)
         self.remember(key)
         TASKS_LIVE.labels(self.node).set(len(self.live))

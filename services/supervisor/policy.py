@@ -10,7 +10,9 @@ Rules, in the order they are checked after each task state change (OpenPAI v1 se
 1. killAllOnCompletedTaskNumber N > 0: N tasks succeeded -> SUCCEEDED, kill the rest.
 2. A role's minFailedTaskCount (default 1): that many of its tasks failed -> FAILED, kill the rest.
 3. A role's minSucceededTaskCount (default: unset): that many of its tasks succeeded ->
-   SUCCEEDED, kill the rest.
+   SUCCEEDED, kill the rest. An MPI job (`extras.mpi`, shared/mpi.py): its launcher task
+   succeeded -> SUCCEEDED, kill the rest (the workers only host ranks, they never end by
+   themselves).
 4. Every task ended and no rule above fired -> SUCCEEDED (every task succeeded, or failures
    stayed below every role's threshold).
 A task stopped by the platform counts as failed unless the attempt had already ended.
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Protocol
 
-from shared import subjects
+from shared import mpi, subjects
 from shared.jobconfig import JobConfig
 from shared.messages import (
     AttemptRecord,
@@ -86,6 +88,10 @@ def decide(config: JobConfig, tasks: list[TaskStatus]) -> Decision:
                 else f"minFailedTaskCount: {count} of role {role.name} failed (≥ {threshold})"
             )
             return Decision(JobState.FAILED, f"{rule}; {role.name}[{first.index}]: {why}", True)
+
+    shape = mpi.shape(config)
+    if shape is not None and any(shape.is_launcher(t.role, t.index) for t in succeeded):
+        return Decision(JobState.SUCCEEDED, f"MPI launcher {shape.launcher}[0] succeeded", True)
 
     for role in config.taskRoles:
         wanted = role.minSucceededTaskCount

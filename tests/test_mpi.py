@@ -1,0 +1,346 @@
+"""MPI jobs (`extras.mpi`, docs/mpi.md): the job shape, its hostfile and environment (pure), and
+a real `mpirun` whose ranks start in the gang's tasks on hosts of their own, through the agents."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from services.agent import environment
+from services.supervisor.policy import decide
+from shared import bus, mpi
+from shared.jobconfig import JobConfig, check_job
+from shared.messages import ClusterSpec, Endpoint, JobState, TaskState, TaskStatus
+from shared.natsserver import NatsServer
+from tests.conftest import CORE, NET, ROOT, Cluster
+from tests.test_jobs import attempt, nc, run_job  # noqa: F401 - nc is a fixture
+
+EXAMPLE = ROOT / "examples" / "mpi-allreduce"
+
+
+def example() -> dict:
+    text = (EXAMPLE / "job.json").read_text().splitlines()
+    return json.loads("\n".join(line for line in text if not line.strip().startswith("//")))
+
+
+def role(name: str, n: int, gpus: int = 0, command: str = "mpirun x") -> dict:
+    return {
+        "name": name,
+        "taskNumber": n,
+        "cpuNumber": 1,
+        "memoryMB": 256,
+        "gpuNumber": gpus,
+        "command": command,
+    }
+
+
+def job(roles: list[dict], mpi_extras: object) -> dict:
+    return {"jobName": "m", "image": "muster/mpi:bookworm", "taskRoles": roles, "extras": {"mpi": mpi_extras}}
+
+
+def errors(data: dict) -> list[str]:
+    config, errs = check_job(data)
+    assert (config is None) == bool(errs)
+    return [str(e) for e in errs]
+
+
+# ------------------------------------------------------------------ the shape (pure)
+
+
+def test_the_example_is_an_mpi_job_whose_worker_0_launches():
+    config, errs = check_job(example())
+    assert config is not None, errs
+    shape = mpi.shape(config)
+    assert shape == mpi.MpiShape(launcher="worker", workers="worker")
+    assert shape.is_launcher("worker", 0) and not shape.hosts_ranks_only("worker", 0)
+    assert shape.hosts_ranks_only("worker", 2)
+
+
+def test_workers_default_to_the_only_role_or_the_other_of_two():
+    one, _ = check_job(job([role("w", 2)], {"launcher": "w"}))
+    two, _ = check_job(job([role("launcher", 1), role("w", 2)], {"launcher": "launcher"}))
+    assert one is not None and mpi.shape(one) == mpi.MpiShape("w", "w")
+    assert two is not None and mpi.shape(two) == mpi.MpiShape("launcher", "w")
+    assert (
+        mpi.shape(JobConfig.model_validate(job([role("w", 1)], {"launcher": "w"}) | {"extras": {}})) is None
+    )
+
+
+@pytest.mark.parametrize(
+    ("asked", "roles", "expected"),
+    [
+        ("yes", None, 'extras.mpi: must be an object: {"launcher": ROLE, "workers": ROLE}'),
+        ({}, None, "extras.mpi.launcher: required: the role whose task 0 runs mpirun"),
+        ({"launcher": "ps"}, None, "extras.mpi.launcher: must name a task role (launcher, w), got 'ps'"),
+        (
+            {"launcher": "w", "workers": 3},
+            None,
+            "extras.mpi.workers: must name a task role (launcher, w), got 3",
+        ),
+        ({"launcher": "w", "hosts": "w"}, None, "extras.mpi.hosts: unknown field"),
+        (
+            {"launcher": "launcher"},
+            [role("launcher", 1), role("w", 2), role("ps", 1)],
+            "extras.mpi.workers: required when the job has more than two roles",
+        ),
+        (
+            {"launcher": "launcher", "workers": "w"},
+            [role("launcher", 2), role("w", 2)],
+            "taskRoles[0].taskNumber: an MPI launcher role of its own runs one task (mpirun), got 2",
+        ),
+        (
+            {"launcher": "w"},
+            [role("w", 2) | {"minTaskNumber": 1, "maxTaskNumber": 3}],
+            "taskRoles[0].minTaskNumber: an MPI role cannot be elastic: "
+            "the hostfile is fixed when mpirun starts",
+        ),
+    ],
+)
+def test_a_bad_mpi_section_is_refused_naming_the_field_and_why(asked, roles, expected):
+    data = job(roles or [role("launcher", 1), role("w", 2)], asked)
+    assert expected in errors(data)
+
+
+def spec_of(config: JobConfig, placed: list[tuple[str, int, str]]) -> ClusterSpec:
+    """A spec for `config`: (role, index, host) in spec order, node = the host."""
+    role_no = {r.name: i for i, r in enumerate(config.taskRoles)}
+    return ClusterSpec(
+        job_id="j1",
+        attempt=1,
+        endpoints=[
+            Endpoint(role=r, index=i, role_no=role_no[r], node=f"n-{h}", host=h, port=5000 + n)
+            for n, (r, i, h) in enumerate(placed)
+        ],
+    )
+
+
+def test_the_hostfile_lists_the_workers_hosts_with_a_slot_per_gpu_and_not_a_launcher_of_its_own():
+    config, _ = check_job(job([role("launcher", 1), role("w", 3, gpus=2)], {"launcher": "launcher"}))
+    assert config is not None
+    spec = spec_of(
+        config,
+        [("launcher", 0, "10.0.0.1"), ("w", 0, "10.0.0.1"), ("w", 1, "10.0.0.2"), ("w", 2, "10.0.0.2")],
+    )
+    assert environment.render_hostfile(spec, config) == "10.0.0.1 slots=2\n10.0.0.2 slots=4\n"
+    cpu, _ = check_job(job([role("w", 3)], {"launcher": "w"}))
+    assert cpu is not None
+    spec = spec_of(cpu, [("w", 0, "10.0.0.1"), ("w", 1, "10.0.0.1"), ("w", 2, "10.0.0.2")])
+    assert environment.render_hostfile(spec, cpu) == "10.0.0.1 slots=2\n10.0.0.2 slots=1\n"
+
+
+def env_of(config: JobConfig, spec: ClusterSpec, who: str, index: int) -> dict[str, str]:
+    return environment.render_env(
+        environment.TaskContext(
+            job_id="j1",
+            attempt=1,
+            user="u",
+            config=config,
+            spec=spec,
+            role=who,
+            index=index,
+            gpus=[],
+            output_root="/out",
+            hostfile_path="/w/j1/1/hostfile",
+            rsh_agent_path="/w/j1/1/muster-rsh",
+        )
+    )
+
+
+def test_an_mpi_task_gets_open_mpi_settings_for_the_host_network_without_ssh():
+    data = job([role("w", 3)], {"launcher": "w"})
+    data["jobEnvs"] = {"OMPI_MCA_btl": "self,vader,tcp"}  # the job may tune Open MPI
+    config, _ = check_job(data)
+    assert config is not None
+    spec = spec_of(config, [("w", 0, "198.18.0.1"), ("w", 1, "198.18.0.1"), ("w", 2, "198.18.0.2")])
+    env = env_of(config, spec, "w", 0)
+    assert env["OMPI_MCA_plm_rsh_agent"] == "/usr/bin/env python3 /w/j1/1/muster-rsh"
+    assert env["OMPI_MCA_orte_default_hostfile"] == env["MUSTER_MPI_HOSTFILE"] == "/w/j1/1/hostfile"
+    assert env["OMPI_MCA_plm_rsh_no_tree_spawn"] == env["OMPI_MCA_if_base_do_not_resolve"] == "1"
+    assert env["OMPI_MCA_btl"] == "self,vader,tcp"
+    assert env["OMPI_MCA_btl_tcp_if_include"] == env["OMPI_MCA_oob_tcp_if_include"] == "198.18.0.0/30"
+    assert env["OMPI_ALLOW_RUN_AS_ROOT"] == env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] == "1"
+    assert env["PMIX_MCA_gds"] == "hash"
+    assert (env["MUSTER_MPI_NP"], env["MUSTER_MPI_LAUNCHER"]) == ("3", "1")
+    assert env_of(config, spec, "w", 2)["MUSTER_MPI_LAUNCHER"] == "0"
+    plain, _ = check_job(job([role("w", 3)], {"launcher": "w"}) | {"extras": {}})
+    assert plain is not None
+    assert "OMPI_MCA_plm_rsh_agent" not in env_of(plain, spec, "w", 0)
+
+
+def test_common_network():
+    assert mpi.common_network(["10.1.2.3"]) == "10.1.2.3/32"
+    assert mpi.common_network(["10.1.2.3", "10.1.3.9"]) == "10.1.2.0/23"
+    assert mpi.common_network(["10.1.2.3", "node-2"]) is None
+
+
+def test_the_job_ends_with_its_launcher():
+    config, _ = check_job(job([role("launcher", 1), role("w", 2)], {"launcher": "launcher"}))
+    assert config is not None
+
+    def status(r: str, i: int, state: TaskState) -> TaskStatus:
+        return TaskStatus(role=r, index=i, role_no=0 if r == "launcher" else 1, node="n1", state=state)
+
+    running = [status("w", 0, TaskState.RUNNING), status("w", 1, TaskState.RUNNING)]
+    done = decide(config, [status("launcher", 0, TaskState.SUCCEEDED), *running])
+    assert (done.outcome, done.kill_rest) == (JobState.SUCCEEDED, True)
+    failed = decide(config, [status("launcher", 0, TaskState.FAILED), *running])
+    assert failed.outcome == JobState.FAILED
+    lost = decide(
+        config, [status("launcher", 0, TaskState.RUNNING), status("w", 0, TaskState.FAILED), running[1]]
+    )
+    assert lost.outcome == JobState.FAILED
+
+
+# ------------------------------------------------------------------ a real mpirun
+
+
+def _mpi_on_this_machine() -> str | None:
+    """Why a real mpirun cannot run here (None: it can)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return "needs root and iproute2 for ip netns"
+    if shutil.which("mpirun") is None or shutil.which("orted") is None:
+        return "needs Open MPI (apt-get install openmpi-bin python3-mpi4py)"
+    probe = subprocess.run(["/usr/bin/python3", "-c", "import mpi4py"], capture_output=True)
+    if probe.returncode != 0:
+        return "needs mpi4py for /usr/bin/python3 (apt-get install python3-mpi4py)"
+    return None
+
+
+@pytest.mark.skipif(_mpi_on_this_machine() is not None, reason=str(_mpi_on_this_machine()))
+async def test_mpirun_across_three_tasks_on_two_hosts_all_reduces_and_the_job_succeeds(hosts, tmp_path):
+    """Process runtime: each agent (and so each task) in a network namespace of its own; two
+    CPUs each, so the three one-CPU workers take both hosts. Worker 0's mpirun starts the ranks
+    of the other host in the task there, through the agents."""
+    with NatsServer(tmp_path / "nats", host=f"{NET}.254") as server:
+        cluster = Cluster(server.url, tmp_path)
+        try:
+            for module in CORE:
+                cluster.start(module)
+            for ns, address in hosts[:2]:
+                cluster.agent(ns, "--address", address, "--cpus", "2", prefix=("ip", "netns", "exec", ns))
+            config = example()
+            config["codeDir"] = str(EXAMPLE)
+            nc = await bus.connect("test", server.url)
+            try:
+                await bus.open_jetstream(nc, wait=60)  # the services have declared the streams
+                record = await run_job(nc, config, timeout=100)
+                a = await attempt(nc, record.job_id)
+                assert record.state == JobState.SUCCEEDED, (record.reason, a.tasks, cluster.logs())
+                assert {t.node for t in a.tasks} == {ns for ns, _ in hosts[:2]}
+                launcher = next(t for t in a.tasks if (t.role, t.index) == ("worker", 0))
+                ranks = sorted(line for line in launcher.last_lines if line.startswith("rank "))
+                assert len(ranks) == 3 and all(line.endswith("sum = 6") for line in ranks), (
+                    launcher.last_lines
+                )
+                # Every rank ran in a worker task, and ranks ran on both hosts.
+                addresses = {address for _, address in hosts[:2]}
+                assert {line.split(" at ")[1].split(":")[0] for line in ranks} == addresses, ranks
+            finally:
+                await nc.close()
+        finally:
+            cluster.stop_all()
+
+
+@pytest.fixture(scope="session")
+def mpi_image(base_image: str) -> str:
+    """muster/mpi:bookworm (deploy/build-mpi-image.sh); skips when there is no Docker engine."""
+    proc = subprocess.run(
+        [str(ROOT / "deploy" / "build-mpi-image.sh")], capture_output=True, text=True, timeout=900
+    )
+    if proc.returncode == 2:
+        pytest.skip(f"cannot build the MPI image: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, f"build-mpi-image.sh failed:\n{proc.stderr}"
+    return os.environ.get("MUSTER_MPI_IMAGE", "muster/mpi:bookworm")
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(900)  # the first run builds the images (debootstrap, apt-get)
+async def test_mpirun_starts_ranks_in_other_agents_containers_by_docker_exec(mpi_image, cluster, nc):  # noqa: F811
+    """Docker runtime: two agents on this machine, each its own address on the loopback network;
+    worker 0's mpirun (in its container) has the agents start each host's daemon in that host's
+    worker container (docker exec), as user 1000, never root."""
+    cluster.core()
+    for node, address in (("mpi-a", "127.0.0.2"), ("mpi-b", "127.0.0.3")):
+        cluster.agent(node, "--runtime", "docker", "--address", address, "--cpus", "2")
+    config = example()
+    # The test's addresses are not the interfaces' own (127.0.0.1 is): the job says where Open
+    # MPI's TCP goes, as a job on such a network would.
+    net = {"OMPI_MCA_btl_tcp_if_include": "127.0.0.0/8", "OMPI_MCA_oob_tcp_if_include": "127.0.0.0/8"}
+    config.update(image=mpi_image, codeDir=str(EXAMPLE), jobEnvs=net)
+    await bus.open_jetstream(nc, wait=60)  # the services have declared the streams
+    record = await run_job(nc, config, timeout=100)
+    a = await attempt(nc, record.job_id)
+    launcher = next(t for t in a.tasks if (t.role, t.index) == ("worker", 0))
+    assert record.state == JobState.SUCCEEDED, (record.reason, launcher.last_lines, a.tasks, cluster.logs())
+    ranks = sorted(line for line in launcher.last_lines if line.startswith("rank "))
+    assert len(ranks) == 3 and all(line.endswith("sum = 6") for line in ranks), launcher.last_lines
+    assert {line.split(" at ")[1].split(":")[0] for line in ranks} == {"127.0.0.2", "127.0.0.3"}, ranks
+
+
+def launcher_job(command: str) -> dict:
+    """Arena's default shape: a launcher role of its own (no GPU, hosts no ranks) and workers."""
+    config = example()
+    worker = dict(config["taskRoles"][0], taskNumber=2, command="true")  # hosts ranks: not run
+    launcher = dict(config["taskRoles"][0], name="launcher", taskNumber=1, command=command)
+    config.update(
+        taskRoles=[launcher, worker],
+        extras={"mpi": {"launcher": "launcher", "workers": "worker"}},
+        codeDir=str(EXAMPLE),
+        # The test's addresses are not the interfaces' own (127.0.0.1 is).
+        jobEnvs={"OMPI_MCA_btl_tcp_if_include": "127.0.0.0/8", "OMPI_MCA_oob_tcp_if_include": "127.0.0.0/8"},
+    )
+    return config
+
+
+def two_agents(cluster: Cluster) -> None:
+    cluster.core()
+    for node, address in (("mpi-a", "127.0.0.2"), ("mpi-b", "127.0.0.3")):
+        cluster.agent(node, "--address", address, "--cpus", "2")
+
+
+@pytest.mark.skipif(_mpi_on_this_machine() is not None, reason=str(_mpi_on_this_machine()))
+async def test_a_launcher_of_its_own_starts_every_rank_in_the_workers_and_the_job_succeeds(cluster, nc):  # noqa: F811
+    two_agents(cluster)
+    await bus.open_jetstream(nc, wait=60)  # the services have declared the streams
+    record = await run_job(nc, launcher_job("mpirun -np $MUSTER_MPI_NP /usr/bin/python3 allreduce.py"), 100)
+    a = await attempt(nc, record.job_id)
+    launcher = next(t for t in a.tasks if t.role == "launcher")
+    assert record.state == JobState.SUCCEEDED, (record.reason, launcher.last_lines, cluster.logs())
+    ranks = sorted(line for line in launcher.last_lines if line.startswith("rank "))
+    assert len(ranks) == 2 and all(" in task worker." in r and r.endswith("sum = 3") for r in ranks), ranks
+    # The workers are stopped once the launcher has ended (their end is reported just after).
+    deadline = time.monotonic() + 60
+    while not all(t.state.ended for t in a.tasks) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        a = await attempt(nc, record.job_id)
+    assert all(t.state == TaskState.STOPPED for t in a.tasks if t.role == "worker"), a.tasks
+
+
+@pytest.mark.skipif(_mpi_on_this_machine() is not None, reason=str(_mpi_on_this_machine()))
+async def test_ranks_that_fail_fail_the_job_and_nothing_hangs(cluster, nc):  # noqa: F811
+    two_agents(cluster)
+    await bus.open_jetstream(nc, wait=60)  # the services have declared the streams
+    record = await run_job(nc, launcher_job("mpirun -np $MUSTER_MPI_NP /bin/false"), 100)
+    a = await attempt(nc, record.job_id)
+    launcher = next(t for t in a.tasks if t.role == "launcher")
+    assert record.state == JobState.FAILED, (record.reason, launcher.last_lines)
+    assert launcher.state == TaskState.FAILED and launcher.exit_code not in (0, None), launcher
+
+
+@pytest.mark.skipif(_mpi_on_this_machine() is not None, reason=str(_mpi_on_this_machine()))
+async def test_workers_that_only_host_ranks_are_not_taken_for_hung(cluster, nc):  # noqa: F811
+    """noProgressTimeoutSec watches the launcher (mpirun prints for every rank), not the
+    workers, which print nothing of their own."""
+    two_agents(cluster)
+    ticks = "for i in 1 2 3 4 5 6 7 8 9 10; do echo tick $i; sleep 1; done"
+    config = launcher_job(f"{ticks}; mpirun -np $MUSTER_MPI_NP /usr/bin/python3 allreduce.py")
+    config["noProgressTimeoutSec"] = 5
+    await bus.open_jetstream(nc, wait=60)  # the services have declared the streams
+    record = await run_job(nc, config, 100)
+    assert (record.state, record.attempt) == (JobState.SUCCEEDED, 1), record.reason
