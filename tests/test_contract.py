@@ -731,34 +731,24 @@ def test_an_elastic_jobs_env_file_carries_the_platforms_pai_values(roots):
 
 
 def test_seed_001s_arena_shape_is_a_muster_config():
-    """Arena's MPIJob step (seed 001): workers with GPUs, CPU/memory limits, data volumes, env and
-    git-synced code, written as a Muster config."""
-    config = {
-        "jobName": "mpi-train",
-        "image": "registry.cn-hangzhou.aliyuncs.com/tensorflow-samples/tensorflow:1.12.0-gpu",
-        "data": ["user-susan:/training"],
-        "codeSync": {
-            "git": "https://github.com/tensorflow/benchmarks.git",
-            "branch": "cnn_tf_v1.9_compatible",
-        },
-        "jobEnvs": {"NCCL_DEBUG": "INFO", "GIT_SYNC_BRANCH": "cnn_tf_v1.9_compatible"},
-        "metrics": ["Train-accuracy:PERCENTAGE"],  # Arena's metrics=[...], read from stdout
-        "taskRoles": [
-            {
-                "name": "worker",
-                "taskNumber": 2,
-                "cpuNumber": 2,
-                "memoryMB": 4096,
-                "gpuNumber": 1,
-                "command": "mpirun python code/benchmarks/scripts/tf_cnn_benchmarks/tf_cnn_benchmarks.py",
-            }
-        ],
-    }
+    """Arena's MPIJob step (seed 001), as examples/arena-mpijob/job.json writes it: an MPI job of
+    workers with GPUs, CPU/memory limits, a data volume, env, git-synced code and a metric read
+    from stdout. Every part of it is understood, not only accepted."""
+    from shared import mpi
+    from shared.loader import loads
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "arena-mpijob" / "job.json"
+    config = loads(path.read_text(), str(path))
     checked, errors = check_job(config)
     assert checked is not None, errors
-    assert checked.mounts[0].name == "user-susan" and checked.mounts[0].path == "/training"
-    assert [(m.name, m.format) for m in checked.metric_specs] == [("Train-accuracy", "PERCENTAGE")]
     assert job_warnings(config) == []
+    assert [(m.name, m.path, m.rw) for m in checked.mounts] == [("user-susan", "/training", False)]
+    assert checked.codeSync is not None and checked.codeSync.branch == "cnn_tf_v1.9_compatible"
+    assert checked.jobEnvs == {"NCCL_DEBUG": "INFO", "GIT_SYNC_BRANCH": "cnn_tf_v1.9_compatible"}
+    assert [(m.name, m.format) for m in checked.metric_specs] == [("images/sec", "RAW")]
+    (role,) = checked.taskRoles
+    assert (role.taskNumber, role.gpuNumber, role.cpuNumber, role.memoryMB) == (2, 1, 2, 10240)
+    assert mpi.shape(checked) == mpi.MpiShape(launcher="worker", workers="worker")
 
 
 @pytest.mark.docker
