@@ -445,6 +445,7 @@ async def test_a_task_printing_its_secrets_shows_them_masked(runtime, engine, ro
         remember=lambda key: None,
         log=structlog.get_logger(),
         progress=types.SimpleNamespace(line=lambda key, line: seen.append(line), untrack=untrack),
+        rsh=None,  # no MPI here
     )
     tasks.report_ended = functools.partial(Tasks.report_ended, tasks)
     task = LocalTask(assignment=a, spec=a.gang[0], endpoint=None, ports=[5000])  # type: ignore[arg-type]
