@@ -140,6 +140,9 @@ class NodeInfo(Message):
     # not lost before this time even without heartbeats.
     restarting_until: datetime | None = None
     drained: bool = False  # an operator drained it: its tasks were stopped, it takes no new work
+    # Where the agent serves /metrics (at `address`): Prometheus finds agents through the
+    # supervisor's /sd/agents (HTTP service discovery). None: it serves none (a sim node).
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
 
 
 # What no node record may claim (beyond: a forged or broken record, refused).

@@ -55,6 +55,10 @@ class BusCollector:
 BUS = BusCollector()
 prometheus_client.REGISTRY.register(BUS)
 
+# More JSON endpoints beside /healthz and /metrics, by path: a service adds its own (the
+# supervisor's /sd/agents). The function is called on each request and must be quick.
+ROUTES: dict[str, Callable[[], bytes]] = {}
+
 
 class Service(Protocol):
     async def run(self, stop: asyncio.Event) -> None: ...
@@ -76,6 +80,11 @@ async def serve_health(
             if path.startswith("/metrics"):
                 status, ctype = "200 OK", prometheus_client.CONTENT_TYPE_LATEST
                 body = prometheus_client.generate_latest()
+            elif path.split("?")[0] in ROUTES:
+                try:
+                    status, ctype, body = "200 OK", "application/json", ROUTES[path.split("?")[0]]()
+                except Exception:
+                    status, ctype, body = "500 Internal Server Error", "text/plain", b"failed\n"
             elif path.startswith("/healthz"):
                 ok = nc.is_connected
                 status = "200 OK" if ok else "503 Service Unavailable"

@@ -425,24 +425,7 @@ async def test_prometheus_sees_the_cluster(
         nc = await stack.connect("test-monitoring", stack.urls)
         try:
             await alive_nodes(nc, {node, f"{node}-2", f"{node}-3"}, 120)
-            # The agents' metrics ports (each replica takes the first free one) as a target file.
-            ports: list[str] = []
-            deadline = time.monotonic() + 90
-            while len(ports) < 3 and time.monotonic() < deadline:
-                ports = [
-                    _run(["docker", "exec", c["Id"], "cat", "/tmp/muster-agent-metrics-port"]).stdout.strip()
-                    for c in stack.containers("agent")
-                ]
-                ports = [p for p in ports if p.isdigit()]
-                if len(ports) < 3:
-                    time.sleep(0.5)
-            assert len(ports) == 3, ports
-            targets = [
-                {"targets": [f"host.docker.internal:{p}" for p in ports], "labels": {"deployment": "test"}}
-            ]
-            (agents_dir / "agents.yml.tmp").write_text(json.dumps(targets))
-            (agents_dir / "agents.yml.tmp").rename(agents_dir / "agents.yml")
-
+            # No target file: Prometheus finds the agents through the supervisor's /sd/agents.
             prometheus = Prometheus(f"http://127.0.0.1:{port}")
             replicas = {
                 f'count(up{{job="{s}"}} == 1)': float(n) for s, n in EXPECTED.items() if "nats" not in s
@@ -451,6 +434,7 @@ async def test_prometheus_sees_the_cluster(
                 {
                     **replicas,
                     'count(up{job="agent"} == 1)': 3.0,
+                    f'count(up{{job="agent", node=~"{node}|{node}-2|{node}-3"}} == 1)': 3.0,
                     'count(up{job="nats"} == 1)': 1.0,
                     "sum(muster_nats_server_up)": 3.0,
                     "sum(muster_scheduler_leader)": 1.0,

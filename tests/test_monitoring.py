@@ -164,7 +164,8 @@ def test_cluster_gauges_follow_the_schedulers_view() -> None:
 
 def test_muster_up_serves_metrics_of_everything_it_runs(tmp_path: Path) -> None:
     """`muster up --metrics-port P`: one /metrics with every service's metrics, the cluster's
-    gauges (its scheduler leads), and its embedded NATS server's (from the monitoring port)."""
+    gauges (its scheduler leads), and its embedded NATS server's (from the monitoring port); its
+    supervisor's /sd/agents tells Prometheus where the local agent's metrics are (here too)."""
     import os
     import signal
     import sys
@@ -175,7 +176,7 @@ def test_muster_up_serves_metrics_of_everything_it_runs(tmp_path: Path) -> None:
     port, metrics = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "MUSTER_NATS_URL"}
     cmd = [sys.executable, "-m", "services.cli.main", "up", "--data-dir", str(tmp_path / "data")]
-    cmd += ["--port", str(port), "--metrics-port", str(metrics), "--no-agent"]
+    cmd += ["--port", str(port), "--metrics-port", str(metrics), "--runtime", "process", "--node", "sd-n1"]
     log = open(tmp_path / "up.log", "wb")  # noqa: SIM115 - owned by the child
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     wanted = (
@@ -203,6 +204,12 @@ def test_muster_up_serves_metrics_of_everything_it_runs(tmp_path: Path) -> None:
             (tmp_path / "up.log").read_text()[-3000:],
         )
         assert httpx.get(f"http://127.0.0.1:{metrics}/healthz", timeout=5).status_code == 200
+        targets = []
+        while time.monotonic() < deadline and not targets:
+            targets = httpx.get(f"http://127.0.0.1:{metrics}/sd/agents", timeout=5).json()
+            time.sleep(0.2)
+        assert len(targets) == 1 and targets[0]["labels"] == {"node": "sd-n1"}, targets
+        assert targets[0]["targets"][0].endswith(f":{metrics}"), targets
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -210,3 +217,22 @@ def test_muster_up_serves_metrics_of_everything_it_runs(tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_agent_targets_list_each_node_that_serves_metrics() -> None:
+    from services.supervisor.service import agent_targets
+    from shared.messages import NodeInfo
+
+    def node(name: str, address: str, port: int | None) -> NodeInfo:
+        info = dict(cpus=4, memory_mb=4096, runtime="docker", agent_id="a")
+        return NodeInfo(node=name, address=address, metrics_port=port, **info)
+
+    nodes = [node("gpu-02", "10.0.0.2", 9101), node("sim-1", "10.0.0.9", None)]
+    nodes.append(node("gpu-01", "fd00::1", 9102))
+    assert agent_targets(nodes) == [
+        {"targets": ["[fd00::1]:9102"], "labels": {"node": "gpu-01"}},
+        {"targets": ["10.0.0.2:9101"], "labels": {"node": "gpu-02"}},
+    ]
+    # A record claiming a port no machine has does not decode: the mirrors skip it.
+    with pytest.raises(ValueError, match="metrics_port"):
+        node("bad", "10.0.0.3", 70000)

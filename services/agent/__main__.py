@@ -14,7 +14,7 @@ from services.agent.config import (
     options_from_args,
     serve_health_in_range,
 )
-from services.agent.service import Agent
+from services.agent.service import Agent, AgentOptions
 from shared import auth, bus
 from shared.service import Service, base_parser, run_main
 
@@ -30,8 +30,11 @@ if __name__ == "__main__":
     clear_port_file(port_file)
     data_dir = os.environ.get("MUSTER_DATA_DIR", "/tmp/muster")
 
+    served: list[AgentOptions] = []  # the agent's options, told the metrics port once it is bound
+
     def agent_builder() -> Callable[[NATS], Awaitable[Service]]:
         options = options_from_args(args, data_dir)
+        served.append(options)
         # A directory of credentials (compose's demo agents): this node's own identity.
         creds_dir = os.environ.get("MUSTER_CREDENTIALS_DIR")
         if creds_dir and not os.environ.get("MUSTER_CREDENTIALS"):
@@ -71,7 +74,9 @@ if __name__ == "__main__":
         async def build_with_health(nc: NATS) -> Service:
             if not low:
                 return await build_agent(nc)
-            server, _ = await serve_health_in_range(nc, low, high, port_file)
+            server, port = await serve_health_in_range(nc, low, high, port_file)
+            for options in served:
+                options.metrics_port = port
             try:
                 return WithHealth(await build_agent(nc), server)
             except BaseException:

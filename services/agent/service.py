@@ -95,6 +95,7 @@ class AgentOptions:
     data_roots: list[str] = field(default_factory=list)
     task_user: str = "auto"  # Docker: the image's non-root USER, else DEFAULT_TASK_USER; "root" opts out
     pids_limit: int = 4096  # processes per task container (a fork bomb stops there)
+    metrics_port: int | None = None  # where /metrics is served, told in the node record
 
     def __post_init__(self) -> None:
         # Mount sources must be absolute for Docker; a relative --data-dir works from anywhere.
@@ -184,6 +185,7 @@ class Agent:
             started_at=self.started_at,
             restarting_until=restarting_until,
             drained=self.drained,
+            metrics_port=o.metrics_port,
         )
 
     async def _write_node(self, restarting_until: datetime | None = None) -> None:

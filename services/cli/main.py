@@ -1006,11 +1006,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         sim = sim_setup(args, str(data_dir))
     options = None if args.no_agent or sim else options_from_args(args, str(data_dir))
 
-    def agent():
+    def agent(metrics_port: int | None):
         if sim is not None:
             out(f"muster: {sim.describe()}")
             return sim.builder()
         assert options is not None
+        options.metrics_port = metrics_port  # this process's /metrics, which has the agent's
         out(
             f"muster: local agent {options.node} at {options.address}: {options.cpus} CPUs, "
             f"{options.memory_mb} MB, GPUs: {_gpu_text(options.gpus)}"

@@ -116,7 +116,7 @@ async def up(
     data_dir: Path,
     port: int | None,
     announce: Callable[[str], None],
-    agent: Callable[[], Builder] | None = None,
+    agent: Callable[[int | None], Builder] | None = None,
     node: str | None = None,
     open_bus: bool = False,
     sim: bool = False,
@@ -200,7 +200,7 @@ async def up(
             await nc.close()
         services = builders()
         if agent is not None:
-            services["agent"] = agent()
+            services["agent"] = agent(metrics_port or None)  # its node record tells the port
         tasks = [asyncio.create_task(supervise(n, b, url, stop, creds.get(n))) for n, b in services.items()]
         announce(f"services: {', '.join(services)} — Ctrl-C to stop")
         watch = asyncio.create_task(_watch_server(server, stop))

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+from collections.abc import Iterable
 from datetime import datetime, timedelta
+from typing import Any
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -30,7 +33,7 @@ from prometheus_client import Counter, Histogram
 
 from services.supervisor import policy
 from services.supervisor.policy import NextStep, RetryLimits
-from shared import bus, consume, subjects
+from shared import bus, consume, service, subjects
 from shared.messages import (
     AttemptRecord,
     JobEvent,
@@ -89,6 +92,19 @@ def _seconds(name: str, default: float) -> float:
 def failed(ev: TaskEvent) -> bool:
     """A task's end is a failure: not an exit 0, not stopped on purpose."""
     return ev.cause != TaskCause.KILLED and (ev.cause != TaskCause.EXITED or ev.exit_code != 0)
+
+
+def agent_targets(nodes: Iterable[NodeInfo]) -> list[dict[str, Any]]:
+    """The agents' /metrics for Prometheus's HTTP service discovery (`http_sd_configs`): one
+    target group per node record that names its metrics port, labelled with the node's name.
+    New agents are scraped without editing Prometheus's config."""
+    out = []
+    for n in sorted(nodes, key=lambda n: n.node):
+        if n.metrics_port is None:
+            continue
+        host = f"[{n.address}]" if ":" in n.address else n.address
+        out.append({"targets": [f"{host}:{n.metrics_port}"], "labels": {"node": n.node}})
+    return out
 
 
 class Supervisor:
@@ -161,6 +177,7 @@ class Supervisor:
             asyncio.create_task(self.jobs.mirror(self.view_jobs, self.synced["jobs"])),
             asyncio.create_task(self.attempts.mirror(self.view_attempts, self.synced["attempts"])),
         ]
+        service.ROUTES["/sd/agents"] = lambda: json.dumps(agent_targets(self.view_nodes.values())).encode()
         try:
             await asyncio.gather(
                 consume.serve(events, on_event, stop),
@@ -168,6 +185,7 @@ class Supervisor:
                 self.watch(stop),
             )
         finally:
+            service.ROUTES.pop("/sd/agents", None)
             for m in mirrors:
                 m.cancel()
 
