@@ -773,6 +773,29 @@ def vc_quota_text(vc: VirtualCluster) -> str:
     return ", ".join(parts)
 
 
+async def named_records(kv: Any, model: Any) -> tuple[list[str], dict[str, Any]]:
+    """The keys of an admin bucket of named records (virtual clusters, datasets) and each one's
+    record, None where it does not decode or names another key; keys removed meanwhile are left out."""
+    from nats.js.errors import KeyNotFoundError, NoKeysError
+
+    try:
+        keys = await kv.keys()
+    except NoKeysError:
+        keys = []
+    found: dict[str, Any] = {}
+    for key in keys:
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:
+            continue  # removed in between
+        try:
+            record = model.model_validate_json(entry.value or b"")
+        except ValueError:  # pydantic's ValidationError is one
+            record = None
+        found[key] = record if record is not None and getattr(record, "name", None) == key else None
+    return list(found), found
+
+
 def vc_row(vc: VirtualCluster) -> tuple[str, ...]:
     return (
         vc.name,
@@ -798,7 +821,7 @@ async def vc_bucket(nc: NATS) -> KeyValue:
 async def admin_vc(args: argparse.Namespace) -> int:
     """`muster admin vc set|remove|list`: the virtual clusters in bucket muster_vcs. The
     validators watch it: a change applies to the next submission, no restart."""
-    from nats.js.errors import KeyNotFoundError, NoKeysError
+    from nats.js.errors import KeyNotFoundError
 
     from shared.messages import VirtualCluster
 
@@ -828,25 +851,13 @@ async def admin_vc(args: argparse.Namespace) -> int:
             after = "open to everyone again" if args.name == "default" else "new jobs naming it are refused"
             out(f"{args.name}: removed (its jobs go on; {after})")
             return EXIT_OK
-        try:
-            keys = sorted(await kv.keys(), key=lambda k: (k != "default", k))
-        except NoKeysError:
-            keys = []
-        records: list[VirtualCluster] = []
+        keys, found = await named_records(kv, VirtualCluster)
+        keys.sort(key=lambda k: (k != "default", k))
+        records = [found[k] for k in keys if found.get(k)]
         rows: list[tuple[str, ...]] = [("NAME", "QUOTA", "USERS", "MAX PRIORITY", "BORROW")]
         for key in keys:
-            try:
-                entry = await kv.get(key)
-                vc = VirtualCluster.model_validate_json(entry.value or b"")
-                if vc.name != key:
-                    raise ValueError(f"names {vc.name!r}")
-            except KeyNotFoundError:
-                continue  # removed in between
-            except ValueError:  # pydantic's ValidationError is one
-                rows.append((key, "(does not decode: ignored)", "-", "-", "-"))
-                continue
-            records.append(vc)
-            rows.append(vc_row(vc))
+            vc = found.get(key)
+            rows.append(vc_row(vc) if vc else (key, "(does not decode: ignored)", "-", "-", "-"))
         if args.json:
             out(json.dumps([vc.model_dump(mode="json") for vc in records], indent=2))
             return EXIT_OK
@@ -878,7 +889,7 @@ def user_list(text: str) -> list[str]:
 async def admin_dataset(args: argparse.Namespace) -> int:
     """`muster admin dataset set|remove|list`: the datasets jobs may mount (`data`), in bucket
     muster_datasets. Validators watch it; agents read a job's datasets when they start its tasks."""
-    from nats.js.errors import KeyNotFoundError, NoKeysError
+    from nats.js.errors import KeyNotFoundError
     from pydantic import ValidationError
 
     from shared.jobconfig import _reason
@@ -932,26 +943,17 @@ async def admin_dataset(args: argparse.Namespace) -> int:
             await kv.purge(args.name)
             out(f"{args.name}: removed (running tasks keep their mounts; new jobs naming it are refused)")
             return EXIT_OK
-        try:
-            keys = sorted(await kv.keys())
-        except NoKeysError:
-            keys = []
-        records: list[Dataset] = []
+        keys, found = await named_records(kv, Dataset)
+        keys.sort()
+        records = [found[k] for k in keys if found.get(k)]
         rows: list[tuple[str, ...]] = [("NAME", "SOURCE", "WRITABLE", "USERS", "DESCRIPTION")]
         for key in keys:
-            try:
-                entry = await kv.get(key)
-                ds = Dataset.model_validate_json(entry.value or b"")
-                if ds.name != key:
-                    raise ValueError(f"names {ds.name!r}")
-            except KeyNotFoundError:
-                continue
-            except ValueError:
+            ds = found.get(key)
+            if ds is None:
                 rows.append((key, "(does not decode: ignored)", "-", "-", "-"))
-                continue
-            records.append(ds)
-            writable = "yes" if ds.writable else "no"
-            rows.append((ds.name, ds.source, writable, ",".join(ds.users), ds.description or "-"))
+            else:
+                writable = "yes" if ds.writable else "no"
+                rows.append((ds.name, ds.source, writable, ",".join(ds.users), ds.description or "-"))
         if args.json:
             out(json.dumps([ds.model_dump(mode="json") for ds in records], indent=2))
             return EXIT_OK

@@ -243,15 +243,21 @@ class Gateway:
             return {"verdict": None}
         return {"verdict": Verdict.from_bytes(stored.data).model_dump(mode="json")}
 
-    async def logs(self, who: str, request: Question) -> dict[str, Any]:
+    async def tasks_asked(self, who: str, request: Question) -> tuple[JobRecord, int, str, str]:
+        """The job, attempt, role and index (`*`: every one) a logs or metrics question names."""
         record = await self.resolve(who, request.job_id)
-        attempt, after, limit, task = request.attempt, request.after, request.limit, request.task or ""
+        attempt, task = request.attempt, request.task or ""
         if attempt is None or not 1 <= attempt <= max(1, record.attempt):
             raise Refused(f"job {record.job_id} has no attempt {attempt}")
         if task and not TASK_RE.match(task):
             raise Refused(f"bad task {task!r}: expected ROLE or ROLE.INDEX")
         role, _, index = task.partition(".") if task else ("*", "", "*")
-        subject = subjects.task_logs(record.job_id, attempt, role or "*", index or "*")
+        return record, attempt, role or "*", index or "*"
+
+    async def logs(self, who: str, request: Question) -> dict[str, Any]:
+        record, attempt, role, index = await self.tasks_asked(who, request)
+        subject = subjects.task_logs(record.job_id, attempt, role, index)
+        after, limit = request.after, request.limit
 
         def line(m: Msg) -> list[Any]:
             token = m.subject.split(".")
@@ -263,14 +269,9 @@ class Gateway:
     async def metrics(self, who: str, request: Question) -> dict[str, Any]:
         """A page of the training metric batches of one attempt's tasks (or one task's): each
         `{"task", "points": [{"t", "step", "name", "value"}], "dropped"}`."""
-        record = await self.resolve(who, request.job_id)
-        attempt, after, limit, task = request.attempt, request.after, request.limit, request.task or ""
-        if attempt is None or not 1 <= attempt <= max(1, record.attempt):
-            raise Refused(f"job {record.job_id} has no attempt {attempt}")
-        if task and not TASK_RE.match(task):
-            raise Refused(f"bad task {task!r}: expected ROLE or ROLE.INDEX")
-        role, _, index = task.partition(".") if task else ("*", "", "*")
-        subject = subjects.task_metrics(record.job_id, attempt, role or "*", index or "*")
+        record, attempt, role, index = await self.tasks_asked(who, request)
+        subject = subjects.task_metrics(record.job_id, attempt, role, index)
+        after, limit = request.after, request.limit
         placed = await self.attempts.get(attempt_key(record.job_id, attempt))
         nodes = {t.key: t.node for t in placed.tasks} if placed is not None else {}
 
