@@ -531,29 +531,13 @@ async def show_logs(args: argparse.Namespace) -> int:
     nc = await connect(args.connect_timeout)
     try:
         record = await resolve(nc, args.job)
-        role, _, index = (args.task or "*.*").partition(".")
-        sizes = {r.name: r.taskNumber for r in record.config.taskRoles}
-        if args.task and (role not in sizes or (index and int(index) >= sizes[role])):
-            tasks = ", ".join(f"{r}.0-{n - 1}" if n > 1 else f"{r}.0" for r, n in sizes.items())
-            raise CliError(f"job {record.job_id} has no task {args.task}; its tasks: {tasks}", EXIT_INVALID)
-        if args.attempt and args.attempt > record.attempt:
-            has = f"its attempts: 1-{record.attempt}" if record.attempt else "it has not started yet"
-            raise CliError(f"job {record.job_id} has no attempt {args.attempt}; {has}", EXIT_INVALID)
-        attempt = args.attempt or record.attempt
-        if attempt == 0:
-            raise CliError(f"job {record.job_id} has not started yet: {record.reason}")
-        task = args.task or ""
-        after = 0
-        while True:
-            page = await ask(nc, "logs", job_id=record.job_id, attempt=attempt, task=task, after=after)
-            for name, text in page["lines"]:
+        attempt = _attempt_and_task(record, args)
+
+        def show(lines: list[Any]) -> None:
+            for name, text in lines:
                 out(f"[{name}] {text}")
-            after = page["last"]
-            if page["more"]:
-                continue
-            if not args.follow or (page["final"] and not page["lines"]):
-                break
-            await asyncio.sleep(0.5)
+
+        await _pages(nc, "logs", "lines", record.job_id, attempt, args, show)
         return EXIT_OK
     finally:
         await nc.close()
@@ -568,16 +552,13 @@ async def show_metrics(args: argparse.Namespace) -> int:
         record = await resolve(nc, args.job)
         if not record.config.metrics:
             raise CliError(f"job {record.job_id} declares no metrics (its config's `metrics`)", EXIT_INVALID)
-        attempt = await _attempt_and_task(record, args)
+        attempt = _attempt_and_task(record, args)
         formats = {s.name: s.format for s in record.config.metric_specs}
         if not args.json:
             out(f"{'TIME':<23}  {'TASK':<12}  {'STEP':>8}  {'METRIC':<20}  VALUE")
-        after = 0
-        while True:
-            page = await ask(
-                nc, "metrics", job_id=record.job_id, attempt=attempt, task=args.task or "", after=after
-            )
-            for batch in page["batches"]:
+
+        def show(batches: list[Any]) -> None:
+            for batch in batches:
                 for p in batch["points"]:
                     if args.json:
                         out(json.dumps({"task": batch["task"], "attempt": attempt, **p}))
@@ -588,18 +569,31 @@ async def show_metrics(args: argparse.Namespace) -> int:
                     out(f"{when:<23}  {batch['task']:<12}  {step:>8}  {p['name']:<20}  {value}")
                 if batch.get("dropped") and not args.json:
                     err(f"muster: {batch['dropped']} points of {batch['task']} thinned out (too fast)")
-            after = page["last"]
-            if page["more"]:
-                continue
-            if not args.follow or (page["final"] and not page["batches"]):
-                break
-            await asyncio.sleep(0.5)
+
+        await _pages(nc, "metrics", "batches", record.job_id, attempt, args, show)
         return EXIT_OK
     finally:
         await nc.close()
 
 
-async def _attempt_and_task(record: JobRecord, args: argparse.Namespace) -> int:
+async def _pages(
+    nc: Any, verb: str, items: str, job_id: str, attempt: int, args: argparse.Namespace, show: Any
+) -> None:
+    """Page through the gateway's answers to `verb` (logs, metrics) for one attempt, handing each
+    page's `items` to `show`; with `--follow`, until the job has ended and nothing more comes."""
+    after = 0
+    while True:
+        page = await ask(nc, verb, job_id=job_id, attempt=attempt, task=args.task or "", after=after)
+        show(page[items])
+        after = page["last"]
+        if page["more"]:
+            continue
+        if not args.follow or (page["final"] and not page[items]):
+            return
+        await asyncio.sleep(0.5)
+
+
+def _attempt_and_task(record: JobRecord, args: argparse.Namespace) -> int:
     """The attempt `--attempt` names (default: the current one), with `--task` checked."""
     role, _, index = (args.task or "*.*").partition(".")
     sizes = {r.name: r.taskNumber for r in record.config.taskRoles}
