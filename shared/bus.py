@@ -7,7 +7,7 @@ Every service and the CLI connect through `connect()`; every JetStream resource 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import json
 import os
 import re
 import weakref
@@ -16,6 +16,7 @@ from typing import Any
 
 import nats
 import nats.errors
+import nats.js.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
@@ -393,19 +394,73 @@ async def durable(
     return await js.pull_subscribe(subject, durable=name, stream=stream, config=config)
 
 
-READY_WAIT = 0.001  # seconds a fetch waits for more once it has a message (see `fetch_ready`)
+PULL_EXPIRES = 5.0  # seconds an open pull request lives on the server before it is renewed
 
 
-async def fetch_ready(sub: Any, batch: int, wait: float = 1.0) -> list[Any]:
-    """The next messages of a pull consumer as soon as there are any: waits up to `wait` for the
-    first (raising TimeoutError when none came), then takes what else is ready, up to `batch` in
-    all, within READY_WAIT. nats-py's own `fetch(n)` returns only once n messages came or its
-    timeout passed, so under light traffic every message would wait up to that timeout."""
-    msgs: list[Any] = await sub.fetch(1, timeout=wait)
-    if batch > 1:
-        with contextlib.suppress(nats.errors.TimeoutError, TimeoutError):
-            msgs += await sub.fetch(batch - 1, timeout=READY_WAIT)
-    return msgs
+class Puller:
+    """Messages of a pull consumer as they come, with one pull request of `batch` kept open on
+    the server: each message is handed out as soon as it arrives, and a new request goes out only
+    once the last one is used up or expired. Under load that is one request per `batch`
+    messages (nats-py's `fetch` costs one to three requests, a status reply and a task per
+    message); idle, one per PULL_EXPIRES. nats-py (2.16) has no such streaming pull, so this
+    drives its pull subscription's request subject and inbox as its own `fetch` does."""
+
+    def __init__(self, sub: Any, batch: int, expires: float = PULL_EXPIRES):
+        self.sub, self.batch, self.expires = sub, batch, expires
+        self.queue: asyncio.Queue[Any] = sub._sub._pending_queue
+        self.left = 0  # messages the open request may still deliver
+        self.renew_at = 0.0  # (loop time) when to stop waiting for its end and ask again
+
+    async def _ask(self) -> None:
+        ask = {"batch": self.batch, "expires": int(self.expires * 1e9)}
+        await self.sub._nc.publish(self.sub._nms, json.dumps(ask).encode(), self.sub._deliver)
+        self.left = self.batch
+        self.renew_at = asyncio.get_running_loop().time() + self.expires + 1.0
+
+    def _take(self, msg: Any, into: list[Any]) -> None:
+        self.queue.task_done()
+        self.sub._sub._pending_size -= len(msg.data)
+        status = msg.headers.get(STATUS) if msg.headers else None
+        if not status:
+            self.left -= 1
+            into.append(msg)
+        elif status in ("404", "408"):  # no messages / the request expired: ask again
+            self.left = 0
+        elif status != "100":  # 100: an idle heartbeat. Else the server gave up on the request
+            self.left = 0  # (409: consumer deleted, leader change...; 503: no JetStream)
+            raise nats.js.errors.APIError.from_msg(msg)
+
+    async def next(self, wait: float = 1.0) -> list[Any]:
+        """What has arrived (at least one message, at most what the queue holds), waiting up to
+        `wait` for the first; TimeoutError when none came. Raises the server's refusal (409)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + wait
+        got: list[Any] = []
+        while True:
+            if self.left <= 0 or loop.time() >= self.renew_at:
+                await self._ask()
+            while not got and self.queue.empty():
+                timeout = min(end, self.renew_at) - loop.time()
+                if timeout <= 0:
+                    if loop.time() >= end:
+                        raise TimeoutError
+                    break  # the request should have ended by now: ask again
+                try:
+                    msg = await asyncio.wait_for(self.queue.get(), timeout)
+                except TimeoutError:
+                    continue
+                self._take(msg, got)
+                if self.left <= 0:
+                    break
+            while not self.queue.empty():
+                self._take(self.queue.get_nowait(), got)
+            if got:
+                return got
+            if loop.time() >= end:
+                raise TimeoutError
+
+
+STATUS = "Status"  # a JetStream status message's header
 
 
 async def consume(
@@ -445,9 +500,10 @@ async def consume(
                 await asyncio.wait(list(running))
         return
     failing = False
+    puller = Puller(sub, batch)
     while not stop.is_set():
         try:
-            msgs = await fetch_ready(sub, batch)
+            msgs = await puller.next()
         except (nats.errors.TimeoutError, TimeoutError):
             continue
         except Exception as exc:

@@ -9,6 +9,7 @@ the revision read, retried)."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Generic, TypeVar
 
@@ -19,6 +20,8 @@ from prometheus_client import Counter
 from pydantic import ValidationError
 
 from shared.messages import Message
+
+EVERY = sys.maxsize  # a `cache` that keeps every key
 
 M = TypeVar("M", bound=Message)
 BAD_RECORDS = Counter(
@@ -34,17 +37,19 @@ class Store(Generic[M]):
         kv: KeyValue,
         model: type[M],
         check: Callable[[str, M], str | None] | None = None,
-        cache: bool = False,
+        cache: int = 0,
     ):
         """`check(key, record)`: why a record that decodes may still not be believed (a node
         record from the future), or None; such records are skipped like undecodable ones.
 
-        `cache`: keep the latest (revision, bytes) of each key that `mirror` and this store's
-        own writes saw, so that `update` can write on a known revision without reading first
-        (half the round trips of a read-modify-write). A stale copy costs nothing but the read
-        it would have saved: the write is conditional on its revision."""
+        `cache`: keep the latest (revision, bytes) of up to that many keys (the newest) that
+        `mirror` and this store's own writes saw, so that `update` can write on a known revision
+        without reading first (half the round trips of a read-modify-write). A stale or evicted
+        copy costs nothing but the read it would have saved: the write is conditional on its
+        revision. 0: none."""
         self.kv, self.model, self.check = kv, model, check
         self.bucket = kv._name
+        self._limit = cache
         self._latest: dict[str, tuple[int, bytes]] | None = {} if cache else None
 
     def _saw(self, key: str, revision: int, data: bytes | None) -> None:
@@ -55,8 +60,10 @@ class Store(Generic[M]):
             return
         if data is None:
             self._latest.pop(key, None)
-        else:
-            self._latest[key] = (revision, data)
+            return
+        self._latest[key] = (revision, data)
+        if len(self._latest) > self._limit:  # the oldest first (insertion order)
+            del self._latest[next(iter(self._latest))]
 
     def decode(self, key: str, data: bytes | None) -> M | None:
         """The record, or None (counted and named once) when it does not decode or check."""

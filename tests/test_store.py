@@ -7,7 +7,7 @@ import contextlib
 
 from shared import bus, subjects
 from shared.messages import AttemptRecord, TaskStatus
-from shared.store import Store
+from shared.store import EVERY, Store
 
 
 def record(n: int) -> AttemptRecord:
@@ -36,7 +36,7 @@ async def test_a_cached_store_writes_on_the_mirrored_revision_and_stays_right_wh
     nc = await bus.connect("test", nats_url)
     try:
         js, buckets = await bus.ensure_jetstream(nc)
-        cached = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord, cache=True)
+        cached = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord, cache=EVERY)
         # Another replica, writing behind the cache's back (its own handle: its reads are not counted).
         other = Store(await js.key_value(subjects.ATTEMPTS_BUCKET), AttemptRecord)
         view: dict[str, AttemptRecord] = {}
@@ -68,5 +68,19 @@ async def test_a_cached_store_writes_on_the_mirrored_revision_and_stays_right_wh
         assert (await other.get("k")).attempt == 7
         # And a real "nothing to do" on the stored record writes nothing.
         assert await cached.update("k", lambda r: None) is None and (await other.get("k")).attempt == 7
+    finally:
+        await nc.close()
+
+
+async def test_a_bounded_cache_keeps_the_newest_keys_and_reads_the_evicted(nats_url):
+    nc = await bus.connect("test", nats_url)
+    try:
+        _, buckets = await bus.ensure_jetstream(nc)
+        cached = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord, cache=2)
+        reads = counting(cached)
+        for key in ("a", "b", "c"):
+            assert await cached.create(key, record(1))
+        assert (await cached.update("c", bump)).attempt == 2 and reads == []  # kept
+        assert (await cached.update("a", bump)).attempt == 2 and reads == ["a"]  # evicted: read
     finally:
         await nc.close()

@@ -414,11 +414,11 @@ async def pull_orders(
     """Fetch orders from the pull consumer `subscribe` makes and `take` each, until `stop`. A
     fetch that keeps failing while connected means the consumer (or its stream) is gone: the
     bus lost its state, so JetStream is set up again and the consumer made again."""
-    sub = await subscribe()
+    puller = bus.Puller(await subscribe(), batch)
     failures = 0
     while not stop.is_set():
         try:
-            msgs = await bus.fetch_ready(sub, batch)
+            msgs = await puller.next()
             failures = 0
         except (nats.errors.TimeoutError, TimeoutError):
             continue
@@ -430,7 +430,7 @@ async def pull_orders(
             if failures % 4 == 0 and nc.is_connected:
                 with contextlib.suppress(Exception):
                     await bus.setup(nc, wait=0)
-                    sub = await subscribe()
+                    puller = bus.Puller(await subscribe(), batch)
             continue
         for msg in msgs:
             await take(msg)

@@ -60,6 +60,7 @@ from shared.store import Store
 from shared.subjects import Headers
 
 log = structlog.get_logger(service="scheduler")
+RECENT_JOBS = 8192  # job records the scheduler keeps as bytes (see kv_jobs)
 PLACED = Counter("muster_scheduler_placements_total", "Attempts placed")
 PENDING = Gauge("muster_scheduler_pending_jobs", "Jobs waiting for resources")
 LEADER = Gauge("muster_scheduler_leader", "1 while this replica is the active scheduler")
@@ -93,7 +94,9 @@ class Scheduler:
         self.nc, self.js = nc, js
         self.node_timeout = bus.node_timeout() if node_timeout is None else node_timeout
         self.kv_nodes = Store(buckets[subjects.NODES_BUCKET], NodeInfo, check=node_refusal)
-        self.kv_jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord)
+        # The newest job records' bytes, so that placing a job just submitted writes without
+        # reading it first; bounded, so a long queue costs no more memory per job.
+        self.kv_jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord, cache=RECENT_JOBS)
         self.kv_attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
         self.kv_vcs = Store(buckets[subjects.VCS_BUCKET], VirtualCluster, check=vc_refusal)
         self.vcs: dict[str, VirtualCluster] = {}

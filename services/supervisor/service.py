@@ -53,7 +53,7 @@ from shared.messages import (
     node_refusal,
     now,
 )
-from shared.store import Store
+from shared.store import EVERY, Store
 from shared.subjects import Headers
 
 log = structlog.get_logger(service="supervisor")
@@ -122,8 +122,8 @@ class Supervisor:
             backoff=float(os.environ.get("MUSTER_RETRY_BACKOFF", "1")),
         )
         # Jobs and attempts are mirrored below anyway: their writes start from the mirrored revision.
-        self.jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord, cache=True)
-        self.attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord, cache=True)
+        self.jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord, cache=EVERY)
+        self.attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord, cache=EVERY)
         self.nodes = Store(buckets[subjects.NODES_BUCKET], NodeInfo, check=node_refusal)
         self.names = buckets[subjects.JOB_NAMES_BUCKET]
         self.secrets = buckets[subjects.SECRETS_BUCKET]
