@@ -73,15 +73,23 @@ class Specs:
                 read.cancel()
 
     async def _read(self, job_id: str, attempt: int, member: str | None = None) -> ClusterSpec:
-        """Subscribe, then read the stored spec; wait on the subscription between reads. The
+        """Subscribe, then wait on the subscription between reads of the stored spec. The
         server hands a published message to subscribers before the stream has stored it, so a
         spec published just as we subscribe can be missed by both: the reads come soon at first
-        (50 ms, doubling to 5 s), not a whole wait later. With `member`: a spec that lists it."""
+        (50 ms, doubling to 5 s), not a whole wait later. The first read comes after the first
+        wait: a task's spec is usually published after its order is taken (it waits for the
+        task's own endpoint), so it comes on the subscription and is never read (a round trip
+        per task saved); one published already (a restarted agent) is read 50 ms later. With
+        `member`: a spec that lists it."""
         subject = subjects.cluster_spec(job_id, attempt)
         sub = await self.nc.subscribe(subject)
         wait = 0.05
         try:
             while True:
+                with contextlib.suppress(nats.errors.TimeoutError, ValueError):  # none, or garbage
+                    spec = ClusterSpec.from_bytes((await sub.next_msg(timeout=wait)).data)
+                    if member is None or spec.has(member):
+                        return spec
                 try:
                     stored = await self.js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)
                     spec = ClusterSpec.from_bytes(stored.data)
@@ -91,10 +99,6 @@ class Specs:
                     pass
                 except Exception:
                     await asyncio.sleep(0.5)
-                with contextlib.suppress(nats.errors.TimeoutError):
-                    spec = ClusterSpec.from_bytes((await sub.next_msg(timeout=wait)).data)
-                    if member is None or spec.has(member):
-                        return spec
                 wait = min(wait * 2, 5.0)
         finally:
             with contextlib.suppress(Exception):
