@@ -348,6 +348,90 @@ async def test_mpirun_starts_ranks_in_other_agents_containers_by_docker_exec(mpi
     check_ranks(a.tasks, slots=1, addresses=addresses)
 
 
+def docker(*args: str, check: bool = True) -> str:
+    proc = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 or not check, f"docker {' '.join(args)}: {proc.stderr}"
+    return proc.stdout.strip()
+
+
+# Run by every rank after the all-reduce: the address its traffic leaves from (a UDP connect
+# to the network's gateway sends nothing), so the test sees the network namespace each rank
+# ran in, not only the address its task was told (PAI_CURRENT_CONTAINER_IP).
+WHERE = """import os, socket
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.connect((os.environ["GATEWAY"], 9))
+print(f"rank in task worker.{os.environ['MUSTER_TASK_INDEX']} has address {s.getsockname()[0]}", flush=True)
+"""
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(900)  # the first run builds the images (debootstrap, apt-get)
+async def test_mpirun_across_docker_hosts_in_network_namespaces_of_their_own(mpi_image, cluster, nc):  # noqa: F811
+    """The issue's done-when on Docker: 3 tasks on 2 network-namespaced hosts. Each host is a
+    holder container (`sleep infinity`) at a fixed address on a bridge network of the test's own;
+    its agent runs tasks in the holder's network namespace (--docker-network container:HOLDER)
+    and advertises the holder's address. The first host has room for two workers, 2 GPUs
+    (declared) each: every task hosts its own two ranks. The ranks all-reduce, report the task,
+    GPUs and address they ran at, and the job SUCCEEDS."""
+    tag = f"muster-mpi-{os.getpid() % 10000}"
+    net = f"198.19.{os.getpid() % 200 + 20}"
+    holders = {f"{tag}-a": f"{net}.2", f"{tag}-b": f"{net}.3"}  # node (= holder) -> address
+    docker("network", "create", "--subnet", f"{net}.0/24", "--gateway", f"{net}.1", tag)
+    try:
+        for holder, address in holders.items():
+            docker(
+                "run",
+                "-d",
+                "--name",
+                holder,
+                "--network",
+                tag,
+                "--ip",
+                address,
+                mpi_image,
+                "sleep",
+                "infinity",
+            )
+        cluster.core()
+        for (holder, address), room in zip(holders.items(), (2, 1), strict=True):
+            cluster.agent(
+                holder,
+                *("--runtime", "docker", "--docker-network", f"container:{holder}", "--address", address),
+                *("--cpus", str(room), "--gpus", f"{2 * room}xV100"),
+            )
+        config = example()
+        command = config["taskRoles"][0]["command"]
+        config["taskRoles"][0].update(
+            gpuNumber=2, command=f'{command} && mpirun -np $MUSTER_MPI_NP /usr/bin/python3 -c "$WHERE"'
+        )
+        config.update(image=mpi_image, codeDir=str(EXAMPLE), jobEnvs={"WHERE": WHERE, "GATEWAY": f"{net}.1"})
+        await bus.open_jetstream(nc, wait=60)  # the services have declared the streams
+        record = await run_job(nc, config, timeout=100)
+        a = await attempt(nc, record.job_id)
+        launcher = next(t for t in a.tasks if (t.role, t.index) == ("worker", 0))
+        assert record.state == JobState.SUCCEEDED, (
+            record.reason,
+            launcher.last_lines,
+            a.tasks,
+            cluster.logs(),
+        )
+        a_, b_ = holders
+        assert sorted(t.node for t in a.tasks) == [a_, a_, b_], a.tasks
+        check_ranks(a.tasks, slots=2, addresses=holders)
+        node_of = {f"worker.{t.index}": t.node for t in a.tasks}
+        found = (re.fullmatch(r"rank in task (\S+) has address (\S+)", line) for line in launcher.last_lines)
+        seen = sorted([m[1], m[2]] for m in found if m)
+        assert seen == sorted([task, holders[node]] for task, node in node_of.items() for _ in range(2)), seen
+    finally:
+        cluster.stop_all()
+        for holder in holders:  # the tasks' containers first: they live in the holders' namespaces
+            leftovers = docker("ps", "-aq", "--filter", f"label=muster.node={holder}", check=False)
+            if leftovers:
+                docker("rm", "-f", *leftovers.split(), check=False)
+        docker("rm", "-f", *holders, check=False)
+        docker("network", "rm", tag, check=False)
+
+
 def launcher_job(command: str) -> dict:
     """Arena's default shape: a launcher role of its own (no GPU, hosts no ranks) and workers."""
     config = example()
