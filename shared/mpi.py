@@ -5,9 +5,10 @@ launches `mpirun` and which hosts its ranks. Pure: no I/O.
     "extras": {"mpi": {"launcher": "launcher", "workers": "worker"}}  # a launcher role of its own
 
 - `launcher`: the role whose task 0 runs its command (`mpirun ...`). Required.
-- `workers`: the role whose tasks host the ranks; the MPI hostfile lists their hosts, with one
-  slot per GPU (1 for a CPU-only role). Default: the launcher's role when the job has one role,
-  the other role when it has two; required with more.
+- `workers`: the role whose tasks host the ranks; the MPI hostfile has a line for each of their
+  tasks (a host alias of its own, `host_alias`), with a slot per GPU (1 for a CPU-only role).
+  Default: the launcher's role when the job has one role, the other role when it has two;
+  required with more.
 
 Only the launcher task runs its command. Every other task of the workers role only hosts ranks
 (its command is not run: it waits), and the job ends with the launcher: it succeeds when the
@@ -123,6 +124,24 @@ def slots(config: JobConfig, role: str) -> int:
     """Ranks one task of `role` hosts: its GPUs, or 1 for a CPU-only role."""
     gpus = config.role(role).gpuNumber
     return gpus if gpus > 0 else 1
+
+
+# Open MPI 4.1 takes node names of letters, digits, '-' and '.' only (it refuses '_'), cuts a name
+# at its first '.' (a domain), and overflows a buffer (stack smashing) on names of 58 characters
+# or more: an alias stays within ALIAS_MAX.
+ALIAS_PREFIX = "muster-mpi-"
+ALIAS_ROLE_MAX = 30
+ALIAS_MAX = len(ALIAS_PREFIX) + ALIAS_ROLE_MAX + 1 + 10  # 52: up to a 10-digit index
+
+
+def host_alias(role: str, index: int) -> str:
+    """The hostfile's name for one workers task (`muster-mpi-<role>-<index>`): every task gets a
+    line of its own, so mpirun starts a daemon in each (muster-rsh maps the name back to the task
+    through the cluster spec) even when tasks share a node and so an address. Not a real host
+    name: mpirun never resolves it (OMPI_MCA_if_base_do_not_resolve=1). Unique within an attempt:
+    only the one workers role has aliases, and the index ends the name."""
+    safe = role.lower().replace("_", "-")[:ALIAS_ROLE_MAX]
+    return f"{ALIAS_PREFIX}{safe}-{index}"
 
 
 def common_network(addresses: list[str]) -> str | None:

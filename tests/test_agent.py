@@ -71,6 +71,12 @@ def test_port_pool_never_hands_out_a_port_twice_or_one_in_use():
         assert pool.take(1) == got[:1]
         with pytest.raises(RuntimeError, match="in use"):
             pool.take_range(taken, 1)
+        # Tasks in another network namespace (--docker-network container:NAME): a bind here
+        # says nothing about theirs, so only the pool's own ports are kept apart.
+        elsewhere = PortPool(taken, taken + 1, probe=False)
+        assert elsewhere.take(2) == [taken, taken + 1]
+        with pytest.raises(RuntimeError, match="no 1 free ports"):
+            elsewhere.take(1)
 
 
 async def test_agent_registers_declared_inventory_and_reregisters_after_an_outage(tmp_path, cluster):

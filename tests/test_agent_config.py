@@ -1,9 +1,12 @@
 """Agent settings that matter when several agents share one host (`--scale agent=3` on the host
-network): the metrics port (a port or a range, MUSTER_AGENT_METRICS_PORT) and the node name."""
+network): the metrics port (a port or a range, MUSTER_AGENT_METRICS_PORT) and the node name; and
+the network namespace Docker's tasks run in (--docker-network / MUSTER_DOCKER_NETWORK)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import re
 import socket
 import time
 from pathlib import Path
@@ -12,6 +15,7 @@ import httpx
 import pytest
 
 from services.agent import config
+from services.agent.args import add_agent_arguments
 from services.agent.config import metrics_ports, node_name, serve_health_in_range
 from services.agent.service import default_node_name
 from shared.natsserver import free_port
@@ -96,3 +100,43 @@ def test_two_agents_on_one_range_serve_health_on_ports_of_their_own(cluster, mon
     assert len(set(ports)) == 2 and all(low <= p <= low + 10 for p in ports), ports
     for port in ports:
         assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200
+
+
+# ---------------------------------------------------------------- where Docker's tasks are networked
+
+
+def agent_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_agent_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_docker_network_defaults_to_host_and_takes_a_containers_namespace(monkeypatch) -> None:
+    monkeypatch.delenv("MUSTER_DOCKER_NETWORK", raising=False)
+    assert agent_args().docker_network == "host"
+    config.check_network(agent_args("--runtime", "process"))  # host: any runtime
+    monkeypatch.setenv("MUSTER_DOCKER_NETWORK", "container:holder-1")
+    args = agent_args("--runtime", "docker", "--address", "10.9.0.2")
+    assert args.docker_network == "container:holder-1"
+    config.check_network(args)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--docker-network", "bridge"], "--docker-network (MUSTER_DOCKER_NETWORK) 'bridge': use host, or "),
+        (["--docker-network", "none"], "--docker-network (MUSTER_DOCKER_NETWORK) 'none'"),
+        (["--docker-network", "container:"], "--docker-network (MUSTER_DOCKER_NETWORK) 'container:'"),
+        (["--docker-network", "container:a b"], "'container:a b'"),
+        (
+            ["--docker-network", "container:h", "--runtime", "process", "--address", "10.9.0.2"],
+            "--docker-network container:h: only with --runtime docker",
+        ),
+        (["--docker-network", "container:h", "--runtime", "docker"], "give --address"),
+    ],
+)
+def test_a_bad_docker_network_is_refused_naming_the_option(monkeypatch, argv: list[str], said: str) -> None:
+    monkeypatch.delenv("MUSTER_DOCKER_NETWORK", raising=False)
+    monkeypatch.delenv("MUSTER_AGENT_ADDRESS", raising=False)
+    with pytest.raises(SystemExit, match=re.escape(said)):
+        config.check_network(agent_args(*argv))

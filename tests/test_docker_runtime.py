@@ -1,4 +1,5 @@
-"""The Docker runtime against the real engine: output, exit codes, env, host networking, limits,
+"""The Docker runtime against the real engine: output, exit codes, env, host networking (and
+another container's network namespace: --docker-network container:NAME), limits,
 mounts, labels, stop, pull failures and leftovers. Uses the local base image built by
 deploy/build-base-image.sh (nothing can be pulled here)."""
 
@@ -17,6 +18,7 @@ import docker
 import httpx
 import pytest
 
+from services.agent.config import make_runtime
 from services.agent.docker_runtime import DockerRuntime, DockerTask
 from services.agent.runtime import (
     LABEL_INDEX,
@@ -125,6 +127,57 @@ async def test_host_network(runtime: DockerRuntime, launch: Callable) -> None:
             await asyncio.sleep(0.1)
     assert r.status_code == 200
     await task.stop(grace=0)
+
+
+async def test_tasks_run_in_another_containers_network_namespace(
+    base_image: str, launch: Callable, engine: docker.DockerClient, tmp_path: Path
+) -> None:
+    """--docker-network container:HOLDER: a task listens at the holder's address (its ports are
+    the holder's, not the host's), the runtime tells that address, and the agent is told not to
+    probe free ports in its own namespace, which is not the tasks'."""
+    holder = engine.containers.run(
+        base_image,
+        ["sleep", "infinity"],
+        detach=True,
+        name=f"muster-test-{RUN_ID}-holder",
+        labels={TEST_LABEL: RUN_ID},
+    )
+    rt = DockerRuntime(network=f"container:{holder.name}")
+    try:
+        holder.reload()
+        address = holder.attrs["NetworkSettings"]["Networks"]["bridge"]["IPAddress"]
+        assert rt.network_addresses() == [address] and not rt.tasks_in_agent_network
+        on_host = DockerRuntime()
+        assert on_host.tasks_in_agent_network and on_host.network_addresses() == []
+        await on_host.close()
+        port = free_port()
+        lines: list[str] = []
+        task = await rt.start(launch(f"exec python3 -m http.server {port} --bind 0.0.0.0"), lines.append)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                r = httpx.get(f"http://{address}:{port}/", timeout=1)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, f"task never listened at {address}:{port}; output {lines}"
+                await asyncio.sleep(0.1)
+        assert r.status_code == 200
+        with pytest.raises(httpx.TransportError):  # not on the host's network
+            httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
+        await task.stop(grace=0)
+    finally:
+        await rt.close()
+        holder.remove(force=True)
+
+
+def test_a_network_tasks_could_not_be_reached_in_is_refused(base_image: str, tmp_path: Path) -> None:
+    for bad in ("bridge", "none", "my-net", "container:"):
+        with pytest.raises(ValueError, match="use host, or container:NAME"):
+            DockerRuntime(network=bad)
+    with pytest.raises(SystemExit, match=r"--docker-network container:no-such-holder-\w+: no container"):
+        make_runtime(
+            "docker", str(tmp_path), network=f"container:no-such-holder-{RUN_ID}", address="10.9.0.2"
+        )
 
 
 async def test_memory_limit_in_cgroup(runtime: DockerRuntime, launch: Callable) -> None:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
 
 import pytest
 
-from services.agent import environment
+from services.agent import environment, rsh
 from services.supervisor.policy import decide
 from shared import bus, mpi
 from shared.jobconfig import JobConfig, check_job
@@ -120,18 +121,56 @@ def spec_of(config: JobConfig, placed: list[tuple[str, int, str]]) -> ClusterSpe
     )
 
 
-def test_the_hostfile_lists_the_workers_hosts_with_a_slot_per_gpu_and_not_a_launcher_of_its_own():
+def test_the_hostfile_has_a_line_per_worker_task_with_a_slot_per_gpu_and_not_a_launcher_of_its_own():
+    """Tasks that share a node (and so an address) each get a line of their own, named by their
+    host alias: each task's ranks start in it, with its GPUs."""
     config, _ = check_job(job([role("launcher", 1), role("w", 3, gpus=2)], {"launcher": "launcher"}))
     assert config is not None
     spec = spec_of(
         config,
         [("launcher", 0, "10.0.0.1"), ("w", 0, "10.0.0.1"), ("w", 1, "10.0.0.2"), ("w", 2, "10.0.0.2")],
     )
-    assert environment.render_hostfile(spec, config) == "10.0.0.1 slots=2\n10.0.0.2 slots=4\n"
+    assert environment.render_hostfile(spec, config) == (
+        "muster-mpi-w-0 slots=2\nmuster-mpi-w-1 slots=2\nmuster-mpi-w-2 slots=2\n"
+    )
     cpu, _ = check_job(job([role("w", 3)], {"launcher": "w"}))
     assert cpu is not None
     spec = spec_of(cpu, [("w", 0, "10.0.0.1"), ("w", 1, "10.0.0.1"), ("w", 2, "10.0.0.2")])
-    assert environment.render_hostfile(spec, cpu) == "10.0.0.1 slots=2\n10.0.0.2 slots=1\n"
+    assert environment.render_hostfile(spec, cpu) == (
+        "muster-mpi-w-0 slots=1\nmuster-mpi-w-1 slots=1\nmuster-mpi-w-2 slots=1\n"
+    )
+
+
+def test_a_host_alias_is_a_name_open_mpi_takes():
+    """Open MPI 4.1 refuses '_' in node names, cuts them at a '.', and crashes on names of 58
+    characters or more (all seen with the real mpirun): an alias has none of these."""
+    assert mpi.host_alias("worker", 3) == "muster-mpi-worker-3"
+    assert mpi.host_alias("GPU_Worker", 0) == "muster-mpi-gpu-worker-0"
+    longest = mpi.host_alias("r" * 64, 9_999_999_999)
+    assert len(longest) == mpi.ALIAS_MAX <= 57
+    ok = re.compile(r"[a-z0-9][a-z0-9-]*")
+    assert all(ok.fullmatch(mpi.host_alias(name, 12)) for name in ("w", "a-b", "x_y", "W0", "0w"))
+
+
+def test_muster_rsh_maps_an_alias_to_its_task_else_an_address_to_the_first_task_there():
+    config, _ = check_job(job([role("launcher", 1), role("w", 3)], {"launcher": "launcher"}))
+    assert config is not None
+    shape = mpi.shape(config)
+    assert shape is not None
+    spec = spec_of(
+        config,
+        [("launcher", 0, "10.0.0.1"), ("w", 0, "10.0.0.2"), ("w", 1, "10.0.0.2"), ("w", 2, "10.0.0.3")],
+    )
+
+    def target(host: str) -> tuple[str, int] | None:
+        found = rsh._target(spec, shape, host)
+        return (found.role, found.index) if found else None
+
+    assert [target(mpi.host_alias("w", i)) for i in range(3)] == [("w", 0), ("w", 1), ("w", 2)]
+    assert target("10.0.0.2") == ("w", 0)  # a host list the job wrote itself
+    assert target("10.0.0.1") is None  # the launcher of its own hosts no ranks
+    assert target(mpi.host_alias("launcher", 0)) is None
+    assert target(mpi.host_alias("w", 3)) is None
 
 
 def env_of(config: JobConfig, spec: ClusterSpec, who: str, index: int) -> dict[str, str]:
@@ -212,35 +251,60 @@ def _mpi_on_this_machine() -> str | None:
     return None
 
 
+RANK = re.compile(r"rank (\d+) of (\d+) in task (\S+)(?: \(GPUs ([0-9,]+)\))? at ([^:]+): sum = (\d+)")
+
+
+def check_ranks(tasks: list[TaskStatus], slots: int, addresses: dict[str, str]) -> list[str]:
+    """The example's rank lines (in its launcher's output), checked: every rank summed right, and
+    each workers task hosted its own ranks (mapped by slot: ranks slots*i .. slots*i+slots-1 in
+    worker.i), with that task's GPUs and its node's address (`addresses`: node -> address). The
+    rank lines, sorted."""
+    workers = sorted((t for t in tasks if t.role == "worker"), key=lambda t: t.index)
+    launcher = next(t for t in workers if t.index == 0)  # the example: worker 0 runs mpirun
+    lines = sorted(line for line in launcher.last_lines if RANK.fullmatch(line))
+    size = slots * len(workers)
+    assert len(lines) == size, launcher.last_lines
+    for line in lines:
+        m = RANK.fullmatch(line)
+        assert m is not None
+        rank, total = int(m[1]), int(m[6])
+        assert (int(m[2]), total) == (size, size * (size + 1) // 2), line
+        host = workers[rank // slots]
+        assert m[3] == f"worker.{host.index}", (line, workers)
+        assert (m[4] or "") == ",".join(map(str, host.gpus)), (line, host.gpus)
+        assert m[5] == addresses[host.node], (line, host.node)
+    return lines
+
+
 @pytest.mark.skipif(_mpi_on_this_machine() is not None, reason=str(_mpi_on_this_machine()))
 async def test_mpirun_across_three_tasks_on_two_hosts_all_reduces_and_the_job_succeeds(hosts, tmp_path):
-    """Process runtime: each agent (and so each task) in a network namespace of its own; two
-    CPUs each, so the three one-CPU workers take both hosts. Worker 0's mpirun starts the ranks
-    of the other host in the task there, through the agents."""
+    """Process runtime: each agent (and so each task) in a network namespace of its own. The
+    first host has room for two of the three workers, 2 GPUs each (declared): its two tasks share
+    its address, yet each hosts its own two ranks, with its own GPUs and environment, as the
+    worker on the other host does. Worker 0's mpirun starts every rank through the agents."""
     with NatsServer(tmp_path / "nats", host=f"{NET}.254") as server:
         cluster = Cluster(server.url, tmp_path)
         try:
             for module in CORE:
                 cluster.start(module)
-            for ns, address in hosts[:2]:
-                cluster.agent(ns, "--address", address, "--cpus", "2", prefix=("ip", "netns", "exec", ns))
+            for (ns, address), room in zip(hosts[:2], (2, 1), strict=True):
+                cluster.agent(
+                    ns,
+                    *("--address", address, "--cpus", str(room), "--gpus", f"{2 * room}xV100"),
+                    prefix=("ip", "netns", "exec", ns),
+                )
             config = example()
             config["codeDir"] = str(EXAMPLE)
+            config["taskRoles"][0]["gpuNumber"] = 2
             nc = await bus.connect("test", server.url)
             try:
                 await bus.open_jetstream(nc, wait=60)  # the services have declared the streams
                 record = await run_job(nc, config, timeout=100)
                 a = await attempt(nc, record.job_id)
                 assert record.state == JobState.SUCCEEDED, (record.reason, a.tasks, cluster.logs())
-                assert {t.node for t in a.tasks} == {ns for ns, _ in hosts[:2]}
-                launcher = next(t for t in a.tasks if (t.role, t.index) == ("worker", 0))
-                ranks = sorted(line for line in launcher.last_lines if line.startswith("rank "))
-                assert len(ranks) == 3 and all(line.endswith("sum = 6") for line in ranks), (
-                    launcher.last_lines
-                )
-                # Every rank ran in a worker task, and ranks ran on both hosts.
-                addresses = {address for _, address in hosts[:2]}
-                assert {line.split(" at ")[1].split(":")[0] for line in ranks} == addresses, ranks
+                placed = sorted(t.node for t in a.tasks)
+                assert placed == sorted([hosts[0][0], hosts[0][0], hosts[1][0]]), a.tasks
+                check_ranks(a.tasks, slots=2, addresses=dict(hosts))
             finally:
                 await nc.close()
         finally:
@@ -262,12 +326,14 @@ def mpi_image(base_image: str) -> str:
 @pytest.mark.docker
 @pytest.mark.timeout(900)  # the first run builds the images (debootstrap, apt-get)
 async def test_mpirun_starts_ranks_in_other_agents_containers_by_docker_exec(mpi_image, cluster, nc):  # noqa: F811
-    """Docker runtime: two agents on this machine, each its own address on the loopback network;
-    worker 0's mpirun (in its container) has the agents start each host's daemon in that host's
-    worker container (docker exec), as user 1000, never root."""
+    """Docker runtime: two agents on this machine, each its own address on the loopback network,
+    the first with room for two workers; worker 0's mpirun (in its container) has the agents
+    start each task's daemon in that task's container (docker exec), as user 1000, never root:
+    the two workers of the first node each host their own rank."""
     cluster.core()
-    for node, address in (("mpi-a", "127.0.0.2"), ("mpi-b", "127.0.0.3")):
-        cluster.agent(node, "--runtime", "docker", "--address", address, "--cpus", "2")
+    addresses = {"mpi-a": "127.0.0.2", "mpi-b": "127.0.0.3"}
+    for (node, address), cpus in zip(addresses.items(), ("2", "1"), strict=True):
+        cluster.agent(node, "--runtime", "docker", "--address", address, "--cpus", cpus)
     config = example()
     # The test's addresses are not the interfaces' own (127.0.0.1 is): the job says where Open
     # MPI's TCP goes, as a job on such a network would.
@@ -278,9 +344,92 @@ async def test_mpirun_starts_ranks_in_other_agents_containers_by_docker_exec(mpi
     a = await attempt(nc, record.job_id)
     launcher = next(t for t in a.tasks if (t.role, t.index) == ("worker", 0))
     assert record.state == JobState.SUCCEEDED, (record.reason, launcher.last_lines, a.tasks, cluster.logs())
-    ranks = sorted(line for line in launcher.last_lines if line.startswith("rank "))
-    assert len(ranks) == 3 and all(line.endswith("sum = 6") for line in ranks), launcher.last_lines
-    assert {line.split(" at ")[1].split(":")[0] for line in ranks} == {"127.0.0.2", "127.0.0.3"}, ranks
+    assert sorted(t.node for t in a.tasks) == ["mpi-a", "mpi-a", "mpi-b"], a.tasks
+    check_ranks(a.tasks, slots=1, addresses=addresses)
+
+
+def docker(*args: str, check: bool = True) -> str:
+    proc = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 or not check, f"docker {' '.join(args)}: {proc.stderr}"
+    return proc.stdout.strip()
+
+
+# Run by every rank after the all-reduce: the address its traffic leaves from (a UDP connect
+# to the network's gateway sends nothing), so the test sees the network namespace each rank
+# ran in, not only the address its task was told (PAI_CURRENT_CONTAINER_IP).
+WHERE = """import os, socket
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.connect((os.environ["GATEWAY"], 9))
+print(f"rank in task worker.{os.environ['MUSTER_TASK_INDEX']} has address {s.getsockname()[0]}", flush=True)
+"""
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(900)  # the first run builds the images (debootstrap, apt-get)
+async def test_mpirun_across_docker_hosts_in_network_namespaces_of_their_own(mpi_image, cluster, nc):  # noqa: F811
+    """The issue's done-when on Docker: 3 tasks on 2 network-namespaced hosts. Each host is a
+    holder container (`sleep infinity`) at a fixed address on a bridge network of the test's own;
+    its agent runs tasks in the holder's network namespace (--docker-network container:HOLDER)
+    and advertises the holder's address. The first host has room for two workers, 2 GPUs
+    (declared) each: every task hosts its own two ranks. The ranks all-reduce, report the task,
+    GPUs and address they ran at, and the job SUCCEEDS."""
+    tag = f"muster-mpi-{os.getpid() % 10000}"
+    net = f"198.19.{os.getpid() % 200 + 20}"
+    holders = {f"{tag}-a": f"{net}.2", f"{tag}-b": f"{net}.3"}  # node (= holder) -> address
+    docker("network", "create", "--subnet", f"{net}.0/24", "--gateway", f"{net}.1", tag)
+    try:
+        for holder, address in holders.items():
+            docker(
+                "run",
+                "-d",
+                "--name",
+                holder,
+                "--network",
+                tag,
+                "--ip",
+                address,
+                mpi_image,
+                "sleep",
+                "infinity",
+            )
+        cluster.core()
+        for (holder, address), room in zip(holders.items(), (2, 1), strict=True):
+            cluster.agent(
+                holder,
+                *("--runtime", "docker", "--docker-network", f"container:{holder}", "--address", address),
+                *("--cpus", str(room), "--gpus", f"{2 * room}xV100"),
+            )
+        config = example()
+        command = config["taskRoles"][0]["command"]
+        config["taskRoles"][0].update(
+            gpuNumber=2, command=f'{command} && mpirun -np $MUSTER_MPI_NP /usr/bin/python3 -c "$WHERE"'
+        )
+        config.update(image=mpi_image, codeDir=str(EXAMPLE), jobEnvs={"WHERE": WHERE, "GATEWAY": f"{net}.1"})
+        await bus.open_jetstream(nc, wait=60)  # the services have declared the streams
+        record = await run_job(nc, config, timeout=100)
+        a = await attempt(nc, record.job_id)
+        launcher = next(t for t in a.tasks if (t.role, t.index) == ("worker", 0))
+        assert record.state == JobState.SUCCEEDED, (
+            record.reason,
+            launcher.last_lines,
+            a.tasks,
+            cluster.logs(),
+        )
+        a_, b_ = holders
+        assert sorted(t.node for t in a.tasks) == [a_, a_, b_], a.tasks
+        check_ranks(a.tasks, slots=2, addresses=holders)
+        node_of = {f"worker.{t.index}": t.node for t in a.tasks}
+        found = (re.fullmatch(r"rank in task (\S+) has address (\S+)", line) for line in launcher.last_lines)
+        seen = sorted([m[1], m[2]] for m in found if m)
+        assert seen == sorted([task, holders[node]] for task, node in node_of.items() for _ in range(2)), seen
+    finally:
+        cluster.stop_all()
+        for holder in holders:  # the tasks' containers first: they live in the holders' namespaces
+            leftovers = docker("ps", "-aq", "--filter", f"label=muster.node={holder}", check=False)
+            if leftovers:
+                docker("rm", "-f", *leftovers.split(), check=False)
+        docker("rm", "-f", *holders, check=False)
+        docker("network", "rm", tag, check=False)
 
 
 def launcher_job(command: str) -> dict:

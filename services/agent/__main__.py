@@ -47,6 +47,8 @@ if __name__ == "__main__":
                 options.task_user,
                 options.pids_limit,
                 args.task_caps,
+                args.docker_network,
+                options.address,
             ),
         )
 

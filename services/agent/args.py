@@ -81,6 +81,12 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
         "CHOWN,DAC_OVERRIDE,FOWNER,SETUID,SETGID,KILL, see services/agent/docker_runtime.py)",
     )
     p.add_argument(
+        "--docker-network",
+        default=env("MUSTER_DOCKER_NETWORK", "host"),
+        help="Docker: the network namespace tasks run in: host (default), or container:NAME, a running "
+        "container's (e.g. one per simulated host on a bridge network; give its address as --address)",
+    )
+    p.add_argument(
         "--overcommit",
         action="store_true",
         default=env("MUSTER_AGENT_OVERCOMMIT", "") in ("1", "true", "yes"),

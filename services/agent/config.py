@@ -153,6 +153,7 @@ def options_from_args(args: argparse.Namespace, data_dir: str = "/tmp/muster") -
     low, high = parse_port_range(args.ports)
     check_task_settings(args)
     check_sim_flags(args)
+    check_network(args)
     return AgentOptions(
         node=node,
         address=args.address or machine_address(),
@@ -187,6 +188,36 @@ def check_task_settings(args: argparse.Namespace) -> None:
     task_caps(getattr(args, "task_caps", None))
 
 
+def docker_network(text: str | None) -> str:
+    """--docker-network / MUSTER_DOCKER_NETWORK checked (default host)."""
+    from services.agent.docker_runtime import NETWORK_HOST, parse_network
+
+    if text is None:
+        return NETWORK_HOST
+    try:
+        return parse_network(text)
+    except ValueError as exc:
+        raise SystemExit(f"--docker-network (MUSTER_DOCKER_NETWORK) {exc}") from None
+
+
+def check_network(args: argparse.Namespace) -> None:
+    """A --docker-network other than host is for Docker tasks only, and needs --address: the
+    address tasks are reached at is that namespace's, not this machine's."""
+    network = docker_network(getattr(args, "docker_network", None))
+    if network == "host":
+        return
+    if args.runtime not in ("docker", "auto"):
+        raise SystemExit(
+            f"--docker-network {network}: only with --runtime docker "
+            f"(--runtime {args.runtime} runs tasks in the agent's own network)"
+        )
+    if not args.address:
+        raise SystemExit(
+            f"--docker-network {network}: give --address (MUSTER_AGENT_ADDRESS), the address tasks "
+            "are reached at in that container's network; this machine's own is not it"
+        )
+
+
 def task_caps(text: str | None) -> tuple[str, ...] | None:
     """--task-caps parsed (None: the default, TASK_CAPS)."""
     if text is None:
@@ -216,10 +247,14 @@ def make_runtime(
     task_user: str = "auto",
     pids_limit: int = 4096,
     caps: str | None = None,
+    network: str | None = None,
+    address: str | None = None,
 ) -> Runtime:
     """The runtime `choice` names; task_user, pids_limit and caps (--task-caps text, None for the
     default) harden Docker's containers. The process runtime cannot apply them: its tasks run
-    as the agent's user, with its capabilities and no limits (see process_runtime)."""
+    as the agent's user, with its capabilities and no limits (see process_runtime). `network`
+    (--docker-network, None: host) is where Docker's tasks are networked; with container:NAME,
+    NAME must be a container of the engine, and `address` (--address) should be one of its."""
     from services.agent.process_runtime import ProcessRuntime
 
     if choice == "sim":
@@ -229,9 +264,31 @@ def make_runtime(
     if choice in ("auto", "docker"):
         from services.agent.docker_runtime import DockerRuntime
 
+        tasks_network = docker_network(network)
         if DockerRuntime.available():
-            return DockerRuntime(task_user=task_user, pids_limit=pids_limit, caps=task_caps(caps))
+            runtime = DockerRuntime(
+                task_user=task_user, pids_limit=pids_limit, caps=task_caps(caps), network=tasks_network
+            )
+            try:
+                addresses = runtime.network_addresses()
+            except ValueError as exc:
+                raise SystemExit(f"--docker-network {tasks_network}: {exc}") from None
+            if tasks_network != "host" and address not in addresses:
+                log.warning(
+                    "agent.address_not_in_task_network",
+                    address=address,
+                    network=tasks_network,
+                    addresses=addresses,
+                    detail="peers reach tasks at --address: give one of the container's addresses "
+                    "(none: it is not running yet, or has no network)",
+                )
+            return runtime
         if choice == "docker":
             raise SystemExit("--runtime docker: no Docker engine answers")
+        if tasks_network != "host":
+            raise SystemExit(
+                f"--docker-network {tasks_network}: no Docker engine answers, and the process "
+                "runtime runs tasks in the agent's own network"
+            )
         log.warning("agent.no_docker", detail="no Docker engine answers: using the process runtime")
     return ProcessRuntime(state_dir)

@@ -1,6 +1,7 @@
 """The Docker runtime: runs each task as one container on the local engine (pull with the job's
-credentials, create with the task's limits, mounts, GPUs and labels on the host network, stream its
-output, wait, stop) and finds the containers a previous agent left behind.
+credentials, create with the task's limits, mounts, GPUs and labels on the host network, or in
+another container's network namespace (--docker-network), stream its output, wait, stop) and
+finds the containers a previous agent left behind.
 
 docker-py is blocking: every call runs in `asyncio.to_thread`, and each container's log stream is
 read by its own thread that hands complete lines to the event loop."""
@@ -12,6 +13,7 @@ import codecs
 import contextlib
 import math
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -281,6 +283,32 @@ def parse_caps(text: str) -> tuple[str, ...]:
 
 
 TASK_CAPS = parse_caps(os.environ.get("MUSTER_TASK_CAPS", DEFAULT_TASK_CAPS))
+
+# Where tasks' containers are networked (--docker-network / MUSTER_DOCKER_NETWORK):
+# - "host" (the default): the host's network namespace, where the agent's --address and the
+#   ports it hands out are the host's own;
+# - "container:NAME": the network namespace of the (running) container NAME, e.g. a holder that
+#   only sleeps on a bridge network: tasks are reached at its address, which the agent must
+#   advertise (--address), and its ports are theirs. Several hosts on one machine, one holder
+#   each (tests/test_mpi.py), or a namespace a node's network plugin set up.
+# Nothing else: on a bridge (or any network of Docker's own) each task would get an address and
+# ports of its own that the agent neither knows nor advertises, and peers could not reach it.
+NETWORK_HOST = "host"
+CONTAINER_NETWORK = re.compile(r"container:([A-Za-z0-9][A-Za-z0-9_.-]*)")
+
+
+def parse_network(text: str) -> str:
+    """--docker-network checked: "host" or "container:NAME" (ValueError, saying why, else)."""
+    value = text.strip()
+    if value == NETWORK_HOST or CONTAINER_NETWORK.fullmatch(value):
+        return value
+    raise ValueError(
+        f"{text!r}: use host, or container:NAME to run tasks in the network namespace of the "
+        "container NAME (other networks would give each task an address and ports the agent "
+        "does not know)"
+    )
+
+
 DEFAULT_TASK_USER = os.environ.get("MUSTER_DEFAULT_TASK_USER", "1000:1000")
 
 
@@ -309,11 +337,15 @@ class DockerRuntime:
         task_user: str = "auto",
         pids_limit: int = 4096,
         caps: tuple[str, ...] | None = None,
+        network: str = NETWORK_HOST,
     ):
         # Each running task holds two engine connections (its log stream and its wait).
         self._client = client if client is not None else docker.from_env(max_pool_size=64)
         self.task_user, self.pids_limit = task_user, pids_limit
         self.caps = TASK_CAPS if caps is None else caps
+        self.network = parse_network(network)
+        # The agent probes free ports in its own namespace: only right on the host network.
+        self.tasks_in_agent_network = self.network == NETWORK_HOST
         self.cpu_cap: int | None = None  # the engine's CPUs, once `capacity` has asked
         self._fence: subprocess.Popen[bytes] | None = None
 
@@ -337,7 +369,7 @@ class DockerRuntime:
         await self._remove_leftover(launch.name)
         t0 = time.monotonic()
         user = await asyncio.to_thread(self._user_for, launch.image)
-        kwargs = self._create_kwargs(launch, self.cpu_cap, user, self.pids_limit, self.caps)
+        kwargs = self._create_kwargs(launch, self.cpu_cap, user, self.pids_limit, self.caps, self.network)
         try:
             container = await asyncio.to_thread(self._client.containers.create, launch.image, **kwargs)
         except docker.errors.DockerException as e:
@@ -383,6 +415,25 @@ class DockerRuntime:
     async def reap(self, found: FoundTask) -> None:
         with contextlib.suppress(docker.errors.NotFound):
             await asyncio.to_thread(self._client.api.remove_container, found.name, force=True)
+
+    def network_addresses(self) -> list[str]:
+        """The IPv4 addresses tasks have in the --docker-network's namespace: for container:NAME,
+        NAME's, on each of its networks ([] when it has none or is not running); for host, [].
+        Blocking (called when the agent starts). ValueError, saying why, when NAME is not a
+        container of this engine."""
+        found = CONTAINER_NETWORK.fullmatch(self.network)
+        if found is None:
+            return []
+        name = found.group(1)
+        try:
+            holder = self._client.containers.get(name)
+        except docker.errors.NotFound:
+            raise ValueError(f"no container {name!r} on this Docker engine (start it first)") from None
+        except docker.errors.DockerException as e:
+            raise ValueError(f"cannot look up container {name!r}: {_explain(e)}") from None
+        settings = holder.attrs.get("NetworkSettings") or {}
+        networks = settings.get("Networks") or {}
+        return [n["IPAddress"] for n in networks.values() if n.get("IPAddress")]
 
     def _user_for(self, image: str) -> str | None:
         """Who a task of `image` runs as: the agent's --task-user, or (auto) the image's own
@@ -479,10 +530,14 @@ class DockerRuntime:
         user: str | None = None,
         pids_limit: int = 4096,
         caps: tuple[str, ...] = TASK_CAPS,
+        network: str = NETWORK_HOST,
     ) -> dict[str, Any]:
         """The container: limits as declared, all capabilities dropped but `caps`, no new
         privileges (setuid binaries give none), at most `pids_limit` processes, not privileged,
-        no device but its GPUs, run as `user` (None: the image's own, non-root USER)."""
+        no device but its GPUs, run as `user` (None: the image's own, non-root USER), in the
+        `network` namespace (host, or container:NAME; no published ports, host name or DNS
+        settings of its own: the engine refuses those with container:NAME, and on the host
+        network they mean nothing)."""
         env = dict(launch.env)
         if launch.gpus:
             # The engine exposes the chosen host devices; inside the container they count from 0,
@@ -515,7 +570,7 @@ class DockerRuntime:
             "name": launch.name,
             "command": ["/bin/sh", "-c", MERGE_STDERR + launch.command],
             "environment": env,
-            "network_mode": "host",
+            "network_mode": network,
             "labels": dict(launch.labels),
             "working_dir": launch.workdir,
             "mounts": mounts,

@@ -130,14 +130,22 @@ def for_spec(config: JobConfig, spec: ClusterSpec) -> JobConfig:
 
 def render_hostfile(spec: ClusterSpec, config: JobConfig) -> str:
     """An MPI hostfile: one `<host> slots=<n>` line per host in spec order, n = the summed slots of
-    the host's tasks (a task's slots: its role's gpuNumber, or 1 for a CPU-only role). An MPI job
-    (`extras.mpi`) lists only the tasks of its workers role: those host its ranks."""
+    the host's tasks (a task's slots: its role's gpuNumber, or 1 for a CPU-only role).
+
+    An MPI job (`extras.mpi`) has one line per task of its workers role instead, named by the
+    task's host alias (`mpi.host_alias`), n = that task's slots: mpirun starts a daemon for each
+    line, and muster-rsh has it run in that very task, so each task's ranks run in it (with its
+    GPUs) even when several share a node, and so an address (docs/mpi.md)."""
     config = for_spec(config, spec)
     shape = mpi.shape(config)
+    if shape is not None:
+        return "".join(
+            f"{mpi.host_alias(ep.role, ep.index)} slots={mpi.slots(config, ep.role)}\n"
+            for ep in _ordered(spec, config)
+            if ep.role == shape.workers
+        )
     slots: dict[str, int] = {}
     for ep in _ordered(spec, config):
-        if shape is not None and ep.role != shape.workers:
-            continue
         gpus = config.taskRoles[ep.role_no].gpuNumber
         slots[ep.host] = slots.get(ep.host, 0) + (gpus if gpus > 0 else 1)
     return "".join(f"{host} slots={n}\n" for host, n in slots.items())
@@ -312,8 +320,9 @@ def _mpi(ctx: TaskContext, gang: list[Endpoint], me: Endpoint) -> dict[str, str]
         # Daemons stay in the foreground (no --daemonize): the agent's session lives as long as
         # the daemon, stopping it stops the daemon, and what it says reaches mpirun's output.
         env["OMPI_MCA_orte_leave_session_attached"] = "1"
-        # Never take a hostfile line for mpirun's own host (all tasks of a node share its address
-        # on the host network): every host's ranks start in its workers task, through the agent.
+        # The hostfile names tasks by alias (mpi.host_alias), which no DNS knows: mpirun must
+        # neither look them up nor take a line for its own host (tasks of a node share its
+        # address), so every task's ranks start in that task, through the agent.
         env["OMPI_MCA_if_base_do_not_resolve"] = "1"
     return env
 

@@ -99,12 +99,18 @@ def machine_address() -> str:
 
 class PortPool:
     """Ports for tasks from a range; never two live tasks with the same port, and never a port
-    something else on the machine is listening on."""
+    something else on the machine is listening on.
 
-    def __init__(self, low: int = 5000, high: int = 10000, host: str = "0.0.0.0"):
+    The second is checked by binding the port here, in the agent's network namespace: right when
+    the tasks share it (the host network, the process runtime). `probe=False` when they run in
+    another namespace (Docker's --docker-network container:NAME), where a bind here tells
+    nothing: then only this agent's own tasks are kept apart, and that namespace should hold
+    nothing else that listens."""
+
+    def __init__(self, low: int = 5000, high: int = 10000, host: str = "0.0.0.0", probe: bool = True):
         if not 0 < low <= high < 65536:
             raise ValueError(f"bad port range {low}-{high}")
-        self.low, self.high, self.host = low, high, host
+        self.low, self.high, self.host, self.probe = low, high, host, probe
         self.taken: set[int] = set()
         self._next = low
 
@@ -114,7 +120,7 @@ class PortPool:
         for _ in range(span):
             port = self._next
             self._next = self.low + (self._next - self.low + 1) % span
-            if port not in self.taken and _bindable(self.host, port):
+            if port not in self.taken and self._free(port):
                 ports.append(port)
                 self.taken.add(port)
                 if len(ports) == count:
@@ -125,7 +131,7 @@ class PortPool:
     def take_range(self, begin: int, count: int) -> list[int]:
         """Exactly begin..begin+count-1 (a portList entry with beginAt > 0)."""
         ports = list(range(begin, begin + count))
-        busy = [p for p in ports if p in self.taken or not _bindable(self.host, p)]
+        busy = [p for p in ports if p in self.taken or not self._free(p)]
         if busy:
             raise RuntimeError(f"ports {busy} are in use on this node")
         self.taken.update(ports)
@@ -137,6 +143,9 @@ class PortPool:
 
     def release(self, ports: list[int]) -> None:
         self.taken.difference_update(ports)
+
+    def _free(self, port: int) -> bool:
+        return not self.probe or _bindable(self.host, port)
 
 
 def _bindable(host: str, port: int) -> bool:

@@ -3,10 +3,11 @@
 
     muster-rsh HOST COMMAND...
 
-runs COMMAND (an orted line, as `ssh HOST COMMAND...` would) in the job's task at HOST and exits
-with its exit code. It asks this node's agent through the attempt's socket, next to this file
-(`rsh.sock` in the attempt directory, which only the attempt's own tasks on this node see); the
-agent asks the agent of HOST's node over the bus. The standard library only: the agent writes
+runs COMMAND (an orted line, as `ssh HOST COMMAND...` would) in the job's task HOST names (the
+task's host alias in the MPI hostfile, or its address) and exits with its exit code. It asks
+this node's agent through the attempt's socket, next to this file (`rsh.sock` in the attempt
+directory, which only the attempt's own tasks on this node see); the agent asks the agent of the
+task's node over the bus. The standard library only: the agent writes
 this file into every MPI attempt's directory, and the task's own python3 runs it."""
 
 import json

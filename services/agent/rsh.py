@@ -4,11 +4,12 @@ job's other tasks, through the node agents (docs/mpi.md).
 The launcher's `plm_rsh_agent` is `muster-rsh` (services/agent/muster_rsh.py), which the agent
 writes into every MPI attempt's directory. It connects to the attempt's socket there (`rsh.sock`;
 the directory is mounted only into that attempt's tasks on this node, so whoever connects is one
-of them) and says `{"host": H, "command": C}`. This agent (the caller) finds the workers task at
-host H in the attempt's cluster spec and asks that task's agent (the peer) on the bus:
-`ExecRequest` on `muster.exec.req.<peer>.<caller>`. The peer runs C inside that task (`docker
-exec`, or a process with the task's environment) and streams `ExecReply`s back on
-`muster.exec.out.<caller>.<peer>`: started, output, alive every ALIVE seconds, exit code.
+of them) and says `{"host": H, "command": C}`. This agent (the caller) finds the workers task H
+names in the attempt's cluster spec (H is its host alias, one per task: `mpi.host_alias`) and
+asks that task's agent (the peer) on the bus: `ExecRequest` on `muster.exec.req.<peer>.<caller>`.
+The peer runs C inside that task (`docker exec`, or a process with the task's environment) and
+streams `ExecReply`s back on `muster.exec.out.<caller>.<peer>`: started, output, alive every
+ALIVE seconds, exit code.
 
 Who may: the bus lets an agent publish only under its own node, so the peer knows the caller's
 node; it runs a command only in a task of its own, of an MPI job's workers role, of an attempt
@@ -75,9 +76,12 @@ def install(attempt_dir: Path) -> Path:
 
 
 def _target(spec: ClusterSpec, shape: mpi.MpiShape, host: str) -> Endpoint | None:
-    """The workers task whose host the hostfile line names (the first there, in spec order)."""
+    """The workers task the hostfile line names: by its host alias (`mpi.host_alias`, what the
+    platform's hostfile says), else the first task at that address, in spec order (a host list
+    the job wrote itself, `mpirun -H 10.0.0.2,...`)."""
     workers = sorted((e for e in spec.endpoints if e.role == shape.workers), key=lambda e: e.index)
-    return next((e for e in workers if host in (e.host, e.address)), None)
+    named = next((e for e in workers if mpi.host_alias(e.role, e.index) == host), None)
+    return named or next((e for e in workers if host in (e.host, e.address)), None)
 
 
 class Rsh:
@@ -182,7 +186,7 @@ class Rsh:
             return 0, f"no cluster spec for attempt {attempt} of job {job_id}"
         target = _target(spec, shape, host)
         if target is None:
-            return 0, f"{host} is the host of no task of role {shape.workers} in this job"
+            return 0, f"{host} names no task of role {shape.workers} in this job (no alias, no address)"
         session = uuid.uuid4().hex
         replies: asyncio.Queue[ExecReply] = asyncio.Queue()
         self.waiting[session] = replies

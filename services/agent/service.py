@@ -130,7 +130,9 @@ class Agent:
         self.nc, self.js, self.opts, self.runtime = nc, js, options, runtime
         self.nodes = buckets[subjects.NODES_BUCKET]
         self.attempts = shared.attempts if shared else Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
-        ports = PortPool(options.port_low, options.port_high)
+        # Free ports are probed here only when the tasks share this network namespace.
+        probe = getattr(runtime, "tasks_in_agent_network", True)
+        ports = PortPool(options.port_low, options.port_high, probe=probe)
         # Tasks that ended here (or were reported as never started), so a late or repeated
         # order never runs one again.
         self.reporter = Reporter(js, Path(options.work_root) / "outbox")

@@ -1020,6 +1020,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                 options.task_user,
                 options.pids_limit,
                 args.task_caps,
+                args.docker_network,
+                options.address,
             ),
         )
 
