@@ -7,6 +7,7 @@ Every service and the CLI connect through `connect()`; every JetStream resource 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -410,12 +411,14 @@ class Puller:
         self.queue: asyncio.Queue[Any] = sub._sub._pending_queue
         self.left = 0  # messages the open request may still deliver
         self.renew_at = 0.0  # (loop time) when to stop waiting for its end and ask again
+        self.reconnects = -1  # the connection's count when it was asked: a reconnect loses it
 
     async def _ask(self) -> None:
         ask = {"batch": self.batch, "expires": int(self.expires * 1e9)}
         await self.sub._nc.publish(self.sub._nms, json.dumps(ask).encode(), self.sub._deliver)
         self.left = self.batch
         self.renew_at = asyncio.get_running_loop().time() + self.expires + 1.0
+        self.reconnects = self.sub._nc.stats["reconnects"]
 
     def _take(self, msg: Any, into: list[Any]) -> None:
         self.queue.task_done()
@@ -430,6 +433,24 @@ class Puller:
             self.left = 0  # (409: consumer deleted, leader change...; 503: no JetStream)
             raise nats.js.errors.APIError.from_msg(msg)
 
+    def _lost(self) -> bool:
+        """The connection was made again since the request went out: the server dropped it."""
+        return bool(self.sub._nc.stats["reconnects"] != self.reconnects)
+
+    async def close(self) -> None:
+        """Give the open request up: unsubscribe its inbox (the server drops a pull request
+        nobody listens to, so no later message is held for a reader that is gone until its ack
+        wait runs out) and hand back what arrived but was not taken (nak: redelivered at once)."""
+        left: list[Any] = []
+        with contextlib.suppress(Exception):
+            await self.sub.unsubscribe()
+        while not self.queue.empty():
+            with contextlib.suppress(Exception):
+                self._take(self.queue.get_nowait(), left)
+        for msg in left:
+            with contextlib.suppress(Exception):
+                await msg.nak()
+
     async def next(self, wait: float = 1.0) -> list[Any]:
         """What has arrived (at least one message, at most what the queue holds), waiting up to
         `wait` for the first; TimeoutError when none came. Raises the server's refusal (409)."""
@@ -437,7 +458,7 @@ class Puller:
         end = loop.time() + wait
         got: list[Any] = []
         while True:
-            if self.left <= 0 or loop.time() >= self.renew_at:
+            if self.left <= 0 or loop.time() >= self.renew_at or self._lost():
                 await self._ask()
             while not got and self.queue.empty():
                 timeout = min(end, self.renew_at) - loop.time()
@@ -499,8 +520,17 @@ async def consume(
             if running:
                 await asyncio.wait(list(running))
         return
-    failing = False
     puller = Puller(sub, batch)
+    try:
+        await _pull(puller, handle, stop, logger)
+    finally:
+        await puller.close()
+
+
+async def _pull(
+    puller: Puller, handle: Callable[[Any], Awaitable[None]], stop: asyncio.Event, logger: Any
+) -> None:
+    failing = False
     while not stop.is_set():
         try:
             msgs = await puller.next()

@@ -418,24 +418,29 @@ async def pull_orders(
     bus lost its state, so JetStream is set up again and the consumer made again."""
     puller = bus.Puller(await subscribe(), batch)
     failures = 0
-    while not stop.is_set():
-        try:
-            msgs = await puller.next()
-            failures = 0
-        except (nats.errors.TimeoutError, TimeoutError):
-            continue
-        except Exception as exc:
-            failures += 1
-            if failures == 1:
-                logger.warning("agent.fetch_failed", error=str(exc) or type(exc).__name__)
-            await asyncio.sleep(0.5)
-            if failures % 4 == 0 and nc.is_connected:
-                with contextlib.suppress(Exception):
-                    await bus.setup(nc, wait=0)
-                    puller = bus.Puller(await subscribe(), batch)
-            continue
-        for msg in msgs:
-            await take(msg)
+    try:
+        while not stop.is_set():
+            try:
+                msgs = await puller.next()
+                failures = 0
+            except (nats.errors.TimeoutError, TimeoutError):
+                continue
+            except Exception as exc:
+                failures += 1
+                if failures == 1:
+                    logger.warning("agent.fetch_failed", error=str(exc) or type(exc).__name__)
+                await asyncio.sleep(0.5)
+                if failures % 4 == 0 and nc.is_connected:
+                    with contextlib.suppress(Exception):
+                        await bus.setup(nc, wait=0)
+                        fresh = bus.Puller(await subscribe(), batch)
+                        await puller.close()
+                        puller = fresh
+                continue
+            for msg in msgs:
+                await take(msg)
+    finally:
+        await puller.close()
 
 
 async def check_declaration(options: AgentOptions, runtime: Runtime) -> None:
