@@ -631,8 +631,8 @@ def job_warnings(data: Any) -> list[FieldError]:
         warnings.append(
             FieldError(
                 path="codeSync.git",
-                reason="credentials in the URL are kept in the job's record (never shown in logs "
-                "or errors); prefer a URL without them",
+                reason="credentials in the URL are kept apart, as secret jobEnvs are, and shown "
+                "as ***; a credential helper or deploy key on the nodes is safer",
             )
         )
     envs = data.get("jobEnvs")
@@ -705,23 +705,40 @@ def _kind(value: Any) -> str:
 REDACTED = "***"
 
 
+GIT_SECRET = "codeSync.git"  # the secrets record's key for a git URL with credentials (no env name)
+
+
 def split_secrets(config: JobConfig) -> tuple[JobConfig, dict[str, EnvValue]]:
     """The config with every secret-looking jobEnvs value (see shared/secrets.py) replaced by
-    REDACTED, and those values apart: records, events and views get the first, only the task's
-    environment the second."""
-    if not config.jobEnvs:
-        return config, {}
+    REDACTED, and a codeSync URL's credentials (`https://user:token@host/...`) cut out as in
+    logs, and those values apart (the URL under GIT_SECRET): records, events and views get the
+    first, only the task's node the second."""
     from shared.secrets import is_secret
 
-    hidden = {k: v for k, v in config.jobEnvs.items() if is_secret(k)}
-    if not hidden:
-        return config, {}
-    shown = {k: (REDACTED if k in hidden else v) for k, v in config.jobEnvs.items()}
-    return config.model_copy(update={"jobEnvs": shown}), hidden
+    hidden: dict[str, EnvValue] = {k: v for k, v in config.jobEnvs.items() if is_secret(k)}
+    update: dict[str, Any] = {}
+    if hidden:
+        update["jobEnvs"] = {k: (REDACTED if k in hidden else v) for k, v in config.jobEnvs.items()}
+    sync = config.codeSync
+    if sync is not None and shown_url(sync.git) != sync.git:
+        hidden[GIT_SECRET] = sync.git
+        update["codeSync"] = sync.model_copy(update={"git": shown_url(sync.git)})
+    return (config.model_copy(update=update) if update else config), hidden
+
+
+def has_secrets(config: JobConfig) -> bool:
+    """Whether `split_secrets` kept something of this (shown) config apart."""
+    sync = config.codeSync
+    return REDACTED in config.jobEnvs.values() or (sync is not None and f"://{REDACTED}@" in sync.git)
 
 
 def with_secrets(config: JobConfig, hidden: dict[str, EnvValue]) -> JobConfig:
-    """The config a task gets: REDACTED values put back."""
+    """The config a task gets: REDACTED values and the codeSync URL put back."""
     if not hidden:
         return config
-    return config.model_copy(update={"jobEnvs": {**config.jobEnvs, **hidden}})
+    envs = {k: v for k, v in hidden.items() if k != GIT_SECRET}
+    update: dict[str, Any] = {"jobEnvs": {**config.jobEnvs, **envs}} if envs else {}
+    url = hidden.get(GIT_SECRET)
+    if isinstance(url, str) and config.codeSync is not None:
+        update["codeSync"] = config.codeSync.model_copy(update={"git": url})
+    return config.model_copy(update=update) if update else config

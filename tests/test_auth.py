@@ -24,6 +24,7 @@ from nats.aio.client import Client as NATS
 
 from shared import auth, bus, client, subjects
 from shared.messages import (
+    Assignment,
     AttemptRecord,
     ClusterSpec,
     Endpoint,
@@ -111,8 +112,27 @@ def secured(tmp_path_factory) -> Iterator[Secured]:
                 "--data-roots",
                 f"{tmp}/users/{{user}},{tmp}/shared",
             )
-        yield c
-        c.stop_all()
+
+        async def ready() -> None:
+            """The gateway answers and both nodes are registered (a loaded machine is slow)."""
+            nc = await bus.connect("ready", server.url, credentials=creds(keys, "root"))
+            try:
+                nodes = await nc.jetstream(timeout=5).key_value(subjects.NODES_BUCKET)
+                for _ in range(600):
+                    with contextlib.suppress(Exception):
+                        await client.ask(nc, "ping", timeout=2)
+                        if {"n1", "n2"} <= set(await nodes.keys()):
+                            return
+                    await asyncio.sleep(0.1)
+                raise AssertionError(f"the secured mesh did not come up:\n{c.logs()}")
+            finally:
+                await nc.close()
+
+        try:
+            asyncio.run(ready())
+            yield c
+        finally:
+            c.stop_all()
 
 
 def creds(keys: auth.AuthDir, name: str) -> auth.Credentials:
@@ -606,6 +626,55 @@ async def test_no_secret_in_any_record_event_log_status_or_metrics_page(secured)
         for where, data in seen:
             for secret in (TOKEN, PASSWORD, REGISTRY_PASSWORD):
                 assert secret.encode() not in data, f"{secret} in {where}"
+    finally:
+        await alice.close()
+        await root.close()
+
+
+async def test_credentials_in_a_code_sync_url_reach_the_node_and_nothing_else(secured):
+    """`codeSync.git` with a token in it: the job record and every view show `***@`, the token
+    lives with the secret jobEnvs, and only the placed node's order carries it (git needs it)."""
+    alice, root = await connect(secured, "alice"), await connect(secured, "root")
+    try:
+        config = json.loads(sleeper("synced", seconds=0))
+        url = f"http://alice:{PASSWORD}@127.0.0.1:1/team/code.git"  # nothing listens: it fails
+        config["codeSync"] = {"git": url, "branch": "main"}
+        orders: list[Assignment] = []
+
+        async def order(msg) -> None:
+            orders.append(Assignment.from_bytes(msg.data))
+
+        await root.subscribe(subjects.assign("*"), cb=order)  # the orders stream keeps none once done
+        _, verdict = await client.submit(alice, json.dumps(config).encode(), timeout=30)
+        assert verdict is not None and verdict.accepted, verdict
+        assert [w.path for w in verdict.warnings] == ["codeSync.git"]
+
+        async def done():
+            record = await job_as(alice, verdict.job_id)
+            return record if record.state.final else None
+
+        record = await wait_for(done)
+        assert record.state == JobState.FAILED, record
+        assert record.config.codeSync is not None
+        assert record.config.codeSync.git == "http://***@127.0.0.1:1/team/code.git"
+        assert "codeSync: cannot fetch http://***@127.0.0.1:1/team/code.git" in record.reason, record.reason
+        js = root.jetstream(timeout=5)
+        assert orders and all(o.config.codeSync and o.config.codeSync.git == url for o in orders)
+        shown = [
+            json.dumps(await client.ask(alice, "job", {"ref": record.job_id})).encode(),
+            (
+                await js.get_last_msg(
+                    f"KV_{subjects.JOBS_BUCKET}", f"$KV.{subjects.JOBS_BUCKET}.{record.job_id}"
+                )
+            ).data,
+        ]
+        info = await js.stream_info(subjects.EVENTS_STREAM)
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            with contextlib.suppress(Exception):
+                shown.append((await js.get_msg(subjects.EVENTS_STREAM, seq)).data or b"")
+        for path in secured.log_dir.glob("*.log"):
+            shown.append(path.read_bytes())
+        assert all(PASSWORD.encode() not in data for data in shown)
     finally:
         await alice.close()
         await root.close()

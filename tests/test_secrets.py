@@ -66,3 +66,39 @@ def test_a_masker_for_an_env_masks_its_secrets_only():
 def test_a_non_string_value_is_masked_as_the_task_sees_it():
     values = secret_values({"API_KEY": {"id": "abc", "key": 12345}, "PIN_PASSWORD": 987654})
     assert '{"id": "abc", "key": 12345}' in values and "987654" in values
+
+
+def test_a_code_sync_urls_credentials_are_kept_apart_with_the_secret_envs_and_put_back():
+    from shared.jobconfig import JobConfig, has_secrets, split_secrets, with_secrets
+
+    url = "https://bot:tok-123456@git.example.com/team/model.git"
+    config = JobConfig.model_validate(
+        {
+            "jobName": "j",
+            "image": "img",
+            "jobEnvs": {"API_TOKEN": "tok-abcdef", "PLAIN": "p"},
+            "codeSync": {"git": url, "branch": "main"},
+            "taskRoles": [
+                {
+                    "name": "w",
+                    "taskNumber": 1,
+                    "cpuNumber": 1,
+                    "memoryMB": 128,
+                    "gpuNumber": 0,
+                    "command": "x",
+                },
+            ],
+        }
+    )
+    shown, hidden = split_secrets(config)
+    assert shown.codeSync is not None and shown.codeSync.git == "https://***@git.example.com/team/model.git"
+    assert shown.jobEnvs == {"API_TOKEN": "***", "PLAIN": "p"} and has_secrets(shown)
+    assert "tok-123456" not in shown.model_dump_json() and "tok-abcdef" not in shown.model_dump_json()
+    assert with_secrets(shown, hidden) == config
+    plain = config.model_copy(
+        update={
+            "jobEnvs": {},
+            "codeSync": config.codeSync.model_copy(update={"git": "ssh://git.example.com/x"}),
+        }
+    )  # type: ignore[union-attr]
+    assert split_secrets(plain) == (plain, {}) and not has_secrets(plain)

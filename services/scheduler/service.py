@@ -37,7 +37,7 @@ from services.scheduler import metrics as cluster_metrics
 from services.scheduler.avoid import nodes_to_avoid, plan_around
 from services.scheduler.view import Job, View
 from shared import bus, subjects
-from shared.jobconfig import REDACTED, rank, with_secrets
+from shared.jobconfig import has_secrets, rank, with_secrets
 from shared.messages import (
     Assignment,
     AttemptRecord,
@@ -593,7 +593,7 @@ class Scheduler:
     async def _secrets(self, job: Job) -> dict[str, Any]:
         """The job's secret jobEnvs values (kept apart by the validator), for its tasks' orders
         only: orders go to the placed nodes' own subjects, which no other identity may read."""
-        if REDACTED not in job.config.jobEnvs.values():
+        if not has_secrets(job.config):
             return {}
         try:
             entry = await self.secrets.get(job.job_id)
