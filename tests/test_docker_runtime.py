@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from services.agent.config import make_runtime
-from services.agent.docker_runtime import DockerRuntime, DockerTask
+from services.agent.docker_runtime import DockerRuntime, DockerTask, missed
 from services.agent.runtime import (
     LABEL_INDEX,
     LABEL_JOB,
@@ -371,3 +371,20 @@ def test_gpu_request_and_visible_devices() -> None:
         TaskLaunch(name="t", image="i", command="true", env={}, cpus=1, memory_mb=1)
     )
     assert "device_requests" not in no_gpu and "CUDA_VISIBLE_DEVICES" not in no_gpu["environment"]
+
+
+@pytest.mark.parametrize(
+    "came, tail, expected",
+    [
+        ([b"a", b"b", b"c"], b"a\nb\nc\nno newline", ([], b"no newline")),  # the engine's race
+        ([b"a", b"b"], b"a\nb\nc\nd\n", ([b"c", b"d"], b"")),
+        ([b"a", b"b", b"c"], b"a\nb\nc\n", ([], None)),  # nothing missed
+        ([b"a", b"no newline"], b"a\nno newline", ([], None)),  # the partial line came
+        ([b"x", b"x"], b"x\nx\nx\n", ([], None)),  # repeated lines: the longest overlap wins
+        ([b"old-3", b"b"], b"old-1\nold-2\nold-3\nb\nc", ([], b"c")),  # older lines before
+        ([], b"a\nb", ([b"a"], b"b")),  # nothing came: all of it
+        ([b"never", b"logged"], b"a\nb\n", ([], None)),  # not found: nothing emitted twice
+    ],
+)
+def test_what_a_follow_stream_missed_is_found_in_the_logs_tail(came, tail, expected):
+    assert missed(came, tail) == expected

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -38,6 +39,8 @@ log = structlog.get_logger()
 MiB = 1024 * 1024
 DEFAULT_SHM_MB = 64
 LOG_DRAIN_TIMEOUT = 10.0  # after the container exits, how long its log stream may take to end
+CATCH_UP_LINES = 100  # log entries read again once a container ended (DockerTask._catch_up)
+CATCH_UP_WAIT = 5  # seconds the log thread waits for the container to have ended, then reads
 # The engine copies a container's stdout and stderr pipes in two goroutines, so lines written to
 # both lose their relative order in the log. The task's shell sends stderr down stdout's pipe first.
 MERGE_STDERR = "exec 2>&1; "
@@ -69,6 +72,27 @@ def _cause(err: docker.errors.DockerException) -> TaskCause:
     return TaskCause.PLATFORM
 
 
+def missed(came: list[bytes], tail: bytes) -> tuple[list[bytes], bytes | None]:
+    """What of a log's `tail` (its last entries, as the engine gives them) came after the lines
+    that `came` (the last of which may be a line without a newline): the complete lines, and
+    the final line without a newline (None: nothing after what came, or no way to tell). What
+    came is found in the tail by its last lines (the longest overlap); when it is not there,
+    nothing is taken, so nothing is emitted twice."""
+    *entries, last = tail.split(b"\n")
+    if last:
+        entries.append(last)
+    start: int | None = 0 if not came else None  # nothing came: all of the tail is new
+    for j in range(len(entries), 0, -1) if came else ():
+        m = min(j, len(came))
+        if entries[j - m : j] == came[len(came) - m :]:
+            start = j
+            break
+    if start is None or start == len(entries):
+        return [], None
+    new = entries[start:]
+    return (new[:-1], new[-1]) if last else (new, b"")
+
+
 class DockerTask:
     """One started container: its output stream, exit code, stop and removal."""
 
@@ -95,6 +119,8 @@ class DockerTask:
 
     def _pump_logs(self, since: float | None) -> None:
         buffer = b""
+        recent: deque[bytes] = deque(maxlen=CATCH_UP_LINES)  # the last complete lines that came
+        ended = False
         try:
             kwargs: dict[str, Any] = {"stream": True, "follow": True, "stdout": True, "stderr": True}
             if since is not None:
@@ -103,13 +129,38 @@ class DockerTask:
                 buffer += chunk
                 *lines, buffer = buffer.split(b"\n")
                 for line in lines:
+                    recent.append(line)
                     self._emit(line)
+            ended = True
         except Exception as e:  # the engine went away, the container was removed, the client closed
             log.warning("docker.logs_ended", task=self.name, error=str(e))
         finally:
+            if ended and (recent or buffer or since is None):
+                buffer = self._catch_up(list(recent), buffer)
             if buffer:
                 self._emit(buffer)
             self._call(lambda: self._logs_done.done() or self._logs_done.set_result(None))
+
+    def _catch_up(self, got: list[bytes], buffer: bytes) -> bytes:
+        """The engine can end a follow stream before the last output of a container that has
+        just exited is in it (seen: the last line, without a newline, missing about once in 15
+        quick tasks; a later read has it). Once the container has ended, read the log's last
+        CATCH_UP_LINES entries, emit those after what came, and return the final partial line
+        (or `buffer`). What came is found in the tail by its last lines; nothing is emitted twice
+        when they cannot be found."""
+        try:
+            self._container.wait(timeout=CATCH_UP_WAIT)
+            tail = self._container.logs(stdout=True, stderr=True, tail=CATCH_UP_LINES)
+        except Exception:
+            return buffer
+        new, partial = missed([*got, buffer] if buffer else got, tail)
+        if partial is None:  # nothing was missed
+            return buffer
+        if buffer:  # a line whose newline came with what was missed
+            self._emit(buffer)
+        for line in new:
+            self._emit(line)
+        return partial
 
     def _emit(self, raw: bytes) -> None:
         if self._output is None:
