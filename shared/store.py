@@ -9,7 +9,6 @@ the revision read, retried)."""
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Generic, TypeVar
 
@@ -20,8 +19,6 @@ from prometheus_client import Counter
 from pydantic import ValidationError
 
 from shared.messages import Message
-
-EVERY = sys.maxsize  # a `cache` that keeps every key
 
 M = TypeVar("M", bound=Message)
 BAD_RECORDS = Counter(

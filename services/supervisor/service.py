@@ -53,10 +53,11 @@ from shared.messages import (
     node_refusal,
     now,
 )
-from shared.store import EVERY, Store
+from shared.store import Store
 from shared.subjects import Headers
 
 log = structlog.get_logger(service="supervisor")
+RECENT_RECORDS = 16384  # job and attempt records kept as bytes, each (see Supervisor.jobs)
 JOBS_ENDED = Counter("muster_jobs_ended_total", "Jobs that reached a final state", ["state"])
 PRUNED = Counter("muster_supervisor_pruned_total", "Records deleted after their retention", ["kind"])
 # Counted once per fact across replicas: by the replica whose write applied it (a replay changes
@@ -122,8 +123,9 @@ class Supervisor:
             backoff=float(os.environ.get("MUSTER_RETRY_BACKOFF", "1")),
         )
         # Jobs and attempts are mirrored below anyway: their writes start from the mirrored revision.
-        self.jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord, cache=EVERY)
-        self.attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord, cache=EVERY)
+        # The newest records' bytes: a task event's writes start from them, without a read.
+        self.jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord, cache=RECENT_RECORDS)
+        self.attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord, cache=RECENT_RECORDS)
         self.nodes = Store(buckets[subjects.NODES_BUCKET], NodeInfo, check=node_refusal)
         self.names = buckets[subjects.JOB_NAMES_BUCKET]
         self.secrets = buckets[subjects.SECRETS_BUCKET]
