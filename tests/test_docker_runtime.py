@@ -117,16 +117,19 @@ async def test_host_network(runtime: DockerRuntime, launch: Callable) -> None:
     port = free_port()
     lines: list[str] = []
     task = await runtime.start(launch(f"exec python3 -m http.server {port} --bind 127.0.0.1"), lines.append)
-    deadline = time.monotonic() + 15
+    assert (await served(f"http://127.0.0.1:{port}/", lines)).status_code == 200
+    await task.stop(grace=0)
+
+
+async def served(url: str, lines: list[str], within: float = 15) -> httpx.Response:
+    """The first answer from `url`, which a task is starting to serve (its output in `lines`)."""
+    deadline = time.monotonic() + within
     while True:
         try:
-            r = httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
-            break
+            return httpx.get(url, timeout=1)
         except httpx.TransportError:
-            assert time.monotonic() < deadline, f"task never listened on {port}; output {lines}"
+            assert time.monotonic() < deadline, f"task never listened at {url}; output {lines}"
             await asyncio.sleep(0.1)
-    assert r.status_code == 200
-    await task.stop(grace=0)
 
 
 async def test_tasks_run_in_another_containers_network_namespace(
@@ -153,15 +156,7 @@ async def test_tasks_run_in_another_containers_network_namespace(
         port = free_port()
         lines: list[str] = []
         task = await rt.start(launch(f"exec python3 -m http.server {port} --bind 0.0.0.0"), lines.append)
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                r = httpx.get(f"http://{address}:{port}/", timeout=1)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, f"task never listened at {address}:{port}; output {lines}"
-                await asyncio.sleep(0.1)
-        assert r.status_code == 200
+        assert (await served(f"http://{address}:{port}/", lines)).status_code == 200
         with pytest.raises(httpx.TransportError):  # not on the host's network
             httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
         await task.stop(grace=0)
