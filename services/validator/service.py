@@ -219,8 +219,13 @@ class Validator:
         digest = hashlib.sha256(canonical).hexdigest()
 
         job_id = job_id_for(user, sid)
-        existing = await self.jobs.get(job_id)
-        if existing is not None:  # a redelivery, or the submission id used again
+        # A redelivery, or the submission id used again: its record is in the mirror (synced
+        # before anything is judged) or was written here (and counted live), and only then is it
+        # read (a round trip per submission saved). One the mirror has not shown yet loses its
+        # `create` below.
+        known = job_id in self.view or job_id in self._admitted or job_id in self.live.jobs
+        existing = await self.jobs.get(job_id) if known else None
+        if existing is not None:
             if record_digest(existing) != digest:
                 return await self.reject(sid, user, config.jobName, [reused(job_id)], data)
             return await self.accept(existing, data, job_warnings(raw))
