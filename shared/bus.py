@@ -396,6 +396,7 @@ async def durable(
 
 
 PULL_EXPIRES = 5.0  # seconds an open pull request lives on the server before it is renewed
+STATUS = "Status"  # a JetStream status message's header
 
 
 class Puller:
@@ -479,9 +480,6 @@ class Puller:
                 return got
             if loop.time() >= end:
                 raise TimeoutError
-
-
-STATUS = "Status"  # a JetStream status message's header
 
 
 async def consume(
