@@ -447,19 +447,21 @@ def launcher_job(command: str) -> dict:
     return config
 
 
-def two_agents(cluster: Cluster) -> None:
+async def launched(cluster: Cluster, client, config: dict):
+    """Run `config` on two agents of this machine: its final record, attempt and launcher task."""
     cluster.core()
     for node, address in (("mpi-a", "127.0.0.2"), ("mpi-b", "127.0.0.3")):
         cluster.agent(node, "--address", address, "--cpus", "2")
+    await bus.open_jetstream(client, wait=60)  # the services have declared the streams
+    record = await run_job(client, config, 100)
+    a = await attempt(client, record.job_id)
+    return record, a, next(t for t in a.tasks if t.role == "launcher")
 
 
 @pytest.mark.skipif(_mpi_on_this_machine() is not None, reason=str(_mpi_on_this_machine()))
 async def test_a_launcher_of_its_own_starts_every_rank_in_the_workers_and_the_job_succeeds(cluster, nc):  # noqa: F811
-    two_agents(cluster)
-    await bus.open_jetstream(nc, wait=60)  # the services have declared the streams
-    record = await run_job(nc, launcher_job("mpirun -np $MUSTER_MPI_NP /usr/bin/python3 allreduce.py"), 100)
-    a = await attempt(nc, record.job_id)
-    launcher = next(t for t in a.tasks if t.role == "launcher")
+    job = launcher_job("mpirun -np $MUSTER_MPI_NP /usr/bin/python3 allreduce.py")
+    record, a, launcher = await launched(cluster, nc, job)
     assert record.state == JobState.SUCCEEDED, (record.reason, launcher.last_lines, cluster.logs())
     ranks = sorted(line for line in launcher.last_lines if line.startswith("rank "))
     assert len(ranks) == 2 and all(" in task worker." in r and r.endswith("sum = 3") for r in ranks), ranks
@@ -473,11 +475,7 @@ async def test_a_launcher_of_its_own_starts_every_rank_in_the_workers_and_the_jo
 
 @pytest.mark.skipif(_mpi_on_this_machine() is not None, reason=str(_mpi_on_this_machine()))
 async def test_ranks_that_fail_fail_the_job_and_nothing_hangs(cluster, nc):  # noqa: F811
-    two_agents(cluster)
-    await bus.open_jetstream(nc, wait=60)  # the services have declared the streams
-    record = await run_job(nc, launcher_job("mpirun -np $MUSTER_MPI_NP /bin/false"), 100)
-    a = await attempt(nc, record.job_id)
-    launcher = next(t for t in a.tasks if t.role == "launcher")
+    record, _, launcher = await launched(cluster, nc, launcher_job("mpirun -np $MUSTER_MPI_NP /bin/false"))
     assert record.state == JobState.FAILED, (record.reason, launcher.last_lines)
     assert launcher.state == TaskState.FAILED and launcher.exit_code not in (0, None), launcher
 
@@ -486,10 +484,8 @@ async def test_ranks_that_fail_fail_the_job_and_nothing_hangs(cluster, nc):  # n
 async def test_workers_that_only_host_ranks_are_not_taken_for_hung(cluster, nc):  # noqa: F811
     """noProgressTimeoutSec watches the launcher (mpirun prints for every rank), not the
     workers, which print nothing of their own."""
-    two_agents(cluster)
     ticks = "for i in 1 2 3 4 5 6 7 8 9 10; do echo tick $i; sleep 1; done"
     config = launcher_job(f"{ticks}; mpirun -np $MUSTER_MPI_NP /usr/bin/python3 allreduce.py")
     config["noProgressTimeoutSec"] = 5
-    await bus.open_jetstream(nc, wait=60)  # the services have declared the streams
-    record = await run_job(nc, config, 100)
+    record, _, _ = await launched(cluster, nc, config)
     assert (record.state, record.attempt) == (JobState.SUCCEEDED, 1), record.reason
