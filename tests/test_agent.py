@@ -82,6 +82,8 @@ def test_port_pool_never_hands_out_a_port_twice_or_one_in_use():
 async def test_agent_registers_declared_inventory_and_reregisters_after_an_outage(tmp_path, cluster):
     server = NatsServer(tmp_path / "nats2").start()
     cluster.url = server.url
+    work_root = cluster.log_dir / "work" / "gpu-box"
+    work_root.mkdir(parents=True, mode=0o755)  # as an older agent or a careless operator left it
     cluster.agent(
         "gpu-box", "--gpus", "4xV100,2xT4", "--cpus", "16", "--memory-mb", "65536", "--heartbeat", "0.5"
     )
@@ -97,6 +99,8 @@ async def test_agent_registers_declared_inventory_and_reregisters_after_an_outag
             (4, "T4"),
             (5, "T4"),
         ]
+        # Attempt directories (the MPI rsh socket, code, hostfiles) are the agent's alone.
+        assert work_root.stat().st_mode & 0o777 == 0o700
         await nc.close()
 
         # The bus goes away and comes back empty (a new server, same port, no data): the agent

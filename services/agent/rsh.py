@@ -124,7 +124,7 @@ class Rsh:
             sock.bind(f"/proc/self/fd/{fd}/{SOCKET_NAME}")
         finally:
             os.close(fd)
-        path.chmod(0o777)  # the task's user (not the agent's) connects; the directory guards it
+        path.chmod(0o777)  # the task's user (not the agent's) connects; the work root (0700) guards it
         sock.listen(64)
 
         async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

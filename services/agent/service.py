@@ -106,6 +106,20 @@ class AgentOptions:
             self.data_roots = configured or [os.path.join(os.path.dirname(self.work_root), "users", "{user}")]
 
 
+def private(work_root: str) -> None:
+    """The work root is the agent's alone (0700): attempt directories hold the MPI rsh socket
+    (through it the agent execs in a job's tasks), code and hostfiles, and no other user of the
+    host may reach them. Tasks do not need it: Docker mounts an attempt's directory by itself,
+    and process tasks run as the agent's user. A root another user owns is left as it is."""
+    os.makedirs(work_root, mode=0o700, exist_ok=True)
+    info = os.stat(work_root)
+    if info.st_uid == os.geteuid() and info.st_mode & 0o077:
+        os.chmod(work_root, 0o700)
+    elif info.st_mode & 0o077:
+        mode = oct(info.st_mode & 0o777)
+        log.warning("agent.work_root_shared", work_root=work_root, owner=info.st_uid, mode=mode)
+
+
 def _order(msg: Msg) -> Assignment | KillOrder | DrainOrder:
     if msg.subject.endswith(".assign"):
         return Assignment.from_bytes(msg.data)
@@ -208,8 +222,8 @@ class Agent:
         here, when the caller has already read them (a sim process reads the attempts once for
         all its nodes); else they are read here."""
         # Reconcile before the node record is (re)written, so nothing new is placed here meanwhile.
+        private(self.opts.work_root)
         pidfile = Path(self.opts.work_root) / "agent.pid"
-        pidfile.parent.mkdir(parents=True, exist_ok=True)
         pidfile.write_text(str(os.getpid()))
         if self.runtime.name != "sim":  # simulated tasks run no MPI daemons
             await self.rsh.start()  # before adopting: an adopted launcher may call at once
