@@ -7,6 +7,10 @@ one process of N sim nodes, 8 V100s each). Then, measured on that same server:
 
   * the floor: raw JetStream publish+ack of a job-sized message to a scratch stream, one at a
     time (latency) and 256 in flight (throughput);
+  * the pipeline's floor (`bench.chain`): at each offered rate, job-sized messages through four
+    bare JetStream hops, each its own process, as a job passes validator, scheduler, agent and
+    supervisor on its way to running, with none of their work: what any design of that shape
+    could reach on this machine;
   * for each offered rate R: single-task jobs (1 GPU, 1 CPU, running `--task-seconds` in the sim)
     submitted at R a second, open loop, for `--seconds`, each through the submit subject as a user
     would (JetStream publish, acknowledged). A job counts as running when its `running` job event
@@ -35,6 +39,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from bench import chain
 from bench.cluster import BENCH_USER, Mesh
 from shared import subjects
 from shared.subjects import Headers
@@ -214,7 +219,19 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             await nc.subscribe(subjects.job_event("*", "running"), cb=tracker.on_job_event)
             await nc.subscribe(subjects.job_event("*", "placed"), cb=tracker.on_job_event)
             await nc.subscribe(subjects.verdict(BENCH_USER, "*"), cb=tracker.on_verdict)
-            the_floor = await floor(nc, len(job("x" * 16, args.task_seconds)))
+            size = len(job("x" * 16, args.task_seconds))
+            the_floor = await floor(nc, size)
+            assert mesh.server is not None and mesh.server.proc is not None
+            pipeline = await chain.measure(
+                mesh.url,
+                mesh.keys.creds(BENCH_USER),
+                4,
+                args.rates,
+                args.chain_seconds,
+                size,
+                workdir,
+                mesh.server.proc.pid,
+            )
             rows = []
             for n, rate in enumerate(args.rates):
                 cpu0, msgs0, t0 = mesh.cpu(), mesh.messages(), time.monotonic()
@@ -236,6 +253,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 "nodes": args.nodes,
                 "ready_s": round(ready_s, 1),
                 "floor": the_floor,
+                "pipeline_floor": pipeline,
                 "rows": rows,
                 "rejected": tracker.rejected[:5],
             }
@@ -250,6 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=30.0, help="seconds each rate is offered")
     p.add_argument("--task-seconds", type=float, default=5.0, help="how long each sim task runs")
     p.add_argument("--drain", type=float, default=30.0, help="seconds to wait for the last jobs to run")
+    p.add_argument(
+        "--chain-seconds",
+        type=float,
+        default=10.0,
+        help="seconds each rate is offered to the pipeline's floor",
+    )
     p.add_argument("--workdir", type=Path, default=None, help="keep logs and data here (default: a temp dir)")
     args = p.parse_args(argv)
     args.rates = [float(r) for r in args.rates.split(",") if r.strip()]
@@ -261,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         f"JetStream publish+ack {f['publish_ack_per_s']}/s (256 in flight), "
         f"{f['publish_ack_ms_p50']} ms one at a time"
     )
+    print(chain.table(report["pipeline_floor"]))
+    print("Muster:")
     print(
         f"{'offered/s':>9} {'jobs':>6} {'running':>7} {'missing':>7} {'sustained/s':>11} "
         f"{'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}  busiest (% of a core)"

@@ -63,16 +63,28 @@ def test_through_the_bus_every_job_submitted_runs(tmp_path: Path):
     report, table = bench(
         "bus",
         *("--nodes", "20", "--rates", "10", "--seconds", "2", "--task-seconds", "0.2", "--drain", "60"),
-        *("--workdir", str(tmp_path)),
+        *("--chain-seconds", "2", "--workdir", str(tmp_path)),
     )
     (row,) = report["rows"]
     assert report["floor"]["publish_ack_per_s"] > 0
+    # The pipeline's floor: every message offered came through its four hops.
+    (bare,) = report["pipeline_floor"]["rows"]
+    assert report["pipeline_floor"]["hops"] == 4 and bare["sent"] == bare["through"] == 20, bare
+    assert set(bare["cpu_percent"]) == {"hops", "driver", "nats-server"}
     assert row["submitted"] == 20 and row["running"] == 20 and row["missing"] == 0, (row, report["rejected"])
     assert row["publish_failed"] == 0 and not report["rejected"]
     lat = row["submit_to_running_ms"]
     assert 0 < lat["p50"] <= lat["p99"] <= lat["max"]
     assert set(row["cpu_percent"]) >= MESH
     assert "sustained/s" in table
+
+
+def test_pipeline_floor_alone_passes_every_message_through_its_hops():
+    report, table = bench("chain", "--hops", "2", "--rates", "20", "--seconds", "1")
+    (row,) = report["rows"]
+    assert report["hops"] == 2 and row["sent"] == row["through"] == 20, row
+    assert 0 < row["p50_ms"] <= row["p99_ms"] <= row["max_ms"]
+    assert "pipeline floor" in table
 
 
 def test_idle_cost_is_measured_for_every_process(tmp_path: Path):
