@@ -7,7 +7,12 @@ For each size, N single-task job records are decoded from their wire form (as th
 does), kept as the scheduler keeps them (`view.Job`) and fed to its view
 (`services.scheduler.view.View`); tracemalloc counts the bytes allocated and still held.
 The floor, measured beside it: the same N configs decoded alone.
-Per job beyond the spec = (view - configs) / N. Prints a table, then one JSON line."""
+Per job beyond the spec = (view - configs) / N.
+
+Beside it, the supervisor's share of the retention window (finished jobs are kept for
+MUSTER_JOB_RETENTION, a week by default): the bytes it holds per finished job
+(`policy.Finished`, what pruning takes) against the whole decoded record it used to hold.
+Prints a table, then one JSON line."""
 
 from __future__ import annotations
 
@@ -19,8 +24,9 @@ from datetime import timedelta
 from typing import Any
 
 from services.scheduler.view import Job, View
+from services.supervisor.policy import Finished
 from shared.jobconfig import JobConfig
-from shared.messages import JobRecord, now
+from shared.messages import JobRecord, JobState, now
 
 
 def wire(n: int) -> bytes:
@@ -80,16 +86,37 @@ def measure(n: int) -> dict[str, Any]:
         assert v.waiting == n
         return v
 
+    ended = [
+        JobRecord.model_validate_json(r)
+        .model_copy(update={"state": JobState.SUCCEEDED})
+        .model_dump_json()
+        .encode()
+        for r in records
+    ]
+
+    def whole() -> list[JobRecord]:
+        return [JobRecord.model_validate_json(r) for r in ended]
+
+    def finished() -> list[JobRecord | Finished]:
+        return [Finished.held(JobRecord.model_validate_json(r)) for r in ended]
+
     spec_bytes, kept_specs = held(specs)
     del kept_specs
     view_bytes, kept_view = held(view)
     del kept_view
+    whole_bytes, kept_whole = held(whole)
+    del kept_whole
+    finished_bytes, kept_finished = held(finished)
+    assert all(isinstance(f, Finished) for f in kept_finished)
+    del kept_finished
     return {
         "jobs": n,
         "wire_bytes_per_job": round(sum(map(len, records)) / n),
         "spec_bytes_per_job": round(spec_bytes / n),
         "view_bytes_per_job": round(view_bytes / n),
         "beyond_spec_per_job": round((view_bytes - spec_bytes) / n),
+        "supervisor_finished_bytes_per_job": round(finished_bytes / n),
+        "supervisor_whole_record_bytes_per_job": round(whole_bytes / n),
     }
 
 
@@ -98,11 +125,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--jobs", default="10000,100000", help="queue sizes, comma-separated")
     args = p.parse_args(argv)
     rows = [measure(int(n)) for n in args.jobs.split(",")]
-    print(f"{'queued':>8} {'wire B':>8} {'spec B':>8} {'view B':>8} {'beyond spec B':>14}")
+    print(
+        f"{'queued':>8} {'wire B':>8} {'spec B':>8} {'view B':>8} {'beyond spec B':>14}"
+        f"  {'supervisor B/finished job':>26} {'(whole record B)':>17}"
+    )
     for r in rows:
         print(
             f"{r['jobs']:>8} {r['wire_bytes_per_job']:>8} {r['spec_bytes_per_job']:>8} "
             f"{r['view_bytes_per_job']:>8} {r['beyond_spec_per_job']:>14}"
+            f"  {r['supervisor_finished_bytes_per_job']:>26} {r['supervisor_whole_record_bytes_per_job']:>17}"
         )
     print(json.dumps({"bench": "memory", "rows": rows}))
 

@@ -159,7 +159,8 @@ class Store(Generic[M]):
         """Keep `into` equal to the bucket (records that decode) for as long as it runs, with one
         watcher: no polling, no consumer per read. `synced` is set once the current content is
         in; `changed(key)` is called after each change. `keep(record)`: what to hold of each
-        record (default: the record). A broken watch is restarted."""
+        record (default: the record), or None to hold nothing for it. A broken watch is
+        restarted."""
         while True:
             try:
                 watcher = await self.kv.watchall()
@@ -171,10 +172,11 @@ class Store(Generic[M]):
                     if entry.operation not in ("DEL", "PURGE"):
                         record = self.decode(entry.key, entry.value)
                     self._saw(entry.key, entry.revision, entry.value if record is not None else None)
-                    if record is None:
+                    kept = record if record is None or keep is None else keep(record)
+                    if kept is None:
                         into.pop(entry.key, None)
                     else:
-                        into[entry.key] = record if keep is None else keep(record)
+                        into[entry.key] = kept
                     if changed is not None:
                         changed(entry.key)
             except asyncio.CancelledError:

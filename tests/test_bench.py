@@ -57,6 +57,10 @@ def test_memory_per_queued_job_stays_under_a_kib_beyond_its_spec():
     assert row["jobs"] == 2000
     assert 0 < row["spec_bytes_per_job"] < row["view_bytes_per_job"]
     assert row["beyond_spec_per_job"] <= 1024, row
+    # The supervisor holds a finished job (kept a week by default) as a few fields, not whole.
+    assert (
+        0 < row["supervisor_finished_bytes_per_job"] <= 512 < row["supervisor_whole_record_bytes_per_job"]
+    ), row
 
 
 def test_through_the_bus_every_job_submitted_runs(tmp_path: Path):

@@ -13,13 +13,16 @@ from hypothesis import strategies as st
 
 from services.supervisor.policy import (
     Decision,
+    Finished,
     RetryLimits,
     attempt_to_place,
     backoff,
     classify,
     decide,
     next_step,
+    should_prune,
     task_state_for,
+    unsettled,
 )
 from shared.jobconfig import JobConfig, check_job
 from shared.messages import (
@@ -725,3 +728,32 @@ PLACE_ROWS: list[tuple[str, JobRecord, AttemptRecord | None, float, int | None]]
 @pytest.mark.parametrize("job,current,after,n", [r[1:] for r in PLACE_ROWS], ids=[r[0] for r in PLACE_ROWS])
 def test_attempt_to_place(job: JobRecord, current: AttemptRecord | None, after: float, n: int | None) -> None:
     assert attempt_to_place(job, current, T0 + timedelta(seconds=after)) == n
+
+
+# ------------------------------------------------------------------ what the supervisor holds
+
+
+@pytest.mark.parametrize(
+    "letters,ended,held",
+    [("RR", False, True), ("FS", True, False), ("FR", True, True), ("FP", True, True), ("SS", False, True)],
+)
+def test_an_attempt_is_held_until_it_and_all_its_tasks_have_ended(
+    letters: str, ended: bool, held: bool
+) -> None:
+    """A settled attempt leaves the supervisor's view (a late event reads the stored record);
+    one whose task may still run stays, so a lost node still ends that task."""
+    a = attempt_of(1, letters, ended)
+    assert (unsettled(a) is a) is held and (unsettled(a) is None) is not held
+
+
+@pytest.mark.parametrize("state", list(JobState))
+def test_a_finished_job_is_held_as_what_pruning_it_takes(state: JobState) -> None:
+    job = job_at(3, state=state).model_copy(update={"updated_at": T0})
+    held = Finished.held(job)
+    if not state.final:
+        assert held is job
+        return
+    assert held == Finished("j1", "u", "policy", 3, state, T0)
+    assert not should_prune(held, T0 + timedelta(seconds=10), 10)
+    assert should_prune(held, T0 + timedelta(seconds=11), 10)
+    assert should_prune(job, T0 + timedelta(seconds=11), 10)  # the same verdict as on the record

@@ -84,3 +84,41 @@ async def test_a_bounded_cache_keeps_the_newest_keys_and_reads_the_evicted(nats_
         assert (await cached.update("a", bump)).attempt == 2 and reads == ["a"]  # evicted: read
     finally:
         await nc.close()
+
+
+async def test_a_mirror_holds_what_keep_returns_and_drops_what_it_refuses(nats_url):
+    """`keep` returning None holds nothing for a record (the supervisor's settled attempts), and
+    a later version it keeps comes back; the revision cache still follows every version."""
+    nc = await bus.connect("test", nats_url)
+    try:
+        _, buckets = await bus.ensure_jetstream(nc)
+        store = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord, cache=100)
+        view: dict[str, int] = {}
+        synced = asyncio.Event()
+        keep = lambda r: r.attempt if r.attempt % 2 else None  # noqa: E731
+        mirror = asyncio.create_task(store.mirror(view, synced, keep=keep))
+        await asyncio.wait_for(synced.wait(), 10)
+
+        async def seen(want: dict[str, int], revision_of: str) -> None:
+            for _ in range(100):
+                cached = store._latest.get(revision_of) if store._latest is not None else None
+                if (
+                    view == want
+                    and cached is not None
+                    and cached[0] == (await store.kv.get(revision_of)).revision
+                ):
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"{view} != {want}")
+
+        assert await store.create("a", record(1)) and await store.create("b", record(2))
+        await seen({"a": 1}, "b")
+        await store.update("a", bump)  # 2: refused, so dropped
+        await seen({}, "a")
+        await store.update("a", bump)  # 3: kept again
+        await seen({"a": 3}, "a")
+        mirror.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await mirror
+    finally:
+        await nc.close()

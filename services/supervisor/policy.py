@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from shared import mpi, subjects
 from shared.jobconfig import JobConfig
@@ -338,6 +338,30 @@ def lost_nodes(nodes: Iterable[NodeInfo], at: datetime, timeout: float) -> dict[
     }
 
 
-def should_prune(job: JobRecord, at: datetime, retention: float) -> bool:
+class Finished(NamedTuple):
+    """What the supervisor holds of a finished job: what pruning it takes."""
+
+    job_id: str
+    user: str
+    job_name: str
+    attempt: int
+    state: JobState
+    updated_at: datetime
+
+    @classmethod
+    def held(cls, job: JobRecord) -> JobRecord | Finished:
+        """A live job whole; a finished one as this."""
+        if not job.state.final:
+            return job
+        return cls(job.job_id, job.user, job.job_name, job.attempt, job.state, job.updated_at)
+
+
+def unsettled(attempt: AttemptRecord) -> AttemptRecord | None:
+    """An attempt still to be watched: not ended, or with a task not yet ended (a node's loss
+    still ends it); None once it is settled."""
+    return None if attempt.ended and all(t.state.ended for t in attempt.tasks) else attempt
+
+
+def should_prune(job: JobRecord | Finished, at: datetime, retention: float) -> bool:
     """A finished job's records are kept for `retention` seconds after it ended, then deleted."""
     return job.state.final and job.updated_at < at - timedelta(seconds=retention)

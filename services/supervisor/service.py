@@ -32,7 +32,7 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter, Histogram
 
 from services.supervisor import policy
-from services.supervisor.policy import NextStep, RetryLimits
+from services.supervisor.policy import Finished, NextStep, RetryLimits
 from shared import bus, consume, service, subjects
 from shared.messages import (
     AttemptRecord,
@@ -137,7 +137,10 @@ class Supervisor:
         # Watched views: what the once-a-second checks read, without a request per record.
         self.view_nodes: dict[str, NodeInfo] = {}
         self.absent: dict[str, datetime] = {}  # nodes with live tasks but no record, since when
-        self.view_jobs: dict[str, JobRecord] = {}
+        # Of the history a retention keeps (days of it), only what is still live is held whole:
+        # a finished job as the little its pruning needs, a settled attempt not at all. So
+        # memory and the checks' scans follow the live work, not the retention.
+        self.view_jobs: dict[str, JobRecord | Finished] = {}
         self.view_attempts: dict[str, AttemptRecord] = {}
         self.synced = {name: asyncio.Event() for name in ("nodes", "jobs", "attempts")}
         self.declared: set[str] = set()  # "<attempt>/<task>" this replica already declared ended
@@ -176,8 +179,10 @@ class Supervisor:
         )
         mirrors = [
             asyncio.create_task(self.nodes.mirror(self.view_nodes, self.synced["nodes"])),
-            asyncio.create_task(self.jobs.mirror(self.view_jobs, self.synced["jobs"])),
-            asyncio.create_task(self.attempts.mirror(self.view_attempts, self.synced["attempts"])),
+            asyncio.create_task(self.jobs.mirror(self.view_jobs, self.synced["jobs"], keep=Finished.held)),
+            asyncio.create_task(
+                self.attempts.mirror(self.view_attempts, self.synced["attempts"], keep=policy.unsettled)
+            ),
         ]
         service.ROUTES["/sd/agents"] = lambda: json.dumps(agent_targets(self.view_nodes.values())).encode()
         try:
@@ -197,7 +202,8 @@ class Supervisor:
         ev = sent.message
         # Read for what never changes (the job's config; where the attempt's tasks were placed):
         # the mirrored copy serves, the stored record only when the mirror has none yet.
-        job = self.view_jobs.get(ev.job_id) or await self.jobs.get(ev.job_id)
+        held = self.view_jobs.get(ev.job_id)
+        job = held if isinstance(held, JobRecord) else await self.jobs.get(ev.job_id)
         if job is None:
             log.warning("supervisor.unknown_job", job_id=ev.job_id)
             return
@@ -434,7 +440,7 @@ class Supervisor:
         """Delete finished jobs' records after their retention, and nodes long gone."""
         at = now()
         for job in list(self.view_jobs.values()):
-            if policy.should_prune(job, at, self.job_retention):
+            if isinstance(job, Finished) and policy.should_prune(job, at, self.job_retention):
                 await self.forget_job(job)
         cutoff = at - timedelta(seconds=self.node_retention)
         for node in list(self.view_nodes.values()):
@@ -447,7 +453,7 @@ class Supervisor:
                 await store.kv.purge_deletes(olderthan=3600)
             await self.rendezvous.purge_deletes(olderthan=3600)
 
-    async def forget_job(self, job: JobRecord) -> None:
+    async def forget_job(self, job: JobRecord | Finished) -> None:
         for n in range(1, job.attempt + 1):
             key = attempt_key(job.job_id, n)
             await self.attempts.delete(key)
