@@ -4,23 +4,26 @@ a real `mpirun` whose ranks start in the gang's tasks on hosts of their own, thr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from services.agent import environment, rsh
 from services.supervisor.policy import decide
 from shared import bus, mpi
+from shared.client import submit
 from shared.jobconfig import JobConfig, check_job
 from shared.messages import ClusterSpec, Endpoint, JobState, TaskState, TaskStatus
 from shared.natsserver import NatsServer
 from tests.conftest import CORE, NET, ROOT, Cluster
-from tests.test_jobs import attempt, nc, run_job  # noqa: F401 - nc is a fixture
+from tests.test_jobs import attempt, nc, run_job, wait_final  # noqa: F401 - nc is a fixture
 
 EXAMPLE = ROOT / "examples" / "mpi-allreduce"
 
@@ -364,6 +367,43 @@ print(f"rank in task worker.{os.environ['MUSTER_TASK_INDEX']} has address {s.get
 """
 
 
+@contextlib.contextmanager
+def docker_hosts(image: str, cluster: Cluster) -> Iterator[tuple[str, dict[str, str]]]:
+    """Two network-namespaced hosts: holder containers (`sleep infinity`) of `image` at fixed
+    addresses on a bridge network of the test's own. Yields (the network's /24 prefix, node (=
+    holder) -> address); on exit stops the cluster, then removes the tasks' containers, the
+    holders and the network."""
+    tag = f"muster-mpi-{os.getpid() % 10000}"
+    net = f"198.19.{os.getpid() % 200 + 20}"
+    holders = {f"{tag}-a": f"{net}.2", f"{tag}-b": f"{net}.3"}
+    docker("network", "create", "--subnet", f"{net}.0/24", "--gateway", f"{net}.1", tag)
+    try:
+        for holder, address in holders.items():
+            docker(
+                "run", "-d", "--name", holder, "--network", tag, "--ip", address, image, "sleep", "infinity"
+            )
+        yield net, holders
+    finally:
+        cluster.stop_all()
+        for holder in holders:  # the tasks' containers first: they live in the holders' namespaces
+            leftovers = docker("ps", "-aq", "--filter", f"label=muster.node={holder}", check=False)
+            if leftovers:
+                docker("rm", "-f", *leftovers.split(), check=False)
+        docker("rm", "-f", *holders, check=False)
+        docker("network", "rm", tag, check=False)
+
+
+def docker_agent(
+    cluster: Cluster, holder: str, address: str, room: int, gpus: int
+) -> subprocess.Popen[bytes]:
+    """A Docker-runtime agent whose tasks run in `holder`'s network namespace at `address`."""
+    return cluster.agent(
+        holder,
+        *("--runtime", "docker", "--docker-network", f"container:{holder}", "--address", address),
+        *("--cpus", str(room), "--gpus", f"{gpus}xV100"),
+    )
+
+
 @pytest.mark.docker
 @pytest.mark.timeout(900)  # the first run builds the images (debootstrap, apt-get)
 async def test_mpirun_across_docker_hosts_in_network_namespaces_of_their_own(mpi_image, cluster, nc):  # noqa: F811
@@ -373,32 +413,10 @@ async def test_mpirun_across_docker_hosts_in_network_namespaces_of_their_own(mpi
     and advertises the holder's address. The first host has room for two workers, 2 GPUs
     (declared) each: every task hosts its own two ranks. The ranks all-reduce, report the task,
     GPUs and address they ran at, and the job SUCCEEDS."""
-    tag = f"muster-mpi-{os.getpid() % 10000}"
-    net = f"198.19.{os.getpid() % 200 + 20}"
-    holders = {f"{tag}-a": f"{net}.2", f"{tag}-b": f"{net}.3"}  # node (= holder) -> address
-    docker("network", "create", "--subnet", f"{net}.0/24", "--gateway", f"{net}.1", tag)
-    try:
-        for holder, address in holders.items():
-            docker(
-                "run",
-                "-d",
-                "--name",
-                holder,
-                "--network",
-                tag,
-                "--ip",
-                address,
-                mpi_image,
-                "sleep",
-                "infinity",
-            )
+    with docker_hosts(mpi_image, cluster) as (net, holders):
         cluster.core()
         for (holder, address), room in zip(holders.items(), (2, 1), strict=True):
-            cluster.agent(
-                holder,
-                *("--runtime", "docker", "--docker-network", f"container:{holder}", "--address", address),
-                *("--cpus", str(room), "--gpus", f"{2 * room}xV100"),
-            )
+            docker_agent(cluster, holder, address, room, 2 * room)
         config = example()
         command = config["taskRoles"][0]["command"]
         config["taskRoles"][0].update(
@@ -422,14 +440,71 @@ async def test_mpirun_across_docker_hosts_in_network_namespaces_of_their_own(mpi
         found = (re.fullmatch(r"rank in task (\S+) has address (\S+)", line) for line in launcher.last_lines)
         seen = sorted([m[1], m[2]] for m in found if m)
         assert seen == sorted([task, holders[node]] for task, node in node_of.items() for _ in range(2)), seen
-    finally:
-        cluster.stop_all()
-        for holder in holders:  # the tasks' containers first: they live in the holders' namespaces
-            leftovers = docker("ps", "-aq", "--filter", f"label=muster.node={holder}", check=False)
-            if leftovers:
-                docker("rm", "-f", *leftovers.split(), check=False)
-        docker("rm", "-f", *holders, check=False)
-        docker("network", "rm", tag, check=False)
+
+
+# The ranks meet, rank 0 (in the launcher's task) marks that the daemons are up in its attempt's
+# directory and waits there for "go"; all then sum. They wait without spinning (Ibarrier + sleep).
+HOLD = """import os, time
+from mpi4py import MPI
+c = MPI.COMM_WORLD
+c.barrier()
+here = os.path.dirname(os.environ["MUSTER_MPI_HOSTFILE"])
+if c.rank == 0:
+    open(os.path.join(here, "ranks-up"), "w").close()
+    while not os.path.exists(os.path.join(here, "go")):
+        time.sleep(0.2)
+req = c.Ibarrier()
+while not req.Test():
+    time.sleep(0.2)
+print(f"rank {c.rank} of {c.size}: sum {c.allreduce(c.rank + 1)}", flush=True)
+"""
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("restarted", ["launcher", "other", "both"])
+async def test_an_mpi_job_on_docker_outlives_restarts_of_its_agents(mpi_image, cluster, nc, restarted: str):  # noqa: F811
+    """Agents restart (an upgrade) while an MPI job runs: the launcher's node's, whose
+    muster-rsh sessions carry mpirun's daemons, the other node's, whose tasks run them, or both
+    in turn. The daemons go on (mpirun talks to them directly), the next agents adopt the
+    tasks, and the job SUCCEEDS with every rank's sum: before, each restart aborted mpirun."""
+    with docker_hosts(mpi_image, cluster) as (_, holders):
+        cluster.core()
+        rooms = dict(zip(holders, (2, 1), strict=True))
+        agents = {h: docker_agent(cluster, h, holders[h], rooms[h], 0) for h in holders}
+        config = example()
+        config["taskRoles"][0]["command"] = 'mpirun -np $MUSTER_MPI_NP /usr/bin/python3 -c "$HOLD"'
+        config.update(image=mpi_image, codeDir=str(EXAMPLE), jobEnvs={"HOLD": HOLD})
+        await bus.open_jetstream(nc, wait=60)  # the services have declared the streams
+        _, verdict = await submit(nc, json.dumps(config).encode(), timeout=30)
+        assert verdict is not None and verdict.accepted, verdict
+        deadline = time.monotonic() + 240
+        while not (up := list((cluster.log_dir / "work").glob(f"*/{verdict.job_id}/1/ranks-up"))):
+            if time.monotonic() > deadline:
+                a = await attempt(nc, verdict.job_id)
+                raise AssertionError(
+                    f"the ranks never met: {[(t.key, t.state, t.last_lines) for t in a.tasks]}"
+                )
+            await asyncio.sleep(0.5)
+
+        here = up[0].parent  # the launcher's attempt directory, on its node
+        launcher_node = here.parents[1].name
+        chosen = {"launcher": [launcher_node], "other": [h for h in holders if h != launcher_node]}
+        for holder in chosen.get(restarted, sorted(holders, key=lambda h: h != launcher_node)):
+            old = agents[holder]
+            old.terminate()
+            old.wait(60)
+            agents[holder] = docker_agent(cluster, holder, holders[holder], rooms[holder], 0)
+        (here / "go").touch()
+
+        record = await wait_final(nc, verdict.job_id, 180)
+        a = await attempt(nc, verdict.job_id)
+        assert a.attempt == 1 and record.retries == record.platform_retries == 0, record
+        launcher = next(t for t in a.tasks if (t.role, t.index) == ("worker", 0))
+        assert launcher.node == launcher_node, a.tasks
+        assert record.state == JobState.SUCCEEDED, (record.reason, launcher.last_lines, cluster.logs())
+        sums = sorted(line for line in launcher.last_lines if line.startswith("rank "))
+        assert sums == [f"rank {r} of 3: sum 6" for r in range(3)], launcher.last_lines
 
 
 def launcher_job(command: str) -> dict:

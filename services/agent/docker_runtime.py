@@ -102,8 +102,10 @@ class DockerTask:
         output: OutputSink | None,
         loop: asyncio.AbstractEventLoop,
         since: float | None,
+        runtime: DockerRuntime | None = None,
     ):
         self.name: str = container.name
+        self._runtime = runtime  # whose detach (an agent restart) leaves exec'd commands running
         self._container = container
         self._loop = loop
         self._output = output
@@ -216,7 +218,8 @@ class DockerTask:
 
     async def exec(self, command: str, output: Callable[[str], Awaitable[None]]) -> int:
         """Run `command` in the container (`docker exec`: its user, environment and directory),
-        e.g. an MPI daemon: its output to `output`, its exit code returned. Cancelled: killed."""
+        e.g. an MPI daemon: its output to `output`, its exit code returned. Cancelled: killed,
+        unless the agent is detaching for a restart (the command goes on, as the task does)."""
         api = self._container.client.api
         argv = ["/bin/sh", "-c", MERGE_STDERR + command]
         try:
@@ -242,6 +245,8 @@ class DockerTask:
             while (chunk := await chunks.get()) is not None:
                 await output(decoder.decode(chunk))
         except asyncio.CancelledError:
+            if self._runtime is not None and self._runtime.detached:
+                raise  # the agent restarts: the command goes on with the task (an MPI daemon)
             with contextlib.suppress(Exception):
                 pid = (await asyncio.to_thread(api.exec_inspect, exec_id)).get("Pid")
                 if pid:
@@ -397,6 +402,7 @@ class DockerRuntime:
         self.network = parse_network(network)
         # The agent probes free ports in its own namespace: only right on the host network.
         self.tasks_in_agent_network = self.network == NETWORK_HOST
+        self.detached = False  # the agent stops for a restart: its tasks (and their execs) go on
         self.cpu_cap: int | None = None  # the engine's CPUs, once `capacity` has asked
         self._fence: subprocess.Popen[bytes] | None = None
 
@@ -438,7 +444,7 @@ class DockerRuntime:
         log.info(
             "docker.started", task=launch.name, image=launch.image, seconds=round(time.monotonic() - t0, 3)
         )
-        return DockerTask(container, output, asyncio.get_running_loop(), since=None)
+        return DockerTask(container, output, asyncio.get_running_loop(), since=None, runtime=self)
 
     async def attach(self, name: str, output: OutputSink | None = None) -> DockerTask:
         """A task for an existing container (found after an agent restart): wait, stop and remove
@@ -447,7 +453,7 @@ class DockerRuntime:
             container = await asyncio.to_thread(self._client.containers.get, name)
         except docker.errors.NotFound:
             raise LaunchError(f"no container named {name}") from None
-        return DockerTask(container, output, asyncio.get_running_loop(), since=time.time())
+        return DockerTask(container, output, asyncio.get_running_loop(), since=time.time(), runtime=self)
 
     async def find(self, labels: dict[str, str]) -> list[FoundTask]:
         """Containers in any state whose labels include all of `labels`."""
@@ -508,6 +514,7 @@ class DockerRuntime:
             self._fence = fence.start_fence("docker", home, pidfile, f"{wait:g}")
 
     def detach(self) -> None:
+        self.detached = True
         fence.detach(self._fence)
 
     async def close(self) -> None:

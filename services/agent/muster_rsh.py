@@ -54,6 +54,12 @@ def main(argv: list[str]) -> int:
                 sys.stdout.flush()
             elif "exit" in said:
                 return int(said["exit"])
+            elif "detached" in said:
+                # The agent restarts, or lost the peer's: the command goes on, and mpirun, which
+                # talks to it directly, takes a clean exit of its ssh after launch as nothing.
+                sys.stderr.write(f"muster-rsh: detached: {said['detached']}\n")
+                sys.stderr.flush()
+                return 0
             elif "error" in said:
                 return fail(str(said["error"]))
     return fail("the agent closed the connection before the command ended")

@@ -18,7 +18,16 @@ whose launcher task the spec places on the caller's node. One job's tasks never 
 Bounded: the peer has START_WAIT for its task to be started, the caller OPEN_WAIT for a first
 answer and IDLE_WAIT between answers; a caller that goes away (mpirun killed muster-rsh) cancels
 the session, and the peer stops what it runs when the session is cancelled or the task ends.
-Every message either side receives may be garbage or forged: it is dropped and counted."""
+Every message either side receives may be garbage or forged: it is dropped and counted.
+
+Agent restarts (Docker: the tasks go on, the next agent adopts them) must not end a job's
+mpirun. Once a daemon has started, its muster-rsh only stands in for an ssh session that mpirun
+watches for a failed exit; mpirun itself talks to the daemon over TCP, and takes an ssh child's
+clean exit (0) after launch as nothing. So an agent that leaves for a restart tells each
+muster-rsh whose daemon has started that it is detached (it exits 0) and asks no peer to cancel;
+as a peer it leaves the daemons it runs in its tasks running and says nothing. A caller whose
+peer falls silent after the start (the peer's agent restarted) detaches its muster-rsh the same
+way. A daemon that really dies is mpirun's to notice, as under ssh."""
 
 from __future__ import annotations
 
@@ -56,6 +65,7 @@ TAKE_WAIT = 5.0  # ... and this long for the task to be known here at all
 SPEC_WAIT = 10.0  # for the attempt's cluster spec, when the task does not hold it
 ASK_WAIT = 10.0  # for muster-rsh to say what it wants
 MAX_SESSIONS = 256  # commands a peer runs at once, all attempts together
+DETACHED = -1  # `_call`'s code for a session left to go on without its muster-rsh
 
 EXEC_MESSAGES = Counter(
     "muster_agent_exec_messages_total",
@@ -91,6 +101,8 @@ class Rsh:
         self.waiting: dict[str, asyncio.Queue[ExecReply]] = {}  # caller: session -> its replies
         self.running: dict[tuple[str, str], asyncio.Task[None]] = {}  # peer: (caller, session)
         self.subs: list[Any] = []
+        self.clients: set[asyncio.Task[None]] = set()  # muster-rsh connections being served
+        self.leaving = asyncio.Event()  # the agent stops for a restart; its tasks go on
         self.log = log.bind(node=node)
 
     async def start(self) -> None:
@@ -98,6 +110,15 @@ class Rsh:
             await self.nc.subscribe(subjects.exec_request(self.node), cb=self._on_request),
             await self.nc.subscribe(subjects.exec_reply(self.node), cb=self._on_reply),
         ]
+
+    async def detach(self, wait: float = 2.0) -> None:
+        """The agent stops for a restart and its tasks go on: every session whose daemon has
+        started is left running (each muster-rsh told so, no peer asked to cancel), and the
+        daemons run here for other nodes are neither stopped nor reported ended. Waits up to
+        `wait` seconds for the muster-rsh connections to be told."""
+        self.leaving.set()
+        if self.clients:
+            await asyncio.wait(list(self.clients), timeout=wait)
 
     async def close(self) -> None:
         for sub in self.subs:
@@ -128,7 +149,13 @@ class Rsh:
         sock.listen(64)
 
         async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await self._client(job_id, attempt, reader, writer)
+            me = asyncio.current_task()
+            if me is not None:
+                self.clients.add(me)
+            try:
+                await self._client(job_id, attempt, reader, writer)
+            finally:
+                self.clients.discard(me)  # type: ignore[arg-type]
 
         self.servers[(job_id, attempt)] = await asyncio.start_unix_server(client, sock=sock)
 
@@ -158,7 +185,10 @@ class Rsh:
                 say(error="expected one line {host, command} (at most 64 KiB)")
                 return
             code, error = await self._call(job_id, attempt, host, command, say, writer, reader)
-            say(**({"error": error} if error else {"exit": code}))
+            if code == DETACHED:
+                say(detached=error)
+            else:
+                say(**({"error": error} if error else {"exit": code}))
         except (ConnectionError, OSError):
             pass  # muster-rsh went away
         finally:
@@ -176,7 +206,8 @@ class Rsh:
         writer: asyncio.StreamWriter,
         reader: asyncio.StreamReader,
     ) -> tuple[int, str]:
-        """Run `command` in the workers task at `host`: (exit code, "") or (0, why not)."""
+        """Run `command` in the workers task at `host`: (exit code, ""), (0, why not), or
+        (DETACHED, why) once it started and this agent leaves or its peer falls silent."""
         mine = self.tasks.of_attempt(job_id, attempt)
         shape = mpi.shape(mine[0].assignment.config) if mine else None
         if shape is None:
@@ -201,21 +232,36 @@ class Rsh:
             command=command,
         )
         gone = asyncio.ensure_future(reader.read(1))  # EOF: muster-rsh was killed
-        ended = False
+        leaving = asyncio.ensure_future(self.leaving.wait())
+        ended = started = False
+        where = f"task {target.role}.{target.index}"
         try:
             await self.nc.publish(subjects.exec_request(target.node, self.node), ask.to_bytes())
             wait = OPEN_WAIT
             while True:
                 got = asyncio.ensure_future(replies.get())
-                done, _ = await asyncio.wait({got, gone}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    {got, gone, leaving}, timeout=wait, return_when=asyncio.FIRST_COMPLETED
+                )
                 if got not in done:
                     got.cancel()
                     if gone in done:
                         return 0, "muster-rsh went away"
-                    return 0, f"no word from {peer} for {wait:g} s (task {target.role}.{target.index})"
+                    if started:  # the daemon runs on: mpirun watches it, not this session
+                        ended = True
+                        why = (
+                            f"node {self.node}'s agent restarts" if leaving in done else f"{peer} fell silent"
+                        )
+                        self.log.info("agent.exec_detached", job_id=job_id, task=where, reason=why)
+                        return DETACHED, f"{why}; the command in {where} goes on"
+                    if leaving in done:
+                        return 0, f"node {self.node}'s agent stopped before {peer} started the command"
+                    return 0, f"no word from {peer} for {wait:g} s ({where})"
                 reply = got.result()
                 wait = IDLE_WAIT
-                if reply.kind == "out":
+                if reply.kind == "started":
+                    started = True
+                elif reply.kind == "out":
                     say(out=reply.data)
                     await writer.drain()
                 elif reply.kind == "exit":
@@ -226,6 +272,7 @@ class Rsh:
                     return 0, f"{peer} refused: {reply.error}"
         finally:
             gone.cancel()
+            leaving.cancel()
             self.waiting.pop(session, None)
             if not ended:
                 with contextlib.suppress(Exception):
@@ -345,7 +392,10 @@ class Rsh:
             code = await run(ask.command, output)
             self.log.info("agent.exec_ended", caller=caller, task=task.name, exit_code=code)
             await self._reply(caller, reply("exit", code=code))
-        except asyncio.CancelledError:  # cancelled by the caller, or the task ended
+        except asyncio.CancelledError:  # cancelled by the caller, the task ended, or we leave
+            if self.leaving.is_set():  # for a restart: the command goes on in the task (Docker)
+                self.log.info("agent.exec_left_running", caller=caller, job_id=ask.job_id)
+                return
             self.log.info("agent.exec_cancelled", caller=caller, job_id=ask.job_id)
             await self._reply(caller, reply("error", error="stopped: cancelled, or the task ended"))
         except Exception as exc:

@@ -260,6 +260,7 @@ class Agent:
         has passed, and leave every task running for the next agent to adopt."""
         self.runtime.detach()
         self.tasks.detach()
+        await self.rsh.detach()  # MPI daemons started through this node go on, too
         until = now() + timedelta(seconds=self.opts.restart_grace)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._write_node(until), 5)
