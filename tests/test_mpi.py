@@ -462,12 +462,20 @@ print(f"rank {c.rank} of {c.size}: sum {c.allreduce(c.rank + 1)}", flush=True)
 
 @pytest.mark.docker
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("restarted", ["launcher", "other", "both"])
-async def test_an_mpi_job_on_docker_outlives_restarts_of_its_agents(mpi_image, cluster, nc, restarted: str):  # noqa: F811
+@pytest.mark.parametrize("restarted", ["launcher", "other", "both", "launcher-crash"])
+async def test_an_mpi_job_on_docker_outlives_restarts_of_its_agents(
+    mpi_image,
+    cluster,
+    nc,  # noqa: F811
+    restarted: str,
+    monkeypatch: pytest.MonkeyPatch,
+):
     """Agents restart (an upgrade) while an MPI job runs: the launcher's node's, whose
     muster-rsh sessions carry mpirun's daemons, the other node's, whose tasks run them, or both
-    in turn. The daemons go on (mpirun talks to them directly), the next agents adopt the
-    tasks, and the job SUCCEEDS with every rank's sum: before, each restart aborted mpirun."""
+    in turn; or the launcher's node's agent crashes (SIGKILL: no goodbye) and is started again.
+    The daemons go on (mpirun talks to them directly), the next agents adopt the tasks, and
+    the job SUCCEEDS with every rank's sum: before, each restart aborted mpirun."""
+    monkeypatch.setenv("MUSTER_NODE_TIMEOUT", "60")  # a loaded machine's slow restart is no loss
     with docker_hosts(mpi_image, cluster) as (_, holders):
         cluster.core()
         rooms = dict(zip(holders, (2, 1), strict=True))
@@ -489,10 +497,16 @@ async def test_an_mpi_job_on_docker_outlives_restarts_of_its_agents(mpi_image, c
 
         here = up[0].parent  # the launcher's attempt directory, on its node
         launcher_node = here.parents[1].name
-        chosen = {"launcher": [launcher_node], "other": [h for h in holders if h != launcher_node]}
-        for holder in chosen.get(restarted, sorted(holders, key=lambda h: h != launcher_node)):
+        chosen = {
+            "other": [h for h in holders if h != launcher_node],
+            "both": sorted(holders, key=lambda h: h != launcher_node),
+        }
+        for holder in chosen.get(restarted, [launcher_node]):
             old = agents[holder]
-            old.terminate()
+            if restarted.endswith("crash"):
+                old.kill()
+            else:
+                old.terminate()
             old.wait(60)
             agents[holder] = docker_agent(cluster, holder, holders[holder], rooms[holder], 0)
         (here / "go").touch()

@@ -42,6 +42,7 @@ def main(argv: list[str]) -> int:
             os.close(fd)
     except OSError as exc:
         return fail(f"cannot reach this node's Muster agent at {here}/{SOCKET}: {exc.strerror or exc}")
+    started = False
     with sock:
         sock.sendall(json.dumps({"host": host, "command": command}).encode() + b"\n")
         for line in sock.makefile("rb"):
@@ -49,7 +50,9 @@ def main(argv: list[str]) -> int:
                 said = json.loads(line)
             except ValueError:
                 return fail("the agent said something that is not JSON")
-            if "out" in said:
+            if "started" in said:
+                started = True
+            elif "out" in said:
                 sys.stdout.write(said["out"])
                 sys.stdout.flush()
             elif "exit" in said:
@@ -62,6 +65,10 @@ def main(argv: list[str]) -> int:
                 return 0
             elif "error" in said:
                 return fail(str(said["error"]))
+    if started:  # the agent died (it restarts): the command goes on, as after "detached"
+        sys.stderr.write("muster-rsh: detached: this node's agent went away; the command goes on\n")
+        sys.stderr.flush()
+        return 0
     return fail("the agent closed the connection before the command ended")
 
 

@@ -23,8 +23,10 @@ Every message either side receives may be garbage or forged: it is dropped and c
 Agent restarts (Docker: the tasks go on, the next agent adopts them) must not end a job's
 mpirun. Once a daemon has started, its muster-rsh only stands in for an ssh session that mpirun
 watches for a failed exit; mpirun itself talks to the daemon over TCP, and takes an ssh child's
-clean exit (0) after launch as nothing. So an agent that leaves for a restart tells each
-muster-rsh whose daemon has started that it is detached (it exits 0) and asks no peer to cancel;
+clean exit (0) after launch as nothing. So muster-rsh is told when its daemon has started, and
+from then on exits 0 if its agent goes away (a crash, before a restart adopts the tasks); an
+agent that leaves for a restart tells each muster-rsh whose daemon has started that it is
+detached (it exits 0) and asks no peer to cancel;
 as a peer it leaves the daemons it runs in its tasks running and says nothing. A caller whose
 peer falls silent after the start (the peer's agent restarted) detaches its muster-rsh the same
 way. A daemon that really dies is mpirun's to notice, as under ssh."""
@@ -261,6 +263,8 @@ class Rsh:
                 wait = IDLE_WAIT
                 if reply.kind == "started":
                     started = True
+                    say(started=True)  # from now on its muster-rsh outlives this agent
+                    await writer.drain()
                 elif reply.kind == "out":
                     say(out=reply.data)
                     await writer.drain()
