@@ -232,7 +232,9 @@ async def test_an_agent_killed_and_restarted_adopts_its_running_containers(base_
 async def test_an_agent_restarted_for_30s_mid_job_loses_nothing(base_image, cluster, nc, tmp_path):  # noqa: F811
     """Defect 2: SIGTERM leaves the containers running and announces a restart; the supervisor
     waits the restart grace (not the 5 s node timeout); the new agent adopts the containers
-    and the job finishes in its first attempt, one of its tasks ending while no agent ran."""
+    and the job finishes in its first attempt, one of its tasks ending while no agent ran. What
+    a task wrote while no agent ran is not lost: the new agent reads on from where the old one
+    stopped."""
     cluster.core()
     args = (
         "--runtime",
@@ -254,7 +256,7 @@ async def test_an_agent_restarted_for_30s_mid_job_loses_nothing(base_image, clus
         "image": base_image,
         "outputDir": str(out),
         "taskRoles": [
-            role("short", 1, "echo start >> $PAI_OUTPUT_DIR/short; sleep 10; exit 0"),
+            role("short", 1, "echo start >> $PAI_OUTPUT_DIR/short; sleep 10; echo said while no agent ran"),
             role("long", 1, "echo start >> $PAI_OUTPUT_DIR/long; sleep 40; echo done"),
         ],
     }
@@ -281,6 +283,7 @@ async def test_an_agent_restarted_for_30s_mid_job_loses_nothing(base_image, clus
     assert [(out / n).read_text() for n in ("short", "long")] == ["start\n", "start\n"]  # never run twice
     a = await attempt(nc, record.job_id)
     assert [(t.key, t.exit_code) for t in a.tasks] == [("short.0", 0), ("long.0", 0)], a.tasks
+    assert [t.last_lines[-1:] for t in a.tasks] == [["said while no agent ran"], ["done"]], a.tasks
 
 
 @pytest.mark.docker

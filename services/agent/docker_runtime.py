@@ -446,14 +446,18 @@ class DockerRuntime:
         )
         return DockerTask(container, output, asyncio.get_running_loop(), since=None, runtime=self)
 
-    async def attach(self, name: str, output: OutputSink | None = None) -> DockerTask:
+    async def attach(
+        self, name: str, output: OutputSink | None = None, since: float | None = None
+    ) -> DockerTask:
         """A task for an existing container (found after an agent restart): wait, stop and remove
-        work as for a started one; `output` gets only the lines written from now on."""
+        work as for a started one; `output` gets the lines written from `since` (when the last
+        agent stopped reading: none written while no agent ran is lost), else from now."""
         try:
             container = await asyncio.to_thread(self._client.containers.get, name)
         except docker.errors.NotFound:
             raise LaunchError(f"no container named {name}") from None
-        return DockerTask(container, output, asyncio.get_running_loop(), since=time.time(), runtime=self)
+        start = since if since is not None and since > 0 else time.time()
+        return DockerTask(container, output, asyncio.get_running_loop(), since=start, runtime=self)
 
     async def find(self, labels: dict[str, str]) -> list[FoundTask]:
         """Containers in any state whose labels include all of `labels`."""

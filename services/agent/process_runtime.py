@@ -200,7 +200,9 @@ class ProcessRuntime:
             if all(rec["labels"].get(k) == v for k, v in labels.items())
         ]
 
-    async def attach(self, name: str, output: OutputSink | None = None) -> ProcessTask:
+    async def attach(
+        self, name: str, output: OutputSink | None = None, since: float | None = None
+    ) -> ProcessTask:
         raise LaunchError(f"the process runtime cannot adopt {name}")
 
     async def reap(self, found: FoundTask) -> None:

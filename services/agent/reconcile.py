@@ -90,6 +90,7 @@ class Reconciler:
         self.node = tasks.node
         self.log = log.bind(node=self.node)
         self._stopping: set[asyncio.Task[None]] = set()
+        self.read_from: float | None = None  # when the last agent stopped reading its tasks' output
 
     async def placed_here(self) -> Placed:
         """Tasks the bus places on this node and does not count as ended, in any attempt: live
@@ -113,7 +114,10 @@ class Reconciler:
                 continue
             entry = placed.get(key)
             live = entry is not None and not entry[0].ended
-            if entry is not None and live and found.running and self.runtime.can_adopt:
+            # Adopted even when it ended meanwhile: its exit is then reported as any other,
+            # with what it wrote while no agent ran (read on from where the last agent stopped).
+            ended = found.exit_code is not None
+            if entry is not None and live and (found.running or ended) and self.runtime.can_adopt:
                 try:
                     await self.adopt(key, found, *entry)
                     settled.add(key)
@@ -167,7 +171,9 @@ class Reconciler:
         self.tasks.ports.take_exact(ports)
         endpoint = Endpoint.of(spec, self.address, ports, assignment.config.role(t.role).portList)
         task = LocalTask(assignment=assignment, spec=spec, endpoint=endpoint, ports=ports)
-        task.handle = await self.runtime.attach(found.name, lambda line: self.tasks.output(task, line))
+        task.handle = await self.runtime.attach(
+            found.name, lambda line: self.tasks.output(task, line), since=self.read_from
+        )
         self.tasks.watch(key, task)
         self.log.info("agent.adopted", task=found.name)
 

@@ -96,8 +96,11 @@ class Runtime(Protocol):
         """Tasks (running or exited, not yet removed) whose labels include all of `labels`."""
         ...
 
-    async def attach(self, name: str, output: OutputSink | None = None) -> RunningTask:
-        """Take over a found task (only when `can_adopt`)."""
+    async def attach(
+        self, name: str, output: OutputSink | None = None, since: float | None = None
+    ) -> RunningTask:
+        """Take over a found task (only when `can_adopt`); `output` gets what it writes from
+        `since` (wall-clock seconds: when the last agent stopped reading it), else from now."""
         ...
 
     async def reap(self, found: FoundTask) -> None:

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import os
 import re
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -118,6 +119,21 @@ def private(work_root: str) -> None:
     elif info.st_mode & 0o077:
         mode = oct(info.st_mode & 0o777)
         log.warning("agent.work_root_shared", work_root=work_root, owner=info.st_uid, mode=mode)
+
+
+STOPPED_READING = "stopped-reading"  # when the last agent (detached) stopped reading output
+
+
+def stopped_reading(work_root: str) -> float | None:
+    """When the agent before this one, leaving its tasks to be adopted, stopped reading their
+    output (wall-clock seconds), taken once; None after a crash, or at a first start."""
+    path = Path(work_root) / STOPPED_READING
+    try:
+        at = float(path.read_text())
+        path.unlink()
+    except (OSError, ValueError):
+        return None
+    return at if 0 < at <= time.time() else None
 
 
 def _order(msg: Msg) -> Assignment | KillOrder | DrainOrder:
@@ -227,6 +243,7 @@ class Agent:
         pidfile.write_text(str(os.getpid()))
         if self.runtime.name != "sim":  # simulated tasks run no MPI daemons
             await self.rsh.start()  # before adopting: an adopted launcher may call at once
+        self.reconciler.read_from = stopped_reading(self.opts.work_root)
         await self.reconciler.at_start(placed)
         # From here on, tasks do not outlive this agent unless it detaches on purpose.
         self.runtime.start_fence(self.opts.work_root, str(pidfile), 0.6 * bus.node_timeout())
@@ -254,6 +271,9 @@ class Agent:
         await self.rsh.close()
         await self.reporter.close()
         await self.runtime.close()
+        if self.runtime.can_adopt:  # the next agent reads the tasks' output on from here
+            with contextlib.suppress(OSError):
+                (Path(self.opts.work_root) / STOPPED_READING).write_text(f"{time.time():.6f}")
 
     async def _detach(self) -> None:
         """Stop for a restart: say so, so the node is not declared lost before the restart grace

@@ -149,7 +149,9 @@ class SimRuntime:
         """Nothing outlives the agent that ran it."""
         return []
 
-    async def attach(self, name: str, output: OutputSink | None = None) -> SimTask:
+    async def attach(
+        self, name: str, output: OutputSink | None = None, since: float | None = None
+    ) -> SimTask:
         raise LaunchError(f"the sim runtime cannot adopt {name}")
 
     async def reap(self, found: FoundTask) -> None:
