@@ -485,10 +485,17 @@ async def test_prometheus_sees_the_cluster(
             await nc.close()
 
         # Every dashboard query runs on the real Prometheus; those the cluster has had data for
-        # by now return some (the training-metric gauge went with its killed job).
+        # return some (the training-metric gauge went with its killed job). A rate or increase
+        # needs two scrapes of a series in its window: a counter first seen at the kill may take
+        # a scrape interval (15 s) or two, so each query is asked again until it has data.
         quiet = {"Training metrics", "Retries by classification", "Messages rejected", "Redeliveries"}
         has_data: dict[str, bool] = {}
-        for title, expr in dashboard_queries():
-            has_data[title] = bool(prometheus.query(expr)) or has_data.get(title, False)
-        no_data = {title for title, data in has_data.items() if not data}
+        deadline = time.monotonic() + 90
+        while True:
+            for title, expr in dashboard_queries():
+                has_data[title] = has_data.get(title, False) or bool(prometheus.query(expr))
+            no_data = {title for title, data in has_data.items() if not data}
+            if no_data <= quiet or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(5)
         assert no_data <= quiet, f"panels without data: {sorted(no_data - quiet)}"
