@@ -456,7 +456,7 @@ class DockerRuntime:
             container = await asyncio.to_thread(self._client.containers.get, name)
         except docker.errors.NotFound:
             raise LaunchError(f"no container named {name}") from None
-        start = since if since is not None and since > 0 else time.time()
+        start = time.time() if since is None else since
         return DockerTask(container, output, asyncio.get_running_loop(), since=start, runtime=self)
 
     async def find(self, labels: dict[str, str]) -> list[FoundTask]:

@@ -24,6 +24,14 @@ def fail(reason: str) -> int:
     return 255  # what ssh exits with on its own errors
 
 
+def detached(reason: str) -> int:
+    """The command goes on without this session (its agent restarts, or lost the peer's):
+    exit 0, which mpirun, talking to its daemon directly, takes as nothing after launch."""
+    sys.stderr.write(f"muster-rsh: detached: {reason}\n")
+    sys.stderr.flush()
+    return 0
+
+
 def main(argv: list[str]) -> int:
     args = argv[1:]
     while args and args[0].startswith("-"):  # ssh options a caller may add (-x, -n, -T)
@@ -58,17 +66,11 @@ def main(argv: list[str]) -> int:
             elif "exit" in said:
                 return int(said["exit"])
             elif "detached" in said:
-                # The agent restarts, or lost the peer's: the command goes on, and mpirun, which
-                # talks to it directly, takes a clean exit of its ssh after launch as nothing.
-                sys.stderr.write(f"muster-rsh: detached: {said['detached']}\n")
-                sys.stderr.flush()
-                return 0
+                return detached(str(said["detached"]))
             elif "error" in said:
                 return fail(str(said["error"]))
-    if started:  # the agent died (it restarts): the command goes on, as after "detached"
-        sys.stderr.write("muster-rsh: detached: this node's agent went away; the command goes on\n")
-        sys.stderr.flush()
-        return 0
+    if started:  # the agent died (it restarts): the command goes on
+        return detached("this node's agent went away; the command goes on")
     return fail("the agent closed the connection before the command ended")
 
 

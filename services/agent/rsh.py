@@ -24,12 +24,12 @@ Agent restarts (Docker: the tasks go on, the next agent adopts them) must not en
 mpirun. Once a daemon has started, its muster-rsh only stands in for an ssh session that mpirun
 watches for a failed exit; mpirun itself talks to the daemon over TCP, and takes an ssh child's
 clean exit (0) after launch as nothing. So muster-rsh is told when its daemon has started, and
-from then on exits 0 if its agent goes away (a crash, before a restart adopts the tasks); an
+from then on exits 0 if its agent goes away (a crash, before a restart adopts the tasks). An
 agent that leaves for a restart tells each muster-rsh whose daemon has started that it is
-detached (it exits 0) and asks no peer to cancel;
-as a peer it leaves the daemons it runs in its tasks running and says nothing. A caller whose
-peer falls silent after the start (the peer's agent restarted) detaches its muster-rsh the same
-way. A daemon that really dies is mpirun's to notice, as under ssh."""
+detached (it exits 0) and asks no peer to cancel; as a peer it leaves the daemons it runs in
+its tasks running and says nothing. A caller whose peer falls silent after the start (the
+peer's agent restarted) detaches its muster-rsh the same way. A daemon that really dies is
+mpirun's to notice, as under ssh."""
 
 from __future__ import annotations
 

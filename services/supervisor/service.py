@@ -201,7 +201,8 @@ class Supervisor:
     async def on_task_event(self, sent: consume.Sent[TaskEvent]) -> None:
         ev = sent.message
         # Read for what never changes (the job's config; where the attempt's tasks were placed):
-        # the mirrored copy serves, the stored record only when the mirror has none yet.
+        # the mirrored copy serves; the stored record when the mirror has none yet, or holds
+        # the job only as finished (a late event).
         held = self.view_jobs.get(ev.job_id)
         job = held if isinstance(held, JobRecord) else await self.jobs.get(ev.job_id)
         if job is None:
