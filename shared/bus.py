@@ -20,7 +20,7 @@ import nats.errors
 import nats.js.errors
 import structlog
 from nats.aio.client import Client as NATS
-from nats.js import JetStreamContext
+from nats.js import JetStreamContext, api
 from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
@@ -204,9 +204,104 @@ BUCKETS: dict[str, tuple[int, float]] = {
 }
 
 
+class JetStream(JetStreamContext):
+    """nats-py's JetStream context with cheaper publishes and direct gets (and so cheaper KV
+    writes and reads, which go through them): each waits for its reply on one wildcard
+    subscription of the connection, named by a counter, with one timer, where nats-py's makes
+    random token bytes (a getrandom call), a `wait_for` and, for a publish, a dataclass built
+    by introspection each time. On this machine, 256 publishes in flight cost ~28 µs of client
+    CPU each against ~50, one at a time ~94 µs against ~155. The same results and errors as
+    nats-py's: `APIError` and its kinds (in nats-py's KV, a write on a stale revision is
+    `KeyWrongLastSequenceError` as before), `NoStreamResponseError` when no stream takes the
+    subject, `nats.errors.TimeoutError` when no reply comes in time."""
+
+    def __init__(self, conn: NATS, timeout: float = 5) -> None:
+        super().__init__(conn, timeout=timeout)
+        self._replies: dict[str, asyncio.Future[Any]] = {}
+        self._reply_prefix = ""
+        self._count = 0
+        self._starting: asyncio.Lock | None = None
+
+    async def _listen(self) -> None:
+        self._starting = self._starting or asyncio.Lock()
+        async with self._starting:
+            if not self._reply_prefix:
+                nc = self._nc
+                prefix = f"{nc._inbox_prefix.decode()}.{nc._nuid.next().decode()}."
+                await nc.subscribe(prefix + "*", cb=self._replied)
+                self._reply_prefix = prefix
+
+    async def _replied(self, msg: Any) -> None:
+        waiting = self._replies.pop(msg.subject[len(self._reply_prefix) :], None)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(msg)
+
+    async def _ask(
+        self, subject: str, payload: bytes, headers: dict[str, Any] | None, timeout: float | None
+    ) -> Any:
+        """Publish with a reply subject of our own; the reply (a Msg)."""
+        if not self._reply_prefix:
+            await self._listen()
+        self._count += 1
+        token = str(self._count)
+        loop = asyncio.get_running_loop()
+        waiting: asyncio.Future[Any] = loop.create_future()
+        self._replies[token] = waiting
+        try:
+            await self._nc.publish(subject, payload, reply=self._reply_prefix + token, headers=headers)
+            timer = loop.call_later(timeout or self._timeout, _expire, waiting)
+            try:
+                return await waiting
+            finally:
+                timer.cancel()
+        finally:
+            self._replies.pop(token, None)
+
+    async def publish(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        timeout: float | None = None,
+        stream: str | None = None,
+        headers: dict[str, Any] | None = None,
+        msg_ttl: float | None = None,
+    ) -> api.PubAck:
+        if stream is not None or msg_ttl is not None:  # not used by Muster: nats-py's own way
+            return await super().publish(subject, payload, timeout, stream, headers, msg_ttl)
+        msg = await self._ask(subject, payload, headers, timeout)
+        if msg.headers and msg.headers.get(STATUS) == "503":
+            raise nats.js.errors.NoStreamResponseError()
+        resp = json.loads(msg.data)
+        if "error" in resp:
+            nats.js.errors.APIError.from_error(resp["error"])  # raises its kind
+        return api.PubAck(stream=resp["stream"], seq=resp["seq"], duplicate=resp.get("duplicate"))
+
+    async def get_msg(
+        self,
+        stream_name: str,
+        seq: int | None = None,
+        subject: str | None = None,
+        direct: bool | None = False,
+        next: bool | None = False,
+    ) -> api.RawStreamMsg:
+        if not (direct and subject and seq is None and not next):  # else nats-py's own way
+            return await super().get_msg(stream_name, seq, subject, direct, next)
+        msg = await self._ask(f"{self._prefix}.DIRECT.GET.{stream_name}.{subject}", b"", None, None)
+        return JetStreamContext._lift_msg_to_raw_msg(msg)
+
+
+def _expire(waiting: asyncio.Future[Any]) -> None:
+    if not waiting.done():
+        waiting.set_exception(nats.errors.TimeoutError())
+
+
+def jetstream(nc: NATS, timeout: float = 5) -> JetStream:
+    return JetStream(nc, timeout=timeout)
+
+
 async def ensure_jetstream(nc: NATS) -> tuple[JetStreamContext, dict[str, KeyValue]]:
     """Create (or update) every stream and bucket. Returns the JetStream context and the buckets."""
-    js = nc.jetstream(timeout=5)
+    js = jetstream(nc)
     r = replicas()
     await _ensure_stream(
         js,
@@ -351,7 +446,7 @@ async def open_jetstream(nc: NATS, wait: float = 0.0) -> tuple[JetStreamContext,
     """The client side of `ensure_jetstream`: look every stream and bucket up, never create or
     change one (a client's environment must not reshape a cluster's settings). Waits up to
     `wait` seconds for services that are starting; then raises `NotSetUp` naming what is missing."""
-    js = nc.jetstream(timeout=5)
+    js = jetstream(nc)
     u = nc.connected_url
     server = f"{u.scheme}://{u.hostname}:{u.port}" if u else "NATS"
     loop = asyncio.get_running_loop()

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
+import nats.errors
 import nats.js.errors
+import pytest
 
 from shared import bus
 
@@ -118,3 +121,78 @@ async def test_a_puller_asks_once_per_batch_and_a_deleted_consumer_is_an_error(n
             pass
     finally:
         await nc.close()
+
+
+async def test_muster_jetstream_publishes_and_reads_as_nats_py_does(nats_url):
+    """`bus.JetStream` (the context every service uses) answers as nats-py's own context: the
+    same acks, duplicates, KV revisions, reads and errors, for many publishes in flight at once."""
+    nc = await bus.connect("test", nats_url)
+    try:
+        ours, theirs = bus.jetstream(nc), nc.jetstream()
+        await theirs.add_stream(name="SAME", subjects=["same.>"])
+        acks = await asyncio.gather(*(ours.publish("same.x", b"%d" % i) for i in range(300)))
+        assert sorted(a.seq for a in acks) == list(range(1, 301))
+        assert {a.stream for a in acks} == {"SAME"}
+        first = await ours.publish("same.y", b"a", headers={"Nats-Msg-Id": "m1"})
+        again = await ours.publish("same.y", b"a", headers={"Nats-Msg-Id": "m1"})
+        assert (again.seq, again.duplicate, first.duplicate) == (first.seq, True, None)
+        with pytest.raises(nats.js.errors.NoStreamResponseError):
+            await ours.publish("nowhere.x", b"")
+        with pytest.raises(nats.js.errors.BadRequestError):  # the server refuses it
+            await ours.publish("same.z", b"", headers={"Nats-Expected-Last-Sequence": "1"})
+
+        kv = await ours.create_key_value(bucket="same_kv", direct=True)
+        assert kv._js is ours  # KV writes and reads go through it
+        assert await kv.create("k", b"1") == 1
+        with pytest.raises(nats.js.errors.KeyWrongLastSequenceError):
+            await kv.create("k", b"2")
+        with pytest.raises(nats.js.errors.KeyWrongLastSequenceError):
+            await kv.update("k", b"2", last=7)
+        assert await kv.update("k", b"2", last=1) == 2
+        entry = await kv.get("k")
+        assert (entry.value, entry.revision) == (b"2", 2)
+        with pytest.raises(nats.js.errors.KeyNotFoundError):
+            await kv.get("absent")
+        await kv.delete("k")
+        with pytest.raises(nats.js.errors.KeyNotFoundError):
+            await kv.get("k")
+        assert await kv.create("k", b"3") == 4  # over its delete marker, as nats-py does
+        theirs_kv = await theirs.key_value("same_kv")
+        assert (await theirs_kv.get("k")).value == b"3"
+    finally:
+        await nc.close()
+
+
+async def test_muster_jetstream_times_out_and_goes_on_after_a_reconnect(tmp_path):
+    """No ack: a nats TimeoutError at the timeout, not a hang. After the server is back (and the
+    connection with it) publishes are acked again on the same context."""
+    from shared.natsserver import NatsServer
+
+    server = NatsServer(tmp_path / "n").start()
+    nc = await bus.connect("test", server.url)
+    try:
+        js = bus.jetstream(nc, timeout=0.5)
+        await js.add_stream(name="T", subjects=["t.>"])
+
+        async def silent(msg):  # a responder that never answers
+            pass
+
+        await nc.subscribe("silent.x", cb=silent)
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.publish("silent.x", b"")
+        assert (await js.publish("t.a", b"1")).seq == 1
+        port = int(server.url.rsplit(":", 1)[1])
+        server.stop()
+        server = NatsServer(tmp_path / "n", port=port).start()
+        for _ in range(100):
+            if nc.is_connected:
+                break
+            await asyncio.sleep(0.1)
+        for _ in range(40):  # JetStream may still be recovering its streams at first
+            with contextlib.suppress(nats.errors.TimeoutError, nats.js.errors.APIError):
+                ack = await js.publish("t.a", b"2")
+                break
+        assert ack.seq == 2  # the stream is on disk: it goes on
+    finally:
+        await nc.close()
+        server.stop()
