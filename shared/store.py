@@ -97,6 +97,20 @@ class Store(Generic[M]):
         except KeyWrongLastSequenceError:
             return False
 
+    async def write(self, key: str, record: M, revision: int) -> bool:
+        """Write `record` only if `key` is still at `revision`; whether it was written."""
+        data = record.to_bytes()
+        try:
+            self._saw(key, await self.kv.update(key, data, last=revision), data)
+            return True
+        except KeyWrongLastSequenceError:
+            return False
+
+    def cached(self, key: str) -> tuple[int, bytes] | None:
+        """The newest (revision, bytes) of `key` this store saw, if it keeps them (`cache`): a
+        guess to write on, proved current only by the write."""
+        return self._latest.get(key) if self._latest is not None else None
+
     async def update(self, key: str, change: Callable[[M], M | None]) -> M | None:
         """Read-modify-write with the revision read, retried until no other writer got in
         between. `change` returns the new record, or None to leave it as it is. Returns the

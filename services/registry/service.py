@@ -32,13 +32,14 @@ from shared.subjects import Headers
 log = structlog.get_logger(service="registry")
 SPECS = Counter("muster_registry_specs_total", "Cluster specs published")
 MEMBERS_CONSUMER = "registry-members"
+RECENT = 4096  # rendezvous this replica wrote last, kept as (revision, bytes): writes start there
 
 
 class Registry:
     def __init__(self, nc: NATS, js: JetStreamContext, buckets: dict[str, KeyValue]):
         self.nc, self.js = nc, js
         self.kv = buckets[subjects.RENDEZVOUS_BUCKET]
-        self.store = Store(self.kv, Rendezvous)
+        self.store = Store(self.kv, Rendezvous, cache=RECENT)
         self.attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
 
     @classmethod
@@ -89,14 +90,26 @@ class Registry:
         endpoint is in (for an elastic attempt, again whenever its members change)."""
         key = attempt.key
         members = sorted(t.key for t in attempt.members())
+        # First try on what this replica last wrote (or, for an attempt it has not seen, on no
+        # record at all: most endpoints of a gang come to one replica, a gang of one has one):
+        # a write proves it current, and only a conflict costs a read.
+        guess = self.store.cached(key)
+        read = False
         while True:
             fresh = Rendezvous(job_id=attempt.job_id, attempt=attempt.attempt, gang_size=len(members))
-            try:
-                entry = await self.kv.get(key)
-                revision: int | None = entry.revision
-                state = self.store.decode(key, entry.value) or fresh  # garbage is replaced
-            except KeyNotFoundError:
-                state, revision = fresh, None
+            state: Rendezvous
+            revision: int | None
+            if not read:
+                revision, data = guess if guess is not None else (None, None)
+                state = (self.store.decode(key, data) if data else None) or fresh
+                read = True
+            else:
+                try:
+                    entry = await self.kv.get(key)
+                    revision = entry.revision
+                    state = self.store.decode(key, entry.value) or fresh  # garbage is replaced
+                except KeyNotFoundError:
+                    state, revision = fresh, None
             if ep is not None:
                 state.endpoints[f"{ep.role}.{ep.index}"] = ep
             if attempt.elastic:  # the gang is its members now: a removed or ended task leaves it
@@ -107,21 +120,24 @@ class Registry:
             else:
                 complete = len(state.endpoints) >= state.gang_size
                 due = complete and not state.published
+            written = (
+                state.model_copy(update={"version": state.version + 1, "members": members, "published": True})
+                if due
+                else state
+            )
             if due:
                 # Publish first (idempotent by message id), then record it: a crash in between
                 # only republishes the same spec.
-                state.version += 1
-                state.members = members
-                await self.publish(state)
-                state.published = True
+                await self.publish(written)
             try:
                 if revision is None:
-                    await self.kv.create(key, state.to_bytes())
-                else:
-                    await self.kv.update(key, state.to_bytes(), last=revision)
+                    if not await self.store.create(key, written):
+                        continue  # it exists: read it and merge
+                elif not await self.store.write(key, written, revision):
+                    continue  # another replica wrote in between: merge again
                 return
             except KeyWrongLastSequenceError:
-                continue  # another replica wrote in between: merge again
+                continue
 
     async def publish(self, state: Rendezvous) -> None:
         version = "" if state.version <= 1 else f".v{state.version}"
