@@ -26,7 +26,7 @@ class Reporter:
     def __init__(self, js: JetStreamContext, outbox: Path):
         self.js, self.outbox = js, outbox
         outbox.mkdir(parents=True, exist_ok=True)
-        self.queue: asyncio.Queue[tuple[Path, bytes]] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[Path, bytes, TaskEvent | None]] = asyncio.Queue()
         self.seq = itertools.count()
         self.unsent = 0  # queued, not yet published
         self.idle = asyncio.Event()
@@ -34,7 +34,7 @@ class Reporter:
         self.sender: asyncio.Task[None] | None = None
         # What is still in the outbox from an earlier run: sent first, in the order it was made.
         for path in sorted(outbox.glob("*.json")):
-            self._queue(path, _read(path))
+            self._queue(path, _read(path), None)
 
     def start(self) -> None:
         if self.sender is None:
@@ -46,10 +46,11 @@ class Reporter:
         path = self.outbox / f"{time.time_ns():020d}-{next(self.seq):06d}-{task}.{event.kind}.json"
         data = event.to_bytes()
         path.write_bytes(data)
-        self._queue(path, data)
+        self._queue(path, data, event)
 
-    def _queue(self, path: Path, data: bytes) -> None:
-        self.queue.put_nowait((path, data))
+    def _queue(self, path: Path, data: bytes, event: TaskEvent | None) -> None:
+        """`event`: the entry decoded, when it was made here (one read back from disk is not)."""
+        self.queue.put_nowait((path, data, event))
         self.unsent += 1
         self.idle.clear()
 
@@ -67,21 +68,22 @@ class Reporter:
 
     async def _send_all(self) -> None:
         while True:
-            path, data = await self.queue.get()
+            path, data, event = await self.queue.get()
             try:
-                await self._send(path, data)
+                await self._send(path, data, event)
             finally:
                 self.unsent -= 1
                 if not self.unsent:
                     self.idle.set()
 
-    async def _send(self, path: Path, data: bytes) -> None:
-        try:
-            event = TaskEvent.from_bytes(data)
-        except ValueError as exc:
-            log.warning("agent.outbox_bad_entry", path=path.name, error=str(exc)[:200])
-            _forget(path)
-            return
+    async def _send(self, path: Path, data: bytes, event: TaskEvent | None) -> None:
+        if event is None:
+            try:
+                event = TaskEvent.from_bytes(data)
+            except ValueError as exc:
+                log.warning("agent.outbox_bad_entry", path=path.name, error=str(exc)[:200])
+                _forget(path)
+                return
         subject = subjects.task_event(
             event.job_id, event.attempt, event.role, event.index, event.kind, event.node
         )
@@ -89,7 +91,7 @@ class Reporter:
         delay, failing = 0.2, False
         while True:
             try:
-                await self.js.publish(subject, event.to_bytes(), headers={Headers.MSG_ID: msg_id})
+                await self.js.publish(subject, data, headers={Headers.MSG_ID: msg_id})
                 break
             except BadRequestError as exc:  # the server refuses it: retrying cannot help
                 log.error("agent.report_refused", subject=subject, error=str(exc))

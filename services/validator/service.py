@@ -183,7 +183,7 @@ class Validator:
             job_id=verdict.job_id,
             errors=len(verdict.errors),
         )
-        await msg.ack_sync()
+        await msg.ack()  # lost: redelivered, and judged again to the same verdict
 
     async def give_up(self, sid: str, user: str, data: bytes) -> Verdict:
         """Reject a submission whose judging kept crashing, first releasing the name it may have
