@@ -67,6 +67,9 @@ class Verdict(Message):
     at: datetime = Field(default_factory=now)
 
 
+WAITING_FOR_SCHEDULER = "waiting for a scheduler"  # a new job's reason, until a scheduler looks at it
+
+
 class JobRecord(Message):
     """The current state of a job: KV bucket `muster_jobs`, key = job id."""
 
@@ -79,13 +82,18 @@ class JobRecord(Message):
     digest: str = ""  # sha256 of the accepted config's canonical JSON (to spot a reused submission id)
     submitted_at: datetime
     updated_at: datetime = Field(default_factory=now)
-    reason: str = "waiting for a scheduler"
+    reason: str = WAITING_FOR_SCHEDULER
     unschedulable: bool = False  # the scheduler found no node that could ever fit it
     attempt: int = 0  # the current attempt's number; 0 until first placed
     retries: int = 0  # retries charged to the config's retryCount (user failures, or -2 restarts)
     platform_retries: int = 0  # retries after platform failures: not charged to retryCount
     not_before: datetime | None = None  # the next attempt waits until then (backoff)
     settled: int = 0  # the last attempt whose end the supervisor has applied to this record
+
+    @property
+    def unseen(self) -> bool:
+        """Accepted, and no scheduler has looked at it yet (placed it, or said why not)."""
+        return self.state == JobState.WAITING and self.attempt == 0 and self.reason == WAITING_FOR_SCHEDULER
 
 
 class JobEventKind(StrEnum):

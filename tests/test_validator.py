@@ -277,3 +277,53 @@ async def test_random_and_mutated_payloads_all_get_a_verdict_from_the_live_valid
     for v in verdicts:
         assert v.accepted == (v.job_id is not None) == (not v.errors)
     assert any(v.accepted for v in verdicts) and any(not v.accepted for v in verdicts)
+
+
+async def test_admission_holds_submissions_while_too_many_jobs_wait_for_a_first_look(
+    nats_url, nc, monkeypatch
+):
+    """Past MUSTER_ADMISSION_BACKLOG accepted jobs no scheduler has looked at, a submission is
+    held (in its stream, acknowledged) until a scheduler looks at one, or at most
+    MUSTER_ADMISSION_WAIT: a burst cannot take the CPU placement needs, and nothing is lost."""
+    monkeypatch.setenv("MUSTER_ADMISSION_BACKLOG", "3")
+    monkeypatch.setenv("MUSTER_ADMISSION_WAIT", "30")
+    await bus.ensure_jetstream(nc)
+    kv = await nc.jetstream().key_value(subjects.JOBS_BUCKET)
+    async with validator(nats_url):
+        first = []
+        for i in range(3):
+            _, verdict = await client.submit(nc, config(f"burst-{i}"), user="alice", timeout=20)
+            assert verdict is not None and verdict.accepted
+            first.append(verdict.job_id)
+        sid, verdict = await client.submit(nc, config("burst-3"), user="alice", timeout=2)
+        assert verdict is None  # held: three jobs wait for a scheduler's first look
+        sub = await nc.subscribe(subjects.verdict("alice", sid))
+        # A scheduler looks at one (it cannot place it now, and says why): room for one more.
+        entry = await kv.get(first[0])
+        looked = JobRecord.from_bytes(entry.value).model_copy(update={"reason": "waiting for 1 free GPU"})
+        await kv.update(first[0], looked.to_bytes(), last=entry.revision)
+        verdict = await client.wait_verdict(nc, sub, sid, 20, "alice")
+        assert verdict is not None and verdict.accepted, "held past the room it was waiting for"
+
+    # With nobody looking at all, a held submission is still judged, after the longest wait.
+    monkeypatch.setenv("MUSTER_ADMISSION_WAIT", "3")
+    async with validator(nats_url):
+        began = time.monotonic()
+        _, verdict = await client.submit(nc, config("burst-4"), user="alice", timeout=30)
+        assert verdict is not None and verdict.accepted
+        assert time.monotonic() - began >= 2.9
+
+
+def test_admission_settings_are_checked_naming_the_variable(monkeypatch):
+    from services.validator.service import admission_settings
+
+    monkeypatch.delenv("MUSTER_ADMISSION_BACKLOG", raising=False)
+    monkeypatch.delenv("MUSTER_ADMISSION_WAIT", raising=False)
+    assert admission_settings() == (2000, 5.0)
+    monkeypatch.setenv("MUSTER_ADMISSION_BACKLOG", "0")
+    assert admission_settings()[0] > 10**15  # 0: never held
+    for name, value in (("MUSTER_ADMISSION_BACKLOG", "-1"), ("MUSTER_ADMISSION_WAIT", "soon")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=name):
+            admission_settings()
+        monkeypatch.setenv(name, "1")

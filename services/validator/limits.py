@@ -60,16 +60,18 @@ def check(tasks: int, user: str, live: int, limits: Limits) -> list[FieldError]:
 
 @dataclass(frozen=True, slots=True)
 class Live:
-    """What the validator keeps of a job record: whose job it is and how many of its tasks are
-    live (0 once it is final). A few dozen bytes where the record is kilobytes, for every job
-    kept through the retention period."""
+    """What the validator keeps of a job record: whose job it is, how many of its tasks are
+    live (0 once it is final) and whether no scheduler has looked at it yet (admission control).
+    A few dozen bytes where the record is kilobytes, for every job kept through the retention
+    period."""
 
     user: str
     tasks: int
+    unseen: bool = False
 
     @classmethod
     def of(cls, record: JobRecord) -> Live:
-        return cls(record.user, 0 if record.state.final else record.config.most_tasks)
+        return cls(record.user, 0 if record.state.final else record.config.most_tasks, record.unseen)
 
 
 @dataclass

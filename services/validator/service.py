@@ -37,6 +37,7 @@ or asking `:rw` of a read-only one is refused on `data[i]` (docs/data.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -50,7 +51,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import InvalidKeyError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from services.validator import limits
 from shared import auth, bus, consume, hostpaths, subjects
@@ -73,6 +74,12 @@ from shared.store import Store
 from shared.subjects import Headers
 
 VERDICTS = Counter("muster_validator_verdicts_total", "Submissions judged", ["verdict"])
+UNSEEN = Gauge("muster_validator_unseen_jobs", "Accepted jobs no scheduler has looked at yet")
+HELD = Counter(
+    "muster_validator_held_total",
+    "Submissions held back before judging: more accepted jobs than MUSTER_ADMISSION_BACKLOG "
+    "were waiting for a scheduler's first look",
+)
 LATENCY = Histogram("muster_validator_seconds", "Time to judge one submission")
 
 # After this many deliveries that crashed the handler, the submission is rejected rather than
@@ -105,6 +112,12 @@ class Validator:
         self.live = limits.LiveTasks()
         self._admitted: dict[str, limits.Live] = {}  # created here, not yet seen by the watcher
         self.synced = asyncio.Event()
+        # Admission control: accepted jobs no scheduler has looked at yet, and room for more.
+        self.backlog, self.admission_wait = admission_settings()
+        self.unseen: set[str] = set()
+        self.room = asyncio.Event()
+        self.room.set()
+        self._holding = False  # logged once per spell of holding back
 
     @classmethod
     async def build(cls, nc: NATS) -> Validator:
@@ -146,7 +159,38 @@ class Validator:
                 watcher.cancel()
 
     def job_changed(self, job_id: str) -> None:
-        self.live.update(job_id, self.view.get(job_id))
+        live = self.view.get(job_id)
+        self.live.update(job_id, live)
+        self._seen(job_id, live is not None and live.unseen)
+
+    def _seen(self, job_id: str, unseen: bool) -> None:
+        if unseen:
+            self.unseen.add(job_id)
+        else:
+            self.unseen.discard(job_id)
+        UNSEEN.set(len(self.unseen))
+        if len(self.unseen) < self.backlog:
+            self.room.set()
+
+    async def admission(self) -> None:
+        """Admission control. Past its capacity the platform must not spend the CPU it needs to
+        place and start the jobs it has on accepting more: while more than `backlog` accepted
+        jobs wait for a scheduler's first look (placed, or told why not), each submission waits
+        up to `admission_wait` seconds for room before it is judged. Held submissions stay in
+        their stream, acknowledged to their senders; nothing is lost, verdicts come later. With
+        no scheduler at all, submissions are still judged, each after the wait."""
+        if len(self.unseen) < self.backlog:
+            if self._holding:
+                self._holding = False
+                log.info("validator.admission_resumed", unseen=len(self.unseen))
+            return
+        HELD.inc()
+        if not self._holding:
+            self._holding = True
+            log.warning("validator.admission_holding", unseen=len(self.unseen), backlog=self.backlog)
+        self.room.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.room.wait(), self.admission_wait)
 
     async def handle(self, msg: Msg) -> None:
         meta = msg.metadata
@@ -160,6 +204,7 @@ class Validator:
             log.warning("validator.bad_submitter", subject=msg.subject[:200])
             await msg.term()
             return
+        await self.admission()
         try:
             with LATENCY.time():
                 verdict = await self.judge(sid, user, msg.data, meta.timestamp or now())
@@ -279,6 +324,7 @@ class Validator:
         if await self.jobs.create(job_id, record):
             if job_id not in self.view:  # counted until the watcher has it
                 self._admitted[job_id] = limits.Live.of(record)
+                self._seen(job_id, True)
         else:
             # Another replica got there first with this submission id (ack wait passed, or the
             # same id published twice at once): the same config is the same job.
@@ -452,6 +498,27 @@ def canonical_json(config: JobConfig) -> bytes:
 def record_digest(record: JobRecord) -> str:
     """A record's config digest (records written before `digest` existed have none stored)."""
     return record.digest or hashlib.sha256(canonical_json(record.config)).hexdigest()
+
+
+def admission_settings() -> tuple[int, float]:
+    """MUSTER_ADMISSION_BACKLOG (accepted jobs no scheduler has looked at, beyond which
+    submissions are held back; default 2000, 0: never) and MUSTER_ADMISSION_WAIT (the longest a
+    submission is held, seconds; default 5)."""
+    backlog_text = os.environ.get("MUSTER_ADMISSION_BACKLOG", "").strip() or "2000"
+    wait_text = os.environ.get("MUSTER_ADMISSION_WAIT", "").strip() or "5"
+    try:
+        backlog = int(backlog_text)
+    except ValueError:
+        backlog = -1
+    if backlog < 0:
+        raise ValueError(f"MUSTER_ADMISSION_BACKLOG must be a number of jobs ≥ 0, got {backlog_text!r}")
+    try:
+        wait = float(wait_text)
+    except ValueError:
+        wait = -1.0
+    if not 0 <= wait < float("inf"):
+        raise ValueError(f"MUSTER_ADMISSION_WAIT must be a number of seconds ≥ 0, got {wait_text!r}")
+    return (backlog or 1 << 62), wait
 
 
 def claim_timeout() -> float:
