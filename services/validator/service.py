@@ -504,32 +504,27 @@ def admission_settings() -> tuple[int, float]:
     """MUSTER_ADMISSION_BACKLOG (accepted jobs no scheduler has looked at, beyond which
     submissions are held back; default 2000, 0: never) and MUSTER_ADMISSION_WAIT (the longest a
     submission is held, seconds; default 5)."""
-    backlog_text = os.environ.get("MUSTER_ADMISSION_BACKLOG", "").strip() or "2000"
-    wait_text = os.environ.get("MUSTER_ADMISSION_WAIT", "").strip() or "5"
-    try:
-        backlog = int(backlog_text)
-    except ValueError:
-        backlog = -1
+    text = os.environ.get("MUSTER_ADMISSION_BACKLOG", "").strip() or "2000"
+    backlog = int(text) if re.fullmatch(r"\d+", text) else -1
     if backlog < 0:
-        raise ValueError(f"MUSTER_ADMISSION_BACKLOG must be a number of jobs ≥ 0, got {backlog_text!r}")
-    try:
-        wait = float(wait_text)
-    except ValueError:
-        wait = -1.0
-    if not 0 <= wait < float("inf"):
-        raise ValueError(f"MUSTER_ADMISSION_WAIT must be a number of seconds ≥ 0, got {wait_text!r}")
-    return (backlog or 1 << 62), wait
+        raise ValueError(f"MUSTER_ADMISSION_BACKLOG must be a number of jobs ≥ 0, got {text!r}")
+    return (backlog or 1 << 62), _seconds("MUSTER_ADMISSION_WAIT", "5")
 
 
 def claim_timeout() -> float:
     """MUSTER_NAME_CLAIM_TIMEOUT: seconds after which a claim whose job has no record is stale."""
-    text = os.environ.get("MUSTER_NAME_CLAIM_TIMEOUT", "").strip() or "300"
+    return _seconds("MUSTER_NAME_CLAIM_TIMEOUT", "300")
+
+
+def _seconds(name: str, default: str) -> float:
+    """A setting of seconds ≥ 0 from the environment; ValueError naming it when it is not one."""
+    text = os.environ.get(name, "").strip() or default
     try:
         value = float(text)
     except ValueError:
         value = -1.0
     if not 0 <= value < float("inf"):
-        raise ValueError(f"MUSTER_NAME_CLAIM_TIMEOUT must be a number of seconds ≥ 0, got {text!r}")
+        raise ValueError(f"{name} must be a number of seconds ≥ 0, got {text!r}")
     return value
 
 
