@@ -322,6 +322,35 @@ async def test_a_spec_missed_by_both_the_read_and_the_subscription_is_read_again
         await nc.close()
 
 
+async def test_a_spec_expected_before_the_endpoint_goes_out_comes_without_a_read(nats_url):
+    """An agent subscribes to its attempt's spec before it reports its endpoint (`expect`), so
+    the spec, published only once every endpoint is in, comes on that subscription however
+    late its task starts waiting: no stored read, no 50 ms wait. An order that fails drops it."""
+    nc = await bus.connect("test", nats_url)
+    try:
+        js, _ = await bus.ensure_jetstream(nc)
+        specs, reads = Specs(nc, js), []
+        real_get = js.get_last_msg
+
+        async def counted(*args, **kwargs):
+            reads.append(args)
+            return await real_get(*args, **kwargs)
+
+        js.get_last_msg = counted  # type: ignore[method-assign]
+        await specs.expect("j3", 1)
+        spec = ClusterSpec(job_id="j3", attempt=1, endpoints=[])
+        await js.publish(subjects.cluster_spec("j3", 1), spec.to_bytes())
+        await asyncio.sleep(0.3)  # the task starts waiting well after the spec went by
+        assert await asyncio.wait_for(specs.wait("j3", 1), 30) == spec
+        assert reads == []
+        subs = len(nc._subs)
+        await specs.expect("j4", 1)
+        await specs.forget("j4", 1)
+        assert len(nc._subs) == subs
+    finally:
+        await nc.close()
+
+
 # ---------------------------------------------------------------- the real services, sim nodes
 
 

@@ -377,6 +377,7 @@ class Agent:
                 continue
             endpoint = Endpoint.of(spec, self.opts.address, ports, role.portList)
             try:
+                await self.tasks.specs.expect(a.job_id, a.attempt)  # before the endpoint goes out
                 await self.js.publish(
                     subjects.task_event(
                         a.job_id, a.attempt, spec.role, spec.index, "endpoint", self.opts.node
@@ -388,6 +389,7 @@ class Agent:
                 )
             except Exception:
                 self.tasks.ports.release(ports)
+                await self.tasks.specs.forget(a.job_id, a.attempt)
                 raise  # the order is redelivered
             task = LocalTask(assignment=a, spec=spec, endpoint=endpoint, ports=ports)
             self.assignments.save(a)

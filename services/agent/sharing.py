@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import nats.errors
 from nats.aio.client import Client as NATS
@@ -48,6 +48,23 @@ class Specs:
         self.nc, self.js = nc, js
         self._reads: dict[AttemptKey, asyncio.Task[ClusterSpec]] = {}
         self._waiting: dict[AttemptKey, int] = {}
+        self._early: dict[AttemptKey, Any] = {}  # subscriptions made before the endpoint went out
+
+    async def expect(self, job_id: str, attempt: int) -> None:
+        """Subscribe to the attempt's spec now, before this node reports its endpoint: the
+        registry publishes the spec only after every endpoint is in, and the server handles a
+        connection's SUB before its later PUB, so the spec cannot pass by unseen (a missed one
+        costs a read, 50 ms later at best). Taken over by the attempt's next `wait`; `forget`
+        drops it when no task will wait."""
+        key = (job_id, attempt)
+        if key not in self._early and key not in self._reads:
+            self._early[key] = await self.nc.subscribe(subjects.cluster_spec(job_id, attempt))
+
+    async def forget(self, job_id: str, attempt: int) -> None:
+        sub = self._early.pop((job_id, attempt), None)
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     async def wait(self, job_id: str, attempt: int, member: str | None = None) -> ClusterSpec:
         """The attempt's spec once the registry has published it (the rendezvous barrier); with
@@ -62,7 +79,9 @@ class Specs:
         key = (job_id, attempt)
         read = self._reads.get(key)
         if read is None:
-            read = self._reads[key] = asyncio.create_task(self._read(job_id, attempt))
+            read = self._reads[key] = asyncio.create_task(
+                self._read(job_id, attempt, None, self._early.pop(key, None))
+            )
         self._waiting[key] = self._waiting.get(key, 0) + 1
         try:
             return await asyncio.shield(read)
@@ -72,7 +91,9 @@ class Specs:
                 del self._waiting[key], self._reads[key]
                 read.cancel()
 
-    async def _read(self, job_id: str, attempt: int, member: str | None = None) -> ClusterSpec:
+    async def _read(
+        self, job_id: str, attempt: int, member: str | None = None, early: Any = None
+    ) -> ClusterSpec:
         """Subscribe, then wait on the subscription between reads of the stored spec. The
         server hands a published message to subscribers before the stream has stored it, so a
         spec published just as we subscribe can be missed by both: the reads come soon at first
@@ -80,9 +101,9 @@ class Specs:
         wait: a task's spec is usually published after its order is taken (it waits for the
         task's own endpoint), so it comes on the subscription and is never read (a round trip
         per task saved); one published already (a restarted agent) is read 50 ms later. With
-        `member`: a spec that lists it."""
+        `member`: a spec that lists it. `early`: the subscription `expect` made, if any."""
         subject = subjects.cluster_spec(job_id, attempt)
-        sub = await self.nc.subscribe(subject)
+        sub = early or await self.nc.subscribe(subject)
         wait = 0.05
         try:
             while True:
