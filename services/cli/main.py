@@ -986,6 +986,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from services.agent.config import make_runtime, options_from_args
     from services.agent.service import Agent
     from services.cli.mesh import default_data_dir, up
+    from shared.service import tune_gc
 
     check_agent_flags(args)
     logs.configure("muster")
@@ -1025,6 +1026,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             ),
         )
 
+    tune_gc()  # a long-running process of services, as `python -m services.<name>` is
     try:
         return asyncio.run(
             up(
