@@ -92,3 +92,40 @@ def test_a_service_that_cannot_reach_nats_exits_non_zero():
     assert time.monotonic() - started < 15
     failure = [json.loads(line) for line in r.stderr.splitlines() if '"service.failed"' in line]
     assert failure and "cannot reach NATS" in failure[0]["error"]
+
+
+def test_a_service_process_tunes_garbage_collection_and_a_library_user_keeps_its_own(nats_url):
+    """`python -m services.<name>` makes full collections rare and freezes what its build made
+    (their pauses were the tail of submit→running); a process that only calls `run_service`
+    (a test, an embedding program) keeps its own settings and nothing of it is frozen."""
+    import asyncio
+    import gc
+
+    from services.validator.service import Validator
+    from shared.service import GC_THRESHOLDS, run_service
+
+    code = (
+        "import gc, runpy, sys, threading\n"
+        "def report():\n"
+        "    import time; time.sleep(8)\n"
+        "    print('GC', gc.get_threshold(), gc.get_freeze_count() > 0, flush=True)\n"
+        "    import os; os._exit(0)\n"
+        "threading.Thread(target=report, daemon=True).start()\n"
+        "sys.argv = ['validator']\n"
+        "runpy.run_module('services.validator', run_name='__main__')\n"
+    )
+    env = {**os.environ, "MUSTER_NATS_URL": nats_url, "MUSTER_METRICS_PORT": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert f"GC {GC_THRESHOLDS} True" in out.stdout, out.stdout + out.stderr
+
+    before, frozen = gc.get_threshold(), gc.get_freeze_count()
+
+    async def briefly() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(run_service("validator", Validator.build, url=nats_url, stop=stop))
+        await asyncio.sleep(2)
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+    asyncio.run(briefly())
+    assert (gc.get_threshold(), gc.get_freeze_count()) == (before, frozen)
