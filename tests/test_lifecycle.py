@@ -292,6 +292,49 @@ async def test_an_agent_restarted_for_30s_mid_job_loses_nothing(base_image, clus
 
 
 @pytest.mark.docker
+async def test_an_agent_killed_mid_job_loses_no_output_its_task_wrote_meanwhile(
+    base_image,
+    cluster,
+    nc,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """An agent SIGKILLed leaves no note of where it stopped reading, but every heartbeat says
+    what it had read by then: the agent started after it adopts the container and reads on
+    from a little before its predecessor's last heartbeat, so a line the task wrote while no
+    agent ran is in its output (a line of the last seconds may come twice; none is lost)."""
+    monkeypatch.setenv("MUSTER_NODE_TIMEOUT", "60")  # the crash is not a lost node here
+    cluster.core()
+    args = ("--runtime", "docker", "--cpus", "1", "--address", "127.0.0.1", "--heartbeat", "0.5")
+    agent = cluster.agent("crashy", *args)
+    out = tmp_path / "out"
+    out.mkdir()
+    out.chmod(0o777)
+    command = (
+        "echo start; while [ ! -f $PAI_OUTPUT_DIR/go ]; do sleep 0.2; done; "
+        "echo said while no agent ran; sleep 4; echo done"
+    )
+    config = {
+        "jobName": "crashed",
+        "image": base_image,
+        "outputDir": str(out),
+        "taskRoles": [role("w", 1, command)],
+    }
+    _, verdict = await client.submit(nc, json.dumps(config).encode())
+    await _wait_state(nc, verdict.job_id, JobState.RUNNING, timeout=60)
+    await asyncio.sleep(2)  # a few heartbeats: each notes what was read by then
+    agent.send_signal(signal.SIGKILL)
+    agent.wait(10)
+    (out / "go").touch()
+    await asyncio.sleep(2)  # the task speaks while no agent runs
+    cluster.agent("crashy", *args)
+    record = await wait_final(nc, verdict.job_id, timeout=90)
+    assert (record.state, record.attempt) == (JobState.SUCCEEDED, 1), cluster.logs()
+    task = (await attempt(nc, record.job_id)).tasks[0]
+    assert "said while no agent ran" in task.last_lines and task.last_lines[-1] == "done", task
+
+
+@pytest.mark.docker
 async def test_containers_of_an_agent_that_died_and_stays_away_are_removed(base_image, cluster, nc):  # noqa: F811
     """Defect 11: an agent SIGKILLed (no restart announced) that does not come back within the
     node timeout must not leave its containers running beside the attempt that replaces them."""

@@ -122,18 +122,36 @@ def private(work_root: str) -> None:
 
 
 STOPPED_READING = "stopped-reading"  # when the last agent (detached) stopped reading output
+READ_THROUGH = "read-through"  # rewritten every heartbeat: output before this time was read
+READ_SLACK = 2.0  # seconds before a heartbeat whose output may still be on its way to the agent
 
 
 def stopped_reading(work_root: str) -> float | None:
-    """When the agent before this one, leaving its tasks to be adopted, stopped reading their
-    output (wall-clock seconds), taken once; None after a crash, or at a first start."""
-    path = Path(work_root) / STOPPED_READING
-    try:
-        at = float(path.read_text())
-        path.unlink()
-    except (OSError, ValueError):
-        return None
-    return at if 0 < at <= time.time() else None
+    """When the agent before this one stopped reading its tasks' output (wall-clock seconds),
+    taken once: exactly, when it detached for a restart; after a crash, from a little before
+    its last heartbeat (at least once: lines of those seconds may be read twice, none lost);
+    None at a first start."""
+    found = None
+    for name in (STOPPED_READING, READ_THROUGH):
+        path = Path(work_root) / name
+        try:
+            at = float(path.read_text())
+        except (OSError, ValueError):
+            continue
+        finally:
+            path.unlink(missing_ok=True)
+        if found is None and 0 < at <= time.time():
+            found = at
+    return found
+
+
+def _note_read_through(work_root: str) -> None:
+    """Every heartbeat: what the output read so far covers, for a successor after a crash."""
+    path = Path(work_root) / READ_THROUGH
+    tmp = path.with_name(f".{READ_THROUGH}.tmp")
+    with contextlib.suppress(OSError):
+        tmp.write_text(f"{time.time() - READ_SLACK:.6f}")
+        os.replace(tmp, path)
 
 
 def _order(msg: Msg) -> Assignment | KillOrder | DrainOrder:
@@ -309,6 +327,8 @@ class Agent:
                 await self.reconciler.stop_obsolete(wait=True)
             await self._write_node()
             self._last_beat = loop.time()
+            if self.runtime.can_adopt:
+                _note_read_through(self.opts.work_root)
             if self._failing:
                 self.log.info("agent.heartbeat_restored")
             self._failing = False
