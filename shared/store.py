@@ -151,10 +151,18 @@ class Store(Generic[M]):
             self._latest.pop(key, None)
 
     async def keys(self) -> list[str]:
-        try:
-            return await self.kv.keys()
-        except NoKeysError:
-            return []
+        """Every key with a value. nats-py's `keys()` may find none in a bucket that has some:
+        it asks the server how many are pending after they were sent but before its watcher
+        counted them. So "none" is believed only from a bucket whose stream holds no message;
+        otherwise asked again (a bucket of delete markers alone is empty after the last try)."""
+        for _ in range(5):
+            try:
+                return await self.kv.keys()
+            except NoKeysError:
+                info = await self.kv._js.stream_info(self.kv._stream)
+                if not info.state.messages:
+                    return []
+        return []
 
     async def items(self) -> AsyncIterator[tuple[str, M]]:
         """Every record that decodes, with its key."""

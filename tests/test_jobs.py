@@ -15,6 +15,7 @@ import pytest
 
 from shared import bus, client, subjects
 from shared.messages import AttemptRecord, ClusterSpec, JobRecord, JobState, TaskState
+from shared.store import Store
 from tests.conftest import ROOT
 
 PY = sys.executable
@@ -238,4 +239,4 @@ async def test_killing_the_active_scheduler_mid_stream_standby_takes_over(cluste
         "a task ran twice or never"
     )
     kv = await nc.jetstream().key_value(subjects.ATTEMPTS_BUCKET)
-    assert sorted(await kv.keys()) == sorted(f"{j}.1" for j in jobs)
+    assert sorted(await Store(kv, AttemptRecord).keys()) == sorted(f"{j}.1" for j in jobs)
