@@ -251,20 +251,26 @@ def test_the_sim_identity_is_an_agent_on_every_node_but_never_the_platform():
 # ---------------------------------------------------------------- reads shared by many tasks
 
 
+def counted_reads(js) -> list[tuple]:
+    """The stored reads of cluster specs `js` makes from now on, as they are made."""
+    reads: list[tuple] = []
+    real_get = js.get_last_msg
+
+    async def counted(*args, **kwargs):
+        reads.append(args)
+        return await real_get(*args, **kwargs)
+
+    js.get_last_msg = counted
+    return reads
+
+
 async def test_many_tasks_of_a_gang_read_its_spec_and_attempt_record_once(nats_url):
     """800 tasks of one gang on one connection must not each fetch its ~100 KB spec and
     attempt record (80 MB at once: the server cuts a slow consumer off)."""
     nc = await bus.connect("test", nats_url)
     try:
         js, buckets = await bus.ensure_jetstream(nc)
-        specs, reads = Specs(nc, js), []
-        real_get = js.get_last_msg
-
-        async def counted(*args, **kwargs):
-            reads.append(args)
-            return await real_get(*args, **kwargs)
-
-        js.get_last_msg = counted  # type: ignore[method-assign]
+        specs, reads = Specs(nc, js), counted_reads(js)
         waiters = [asyncio.ensure_future(specs.wait("j1", 1)) for _ in range(50)]
         await asyncio.sleep(0.3)
         spec = ClusterSpec(job_id="j1", attempt=1, endpoints=[])
@@ -329,14 +335,7 @@ async def test_a_spec_expected_before_the_endpoint_goes_out_comes_without_a_read
     nc = await bus.connect("test", nats_url)
     try:
         js, _ = await bus.ensure_jetstream(nc)
-        specs, reads = Specs(nc, js), []
-        real_get = js.get_last_msg
-
-        async def counted(*args, **kwargs):
-            reads.append(args)
-            return await real_get(*args, **kwargs)
-
-        js.get_last_msg = counted  # type: ignore[method-assign]
+        specs, reads = Specs(nc, js), counted_reads(js)
         await specs.expect("j3", 1)
         spec = ClusterSpec(job_id="j3", attempt=1, endpoints=[])
         await js.publish(subjects.cluster_spec("j3", 1), spec.to_bytes())
