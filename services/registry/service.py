@@ -20,7 +20,7 @@ from typing import Any
 import structlog
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
@@ -93,23 +93,18 @@ class Registry:
         # First try on what this replica last wrote (or, for an attempt it has not seen, on no
         # record at all: most endpoints of a gang come to one replica, a gang of one has one):
         # a write proves it current, and only a conflict costs a read.
-        guess = self.store.cached(key)
-        read = False
+        known: tuple[int | None, bytes | None] | None = self.store.cached(key) or (None, None)
         while True:
-            fresh = Rendezvous(job_id=attempt.job_id, attempt=attempt.attempt, gang_size=len(members))
-            state: Rendezvous
-            revision: int | None
-            if not read:
-                revision, data = guess if guess is not None else (None, None)
-                state = (self.store.decode(key, data) if data else None) or fresh
-                read = True
+            if known is not None:
+                (revision, data), known = known, None
             else:
                 try:
                     entry = await self.kv.get(key)
-                    revision = entry.revision
-                    state = self.store.decode(key, entry.value) or fresh  # garbage is replaced
+                    revision, data = entry.revision, entry.value
                 except KeyNotFoundError:
-                    state, revision = fresh, None
+                    revision, data = None, None
+            fresh = Rendezvous(job_id=attempt.job_id, attempt=attempt.attempt, gang_size=len(members))
+            state = (self.store.decode(key, data) if data else None) or fresh  # garbage is replaced
             if ep is not None:
                 state.endpoints[f"{ep.role}.{ep.index}"] = ep
             if attempt.elastic:  # the gang is its members now: a removed or ended task leaves it
@@ -129,15 +124,12 @@ class Registry:
                 # Publish first (idempotent by message id), then record it: a crash in between
                 # only republishes the same spec.
                 await self.publish(written)
-            try:
-                if revision is None:
-                    if not await self.store.create(key, written):
-                        continue  # it exists: read it and merge
-                elif not await self.store.write(key, written, revision):
-                    continue  # another replica wrote in between: merge again
+            if revision is None:
+                if await self.store.create(key, written):
+                    return
+            elif await self.store.write(key, written, revision):
                 return
-            except KeyWrongLastSequenceError:
-                continue
+            # It exists, or another replica wrote in between: read it and merge again.
 
     async def publish(self, state: Rendezvous) -> None:
         version = "" if state.version <= 1 else f".v{state.version}"
