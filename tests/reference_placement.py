@@ -1,5 +1,9 @@
 """Placement core: a snapshot of nodes and a FIFO queue of gangs in, a plan out. No I/O.
 
+(The planner before the index, kept for tests/test_placement_differential.py. One change since
+the copy: the best-fit rank's starved-GPU key, `services.scheduler.placement.FED_CPUS`, a policy
+both planners share; the index must still find exactly what this pass over the nodes finds.)
+
 Owns per-node resource accounting (`NodeState`, `allocate`, `release`), gang placement of one job
 (feasibility → best-fit rank → tentative allocations committed or discarded as a whole, like
 Volcano's statement), FIFO order with backfill, and the reason text for every job left waiting.
@@ -31,6 +35,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
+from services.scheduler.placement import FED_CPUS
 from shared.jobconfig import JobConfig, TaskRole
 from shared.messages import GpuDevice, NodeInfo, TaskSpec
 
@@ -298,8 +303,9 @@ def _best_fit(node: NodeState, shape: _Shape, claim: Claim | None) -> Rank:
     gpus_after = free_gpus - shape.gpus
     cpus_after = node.free_cpus - cpus - shape.cpus
     memory_after = node.free_memory_mb - memory_mb - shape.memory_mb
-    if shape.gpus:
-        return (gpus_after, cpus_after, memory_after, node.name)
+    if shape.gpus:  # the starved-GPU key, added to both planners since the copy (the policy)
+        starved = max(0, gpus_after - cpus_after // FED_CPUS)
+        return (gpus_after, starved, cpus_after, memory_after, node.name)
     return (bool(node.gpus), gpus_after, cpus_after, memory_after, node.name)
 
 

@@ -1,6 +1,7 @@
 """Differential test: the indexed planner (`placement.plan`, `Cluster.plan`) decides exactly what
-the planner before it decided (`tests/reference_placement.py`, a verbatim copy of
-services/scheduler/placement.py at 0987d91, before the index), on random snapshots: placements,
+the planner before it decided (`tests/reference_placement.py`, a copy of
+services/scheduler/placement.py at 0987d91, before the index, with the rank's starved-GPU key
+added since), on random snapshots: placements,
 device indexes, reasons, the head and its claims. A `Cluster` kept up to date by joins, leaves,
 allocations and releases plans like one built from scratch."""
 
@@ -115,6 +116,48 @@ def test_the_indexed_planner_decides_as_the_old_one(
     avoid = set(data.draw(st.lists(st.sampled_from(names), unique=True, max_size=2)))
     before = old.plan(old_nodes(spec), [old.PendingJob(i, c) for i, c in queue], avoid)
     after = new.plan(new_nodes(spec), [new.PendingJob(i, c) for i, c in queue], avoid)
+    same(before, after)
+
+
+@st.composite
+def alike(draw: Any) -> list[dict[str, Any]]:
+    """Nodes of one GPU model and count with their GPUs and CPUs partly used: many leave the
+    same free GPUs, so the rank's later keys (starved GPUs, then CPUs) choose between them."""
+    gpus = [GpuDevice(index=k, model="V100") for k in range(draw(st.sampled_from([2, 4, 8])))]
+    out = []
+    for i in range(draw(st.integers(2, 12))):
+        cpus = draw(st.integers(4, 48))
+        used_gpus = set(draw(st.lists(st.sampled_from([d.index for d in gpus]), unique=True)))
+        out.append(
+            {
+                "name": f"n{i:02d}",
+                "cpus": cpus,
+                "memory_mb": 64 * 1024,
+                "gpus": gpus,
+                "used": (draw(st.integers(0, cpus)), 0, used_gpus),
+            }
+        )
+    return out
+
+
+gpu_job = st.tuples(
+    st.lists(
+        st.tuples(st.integers(1, 3), st.integers(1, 12), st.just(1), st.sampled_from([1, 1, 2])),
+        min_size=1,
+        max_size=2,
+    ),
+    st.sampled_from([None, "V100"]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(alike(), st.lists(gpu_job, min_size=1, max_size=10))
+def test_the_index_ranks_starved_gpus_as_the_pass_over_the_nodes_does(
+    spec: list[dict[str, Any]], jobs: list[Any]
+) -> None:
+    queue = queue_of(jobs)
+    before = old.plan(old_nodes(spec), [old.PendingJob(i, c) for i, c in queue])
+    after = new.plan(new_nodes(spec), [new.PendingJob(i, c) for i, c in queue])
     same(before, after)
 
 

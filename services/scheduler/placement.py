@@ -8,8 +8,9 @@ The scheduler service feeds it snapshots and commits the `Plan` it returns.
 Per job, in queue order:
   * feasible nodes for a task: enough free CPUs, memory and GPUs of the job's `gpuType` (any model
     when unset, matched case-insensitively) on one node; a task gets exact device indexes;
-  * rank: GPU tasks go where the fewest free GPUs remain, CPU-only tasks to GPU-less nodes first,
-    then to the node with the fewest free GPUs, then best fit on CPUs and memory;
+  * rank: GPU tasks go where the fewest free GPUs remain, then where the fewest of those would be
+    left *starved* (without `FED_CPUS` CPUs each beside them); CPU-only tasks to GPU-less nodes
+    first, then to the node with the fewest free GPUs; then best fit on CPUs and memory;
   * a job's largest tasks are placed first; if any task finds no node, the job places nothing.
 
 A job that does not fit even when every schedulable node is empty is *unschedulable*: it waits
@@ -37,6 +38,12 @@ from shared.jobconfig import JobConfig, TaskRole
 from shared.messages import GpuDevice, NodeInfo, TaskSpec
 
 NEVER = "can never run on the current nodes: "
+# A free GPU left with fewer CPUs than this beside it is one almost no task can use: 99 % of the
+# GPU tasks of the Alibaba GPU 2023 trace ask at least 4 CPUs per GPU. Best fit avoids leaving
+# GPUs so starved when a node with the CPUs to spare can take the task instead: on that trace it
+# strands fewer GPUs than first-fit at every load tried (docs/BENCHMARKS.md, trace replay), where
+# plain best fit on CPUs stranded more at three of five.
+FED_CPUS = 4
 
 
 @dataclass
@@ -311,15 +318,21 @@ def _fits(node: NodeState, shape: _Shape, claim: Claim | None) -> bool:
     return node.free_gpu_count >= shape.gpus and len(_usable_gpus(node, shape.model, claim)) >= shape.gpus
 
 
+def _starved(gpus_after: int, cpus_after: int) -> int:
+    """How many of the free GPUs a placement leaves would have fewer than FED_CPUS CPUs each."""
+    return max(0, gpus_after - cpus_after // FED_CPUS)
+
+
 def _best_fit(node: NodeState, shape: _Shape, claim: Claim | None) -> Rank:
-    """Smaller is better: leave the fewest free GPUs, then the fewest free CPUs and memory."""
+    """Smaller is better: leave the fewest free GPUs, of those (for a GPU task) the fewest
+    starved, then the fewest free CPUs and memory."""
     cpus, memory_mb = (claim.cpus, claim.memory_mb) if claim else (0, 0)
     free_gpus = node.free_gpu_count if claim is None else len(_usable_gpus(node, None, claim))
     gpus_after = free_gpus - shape.gpus
     cpus_after = node.free_cpus - cpus - shape.cpus
     memory_after = node.free_memory_mb - memory_mb - shape.memory_mb
     if shape.gpus:
-        return (gpus_after, cpus_after, memory_after, node.name)
+        return (gpus_after, _starved(gpus_after, cpus_after), cpus_after, memory_after, node.name)
     return (bool(node.gpus), gpus_after, cpus_after, memory_after, node.name)
 
 
@@ -516,11 +529,13 @@ class Cluster:
     task costs about log(nodes) rather than a pass over all of them.
 
     Nodes are grouped by (has GPUs, free GPUs); in a group, by the models they carry, and each of
-    those lists is ordered by (free CPUs, free memory, name): exactly the order of the best-fit
-    rank. The best node for a task is the first feasible entry of the first group that has one,
-    found by bisecting to enough CPUs and stepping over the few entries short of memory or of
-    the model. Lists of (free, name) per GPU model, CPUs and memory give the largest free block
-    of each, which reasons quote and which rule out a task no node can host without a search.
+    those lists is ordered by (free CPUs, free memory, name): the order of the best-fit rank
+    within each level of starved GPUs, which falls as free CPUs rise. The best node for a task is
+    in the first group that has a feasible one: the first feasible entry from enough CPUs to
+    starve none (found by bisecting, stepping over the few entries short of memory or of the
+    model), or, if none, the first of the least-starved level below that. Lists of (free, name)
+    per GPU model, CPUs and memory give the largest free block of each, which reasons quote and
+    which rule out a task no node can host without a search.
 
     Every change of a node goes through `take`/`give` (or a `_Statement` bound to this cluster)
     so the lists never go stale; nodes join and leave with `add`/`remove`."""
@@ -647,7 +662,7 @@ class Cluster:
             for sig, entries in group.items():
                 if shape.model is not None and shape.model not in sig:
                     continue
-                node = self._first(entries, shape, claims, avoid)
+                node = self._least_starved(entries, shape, key[1] - shape.gpus, claims, avoid)
                 if node is not None and (
                     found is None or _best_fit(node, shape, None) < _best_fit(found, shape, None)
                 ):
@@ -664,19 +679,55 @@ class Cluster:
                 found = node
         return found
 
-    def _first(
-        self, entries: list[Entry], shape: _Shape, claims: Mapping[str, Claim], avoid: Set[str]
+    def _least_starved(
+        self,
+        entries: list[Entry],
+        shape: _Shape,
+        gpus_after: int,
+        claims: Mapping[str, Claim],
+        avoid: Set[str],
     ) -> NodeState | None:
-        """The first unclaimed, not avoided node of one ordered list that can host `shape`."""
-        for i in range(bisect.bisect_left(entries, (shape.cpus,)), len(entries)):
-            _, memory_mb, name = entries[i]
-            if memory_mb < shape.memory_mb or name in claims or name in avoid:
-                continue
-            node = self.nodes[name]
-            if shape.model is not None and len(node.free_gpus(shape.model)) < shape.gpus:
-                continue
+        """The best-fit node of one ordered list of nodes with the same free GPUs for a task of
+        `shape`: the first feasible one with the CPUs to starve no GPU it leaves, else the first
+        feasible one of the least-starved level (the one of the most CPUs below that)."""
+        if not shape.gpus or gpus_after <= 0:
+            return self._first(entries, shape, claims, avoid, shape.cpus)
+        fed = shape.cpus + gpus_after * FED_CPUS
+        node = self._first(entries, shape, claims, avoid, fed)
+        if node is not None:
             return node
+        lowest = bisect.bisect_left(entries, (shape.cpus,))
+        for i in range(bisect.bisect_left(entries, (fed,)) - 1, lowest - 1, -1):
+            node = self._feasible(entries[i], shape, claims, avoid)
+            if node is not None:
+                level = _starved(gpus_after, node.free_cpus - shape.cpus)
+                return self._first(
+                    entries, shape, claims, avoid, shape.cpus + (gpus_after - level) * FED_CPUS
+                )
         return None
+
+    def _first(
+        self, entries: list[Entry], shape: _Shape, claims: Mapping[str, Claim], avoid: Set[str], cpus: int
+    ) -> NodeState | None:
+        """The first node of one ordered list with at least `cpus` free that can host `shape`."""
+        for i in range(bisect.bisect_left(entries, (cpus,)), len(entries)):
+            node = self._feasible(entries[i], shape, claims, avoid)
+            if node is not None:
+                return node
+        return None
+
+    def _feasible(
+        self, entry: Entry, shape: _Shape, claims: Mapping[str, Claim], avoid: Set[str]
+    ) -> NodeState | None:
+        """The entry's node if it is unclaimed, not avoided and has the memory and GPUs of the
+        model for `shape` (the CPUs are the caller's bisection)."""
+        _, memory_mb, name = entry
+        if memory_mb < shape.memory_mb or name in claims or name in avoid:
+            return None
+        node = self.nodes[name]
+        if shape.model is not None and len(node.free_gpus(shape.model)) < shape.gpus:
+            return None
+        return node
 
     def gpu_block(self, model: str | None, avoid: Set[str] = frozenset()) -> Top:
         """The most free GPUs of `model` (any when None) on one node, and that node."""
