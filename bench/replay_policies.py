@@ -24,7 +24,17 @@ import bisect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from services.scheduler.placement import Capacity, Cluster, NodeState, PendingJob, allocate, plan, release
+from services.scheduler.placement import (
+    FED_CPUS,
+    Capacity,
+    Cluster,
+    NodeState,
+    PendingJob,
+    allocate,
+    plan,
+    release,
+    starved,
+)
 from shared.jobconfig import JobConfig
 from shared.messages import TaskSpec
 
@@ -86,14 +96,13 @@ def fits(node: NodeState, need: Need) -> bool:
 
 
 def best_fit_rank(node: NodeState, need: Need) -> tuple[int | str, ...]:
-    """Muster's best-fit rank (smaller first): fewest GPUs left, then CPUs, memory, name; CPU-only
-    tasks prefer nodes without GPUs."""
-    after = (
-        node.free_gpu_count - need.gpus,
-        node.free_cpus - need.cpus,
-        node.free_memory_mb - need.memory_mb,
-    )
-    return (*after, node.name) if need.gpus else (bool(node.gpus), *after, node.name)
+    """Muster's best-fit rank (smaller first): fewest GPUs left, then (a GPU task) fewest of them
+    starved, then CPUs, memory, name; CPU-only tasks prefer nodes without GPUs."""
+    gpus, cpus = node.free_gpu_count - need.gpus, node.free_cpus - need.cpus
+    memory_mb = node.free_memory_mb - need.memory_mb
+    if need.gpus:
+        return (gpus, starved(gpus, cpus), cpus, memory_mb, node.name)
+    return (bool(node.gpus), gpus, cpus, memory_mb, node.name)
 
 
 def best_fit(candidates: Iterable[NodeState], need: Need) -> NodeState | None:
@@ -160,12 +169,37 @@ class NodeIndex:
         return [(False, 0), *((True, k) for k in range(self.most_gpus + 1))]
 
     def best(self, need: Need) -> NodeState | None:
+        """As `Cluster.best`: the least-starved fitting node of the first group that has one."""
         for group in self._groups(need):
-            entries = self._ranked.get(group, [])
-            for i in range(bisect.bisect_left(entries, (need.cpus,)), len(entries)):
-                node = self.nodes[entries[i][2]]
-                if entries[i][1] >= need.memory_mb and fits(node, need):
-                    return node
+            node = self._least_starved(self._ranked.get(group, []), need, group[1] - need.gpus)
+            if node is not None:
+                return node
+        return None
+
+    def _least_starved(self, entries: list[Entry], need: Need, left: int) -> NodeState | None:
+        """The first fitting entry from the CPUs that starve none of the `left` GPUs, else the
+        first of the least-starved level below them (`Cluster._least_starved`)."""
+        if not need.gpus or left <= 0:
+            return self._from(entries, need, need.cpus)
+        fed = need.cpus + left * FED_CPUS
+        node = self._from(entries, need, fed)
+        if node is not None:
+            return node
+        for i in range(
+            bisect.bisect_left(entries, (fed,)) - 1, bisect.bisect_left(entries, (need.cpus,)) - 1, -1
+        ):
+            top = self.nodes[entries[i][2]]
+            if entries[i][1] >= need.memory_mb and fits(top, need):
+                level = starved(left, top.free_cpus - need.cpus)
+                return self._from(entries, need, need.cpus + (left - level) * FED_CPUS)
+        return None
+
+    def _from(self, entries: list[Entry], need: Need, cpus: int) -> NodeState | None:
+        """The first entry with at least `cpus` free that fits `need`."""
+        for i in range(bisect.bisect_left(entries, (cpus,)), len(entries)):
+            node = self.nodes[entries[i][2]]
+            if entries[i][1] >= need.memory_mb and fits(node, need):
+                return node
         return None
 
     def first(self, need: Need) -> NodeState | None:

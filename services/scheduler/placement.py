@@ -318,7 +318,7 @@ def _fits(node: NodeState, shape: _Shape, claim: Claim | None) -> bool:
     return node.free_gpu_count >= shape.gpus and len(_usable_gpus(node, shape.model, claim)) >= shape.gpus
 
 
-def _starved(gpus_after: int, cpus_after: int) -> int:
+def starved(gpus_after: int, cpus_after: int) -> int:
     """How many of the free GPUs a placement leaves would have fewer than FED_CPUS CPUs each."""
     return max(0, gpus_after - cpus_after // FED_CPUS)
 
@@ -332,7 +332,7 @@ def _best_fit(node: NodeState, shape: _Shape, claim: Claim | None) -> Rank:
     cpus_after = node.free_cpus - cpus - shape.cpus
     memory_after = node.free_memory_mb - memory_mb - shape.memory_mb
     if shape.gpus:
-        return (gpus_after, _starved(gpus_after, cpus_after), cpus_after, memory_after, node.name)
+        return (gpus_after, starved(gpus_after, cpus_after), cpus_after, memory_after, node.name)
     return (bool(node.gpus), gpus_after, cpus_after, memory_after, node.name)
 
 
@@ -662,7 +662,7 @@ class Cluster:
             for sig, entries in group.items():
                 if shape.model is not None and shape.model not in sig:
                     continue
-                node = self._least_starved(entries, shape, key[1] - shape.gpus, claims, avoid)
+                node = self._leaststarved(entries, shape, key[1] - shape.gpus, claims, avoid)
                 if node is not None and (
                     found is None or _best_fit(node, shape, None) < _best_fit(found, shape, None)
                 ):
@@ -679,7 +679,7 @@ class Cluster:
                 found = node
         return found
 
-    def _least_starved(
+    def _leaststarved(
         self,
         entries: list[Entry],
         shape: _Shape,
@@ -700,7 +700,7 @@ class Cluster:
         for i in range(bisect.bisect_left(entries, (fed,)) - 1, lowest - 1, -1):
             node = self._feasible(entries[i], shape, claims, avoid)
             if node is not None:
-                level = _starved(gpus_after, node.free_cpus - shape.cpus)
+                level = starved(gpus_after, node.free_cpus - shape.cpus)
                 return self._first(
                     entries, shape, claims, avoid, shape.cpus + (gpus_after - level) * FED_CPUS
                 )
