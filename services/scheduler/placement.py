@@ -662,7 +662,7 @@ class Cluster:
             for sig, entries in group.items():
                 if shape.model is not None and shape.model not in sig:
                     continue
-                node = self._leaststarved(entries, shape, key[1] - shape.gpus, claims, avoid)
+                node = self._least_starved(entries, shape, key[1] - shape.gpus, claims, avoid)
                 if node is not None and (
                     found is None or _best_fit(node, shape, None) < _best_fit(found, shape, None)
                 ):
@@ -679,7 +679,7 @@ class Cluster:
                 found = node
         return found
 
-    def _leaststarved(
+    def _least_starved(
         self,
         entries: list[Entry],
         shape: _Shape,
