@@ -17,10 +17,13 @@ agent runs. What 10,000 of them would each do on their own is done once for all:
   consumer have a subject). The server checks filters for overlap at creation, which grows
   with the square of the node count: about 5 s at 10,000 nodes, once at start;
 - heartbeats: one ring beats each node once a period, spread evenly over it, never all at
-  once. The period is --heartbeat, else N / BEATS_PER_SECOND seconds (at least 2), so the bus,
-  scheduler and supervisor see a steady BEATS_PER_SECOND node writes. Nodes are lost after
-  MUSTER_NODE_TIMEOUT without one, which must be longer than the period: `muster up` raises it
-  to `node_timeout_for(period)`; a sim process joining another bus warns.
+  once. The period is --heartbeat, else a real agent's 2 s, whatever N: 10,000 nodes send the
+  5,000 beats a second 10,000 agents would (each a core-NATS message; a node's record is
+  rewritten only when due, shared/liveness.py). Nodes are lost after MUSTER_NODE_TIMEOUT
+  without one, which must be longer than the period: `muster up` raises it to
+  `node_timeout_for(period)`; a sim process joining another bus warns;
+- whether a node is still there (the supervisor asks a quiet node's agent): one subscription
+  answers for every node of the process.
 
 Per-node logs below MUSTER_SIM_LOG_LEVEL (warning) are dropped: 10,000 nodes would each log
 their registration and every task. No GPU discovery, Docker check, fence or port file: sim
@@ -34,6 +37,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import json
 import logging
 import os
 import re
@@ -53,17 +57,17 @@ from prometheus_client import Gauge
 from services.agent.inventory import machine_address, parse_gpus, parse_port_range
 from services.agent.reconcile import placed_by_node
 from services.agent.runtime import Runtime
-from services.agent.service import Agent, AgentOptions, pull_orders
+from services.agent.service import Agent, AgentOptions, _order, pull_orders
 from services.agent.sharing import Shared
 from services.agent.sim_runtime import SimRuntime
 from shared import bus, subjects
+from shared.messages import Assignment, DrainOrder, KillOrder
 
 log = structlog.get_logger(service="sim")
 NODES = Gauge("muster_sim_nodes", "Simulated nodes this process has registered")
 
 DEFAULT_GPUS, DEFAULT_CPUS, DEFAULT_MEMORY_MB = "8xV100", 64, 262144
-BEATS_PER_SECOND = 250  # node writes a sim process makes, when --heartbeat does not say
-MIN_HEARTBEAT = 2.0
+HEARTBEAT = 2.0  # seconds: a real agent's period, each sim node's unless --heartbeat says
 CHUNK = 500  # nodes per order consumer
 CONSUMER_IDLE = 600.0  # seconds: the server drops a sim consumer nobody pulls from (a past run's)
 STARTING = 200  # nodes registering at once
@@ -105,9 +109,9 @@ def node_names(prefix: str, n: int) -> list[str]:
 
 
 def heartbeat_for(n: int, given: float | None) -> float:
-    """The heartbeat period of a process of `n` sim nodes: `given`, else one that keeps the
-    node writes at BEATS_PER_SECOND (and no shorter than a real agent's)."""
-    return given if given is not None else max(MIN_HEARTBEAT, n / BEATS_PER_SECOND)
+    """The heartbeat period of a process of `n` sim nodes: `given`, else a real agent's,
+    whatever `n` (each node beats as an agent of its own would)."""
+    return given if given is not None else HEARTBEAT
 
 
 def node_timeout_for(heartbeat: float) -> float:
@@ -182,6 +186,33 @@ def quiet_logger(level: str | None = None, **bound: Any) -> Any:
     return structlog.wrap_logger(None, wrapper_class=wrapper, service="agent", **bound)
 
 
+class Orders:
+    """Orders decoded once for all the nodes of the process: a gang's assignments differ only in
+    the node they are for (their last field), and each carries the whole gang (~100 KB for 1,000
+    tasks): decoded per node, a gang of N on N nodes here would cost O(N²). The first node's
+    order of an attempt is decoded; the others are copies of it with their own node."""
+
+    KEEP = 64  # attempts' orders kept
+
+    def __init__(self) -> None:
+        self._decoded: collections.OrderedDict[bytes, Assignment] = collections.OrderedDict()
+
+    def decode(self, msg: Msg) -> Assignment | KillOrder | DrainOrder:
+        node = order_node(msg.subject)
+        tail = b',"node":' + json.dumps(node).encode() + b"}"
+        if not msg.subject.endswith(".assign") or not msg.data.endswith(tail):
+            return _order(msg)
+        rest = msg.data[: -len(tail)]
+        known = self._decoded.get(rest)
+        if known is None:
+            order = Assignment.from_bytes(msg.data)
+            self._decoded[rest] = order
+            if len(self._decoded) > self.KEEP:
+                self._decoded.popitem(last=False)
+            return order
+        return known.model_copy(update={"node": node})
+
+
 class SimFleet:
     """The sim nodes of one process (see the module's doc)."""
 
@@ -199,10 +230,12 @@ class SimFleet:
         shared = Shared.of(nc, js, buckets[subjects.ATTEMPTS_BUCKET])
         self.attempts = shared.attempts
         self.agents: dict[str, Agent] = {}
+        self.orders = Orders()
         for o in options:
             agent = Agent(nc, js, buckets, o, runtime, shared)
             quiet = quiet_logger(node=o.node)
             agent.log = agent.handling.log = agent.tasks.log = agent.reconciler.log = quiet
+            agent.handling.decode = self.orders.decode
             self.agents[o.node] = agent
         names = list(self.agents)
         self.chunks = [names[i : i + CHUNK] for i in range(0, len(names), CHUNK)]
@@ -211,6 +244,7 @@ class SimFleet:
         started: list[Agent] = []
         try:
             await self._start_all(started)
+            await self.nc.subscribe(subjects.alive("*"), cb=self._answer_alive)
             beats = asyncio.create_task(self._beat_all(stop))
             try:
                 await asyncio.gather(*(self._consume(k, names, stop) for k, names in enumerate(self.chunks)))
@@ -263,6 +297,12 @@ class SimFleet:
                     beating[i] = asyncio.create_task(agents[i].beat())
                     beating[i].add_done_callback(functools.partial(_forget, beating, i))
             done = due
+
+    async def _answer_alive(self, msg: Msg) -> None:
+        """The supervisor asks whether a node is there: its agent answers, as its own would."""
+        if msg.subject[len(subjects.alive("")) :] in self.agents:
+            with contextlib.suppress(Exception):
+                await msg.respond(b"")
 
     def consumer(self, k: int) -> str:
         return f"sim-{self.prefix}-{k}"
