@@ -150,7 +150,9 @@ async def test_a_gangs_task_events_are_recorded_in_a_few_writes_not_one_each(nat
                 reason="" if running_ else f"node n{i} lost",
             )
             sender = f"n{i}" if running_ else subjects.PLATFORM
-            await js.publish(subjects.task_event(attempt.job_id, 1, "worker", i, ev.kind, sender), ev.to_bytes())
+            await js.publish(
+                subjects.task_event(attempt.job_id, 1, "worker", i, ev.kind, sender), ev.to_bytes()
+            )
         kv = buckets[subjects.ATTEMPTS_BUCKET]
 
         async def all_recorded() -> bool:

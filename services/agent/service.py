@@ -72,6 +72,7 @@ HEARTBEATS_MISSED = Counter(
 # Seconds between rewrites of a node record that has not changed (see shared/liveness.py): its
 # heartbeat_at is never older than that, for a service that has not heard a beat yet.
 REFRESH = float(os.environ.get("MUSTER_NODE_REFRESH", "60"))
+OBSOLETE_EVERY = 10.0  # seconds between checks that the live tasks' attempts have not ended
 
 log = structlog.get_logger(service="agent")
 
@@ -215,6 +216,7 @@ class Agent:
         self._last_beat = 0.0  # loop time of the last beat sent
         self._written = (-math.inf, -1)  # loop time and reconnect count of the last record written
         self._failing = False  # the last beat failed (logged once per outage)
+        self._checked = 0.0  # loop time of the last check for obsolete tasks
 
     @classmethod
     def builder(cls, options: AgentOptions, runtime: Runtime):
@@ -357,7 +359,11 @@ class Agent:
             if self._failing:
                 self.log.info("agent.heartbeat_restored")
             self._failing = False
-            await self.reconciler.stop_obsolete()
+            if loop.time() - self._checked >= OBSOLETE_EVERY:
+                # A backstop for a kill order never received: each check reads the attempt record
+                # of every live task (O(gang) each), so not every 2 s beat.
+                self._checked = loop.time()
+                await self.reconciler.stop_obsolete()
         except Exception as exc:
             HEARTBEATS_MISSED.labels(self.opts.node).inc()
             if not self._failing:
@@ -428,7 +434,10 @@ class Agent:
                         a.job_id, a.attempt, spec.role, spec.index, "endpoint", self.opts.node
                     ),
                     EndpointReported(
-                        job_id=a.job_id, attempt=a.attempt, gang_size=len(a.gang), endpoint=endpoint
+                        job_id=a.job_id,
+                        attempt=a.attempt,
+                        gang_size=a.config.total_tasks,
+                        endpoint=endpoint,
                     ).to_bytes(),
                     headers={Headers.MSG_ID: f"endpoint:{a.job_id}.{a.attempt}.{spec.key}"},
                 )

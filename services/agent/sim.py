@@ -37,7 +37,6 @@ import asyncio
 import collections
 import contextlib
 import functools
-import json
 import logging
 import os
 import re
@@ -57,11 +56,10 @@ from prometheus_client import Gauge
 from services.agent.inventory import machine_address, parse_gpus, parse_port_range
 from services.agent.reconcile import placed_by_node
 from services.agent.runtime import Runtime
-from services.agent.service import Agent, AgentOptions, _order, pull_orders
+from services.agent.service import Agent, AgentOptions, pull_orders
 from services.agent.sharing import Shared
 from services.agent.sim_runtime import SimRuntime
 from shared import bus, subjects
-from shared.messages import Assignment, DrainOrder, KillOrder
 
 log = structlog.get_logger(service="sim")
 NODES = Gauge("muster_sim_nodes", "Simulated nodes this process has registered")
@@ -186,33 +184,6 @@ def quiet_logger(level: str | None = None, **bound: Any) -> Any:
     return structlog.wrap_logger(None, wrapper_class=wrapper, service="agent", **bound)
 
 
-class Orders:
-    """Orders decoded once for all the nodes of the process: a gang's assignments differ only in
-    the node they are for (their last field), and each carries the whole gang (~100 KB for 1,000
-    tasks): decoded per node, a gang of N on N nodes here would cost O(N²). The first node's
-    order of an attempt is decoded; the others are copies of it with their own node."""
-
-    KEEP = 64  # attempts' orders kept
-
-    def __init__(self) -> None:
-        self._decoded: collections.OrderedDict[bytes, Assignment] = collections.OrderedDict()
-
-    def decode(self, msg: Msg) -> Assignment | KillOrder | DrainOrder:
-        node = order_node(msg.subject)
-        tail = b',"node":' + json.dumps(node).encode() + b"}"
-        if not msg.subject.endswith(".assign") or not msg.data.endswith(tail):
-            return _order(msg)
-        rest = msg.data[: -len(tail)]
-        known = self._decoded.get(rest)
-        if known is None:
-            order = Assignment.from_bytes(msg.data)
-            self._decoded[rest] = order
-            if len(self._decoded) > self.KEEP:
-                self._decoded.popitem(last=False)
-            return order
-        return known.model_copy(update={"node": node})
-
-
 class SimFleet:
     """The sim nodes of one process (see the module's doc)."""
 
@@ -230,12 +201,10 @@ class SimFleet:
         shared = Shared.of(nc, js, buckets[subjects.ATTEMPTS_BUCKET])
         self.attempts = shared.attempts
         self.agents: dict[str, Agent] = {}
-        self.orders = Orders()
         for o in options:
             agent = Agent(nc, js, buckets, o, runtime, shared)
             quiet = quiet_logger(node=o.node)
             agent.log = agent.handling.log = agent.tasks.log = agent.reconciler.log = quiet
-            agent.handling.decode = self.orders.decode
             self.agents[o.node] = agent
         names = list(self.agents)
         self.chunks = [names[i : i + CHUNK] for i in range(0, len(names), CHUNK)]
