@@ -228,10 +228,11 @@ _KEEP = 8
 
 
 def _gang(spec: ClusterSpec, config: JobConfig) -> Gang:
-    """The spec's `Gang`, shared by the tasks launched from the same spec and config objects (a
-    few kept; they hold the objects, so an id is never reused while kept)."""
+    """The spec's `Gang`, shared by the tasks launched from the same spec object with equal
+    configs (each order is decoded apart; a few kept, holding their spec, so an id is never
+    reused while kept)."""
     kept = _GANGS.get(id(spec))
-    if kept is not None and kept[0] is spec and kept[1] is config:
+    if kept is not None and kept[0] is spec and (kept[1] is config or kept[1] == config):
         return kept[2]
     gang = Gang(spec, config)
     _GANGS.pop(id(spec), None)
