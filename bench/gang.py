@@ -10,7 +10,9 @@ submitted as a user would. Measured from the scheduler's `placed` event:
   * reported: the last task's `running` event as its agent published it;
   * recorded: the attempt record shows every task RUNNING (the supervisor wrote it);
   * per-process CPU over the gang's start, as a percentage of one core and in seconds;
-  * writes of the attempt and rendezvous records (KV revisions) while it started;
+  * writes of the attempt and rendezvous records (KV revisions) while it started, and the
+    rendezvous' endpoint writes (one per task, each its own key) with the bytes written to the
+    rendezvous bucket in all (linear in the gang's size however its endpoints come);
   * nodes declared lost and tasks ended by the platform (there should be none), and the job's
     attempt number at the end (1: it was never retried).
 
@@ -71,6 +73,8 @@ class Watch:
     def __init__(self, tasks: int) -> None:
         self.tasks = tasks
         self.job_id = ""
+        # Writes to the rendezvous bucket, seen on its subjects: its record, its endpoints, bytes.
+        self.rendezvous = {"records": 0, "endpoints": 0, "bytes": 0}
         self.placed: float | None = None
         self.running: set[str] = set()
         self.reported: float | None = None
@@ -84,6 +88,12 @@ class Watch:
             if event["job_id"] == self.job_id and event["kind"] == "placed" and self.placed is None:
                 self.placed = time.monotonic()
                 self.was_placed.set()
+
+    async def on_rendezvous(self, msg: Any) -> None:
+        key = msg.subject[len(f"$KV.{subjects.RENDEZVOUS_BUCKET}.") :]
+        if key.startswith(f"{self.job_id}."):
+            self.rendezvous["records" if key.count(".") == 1 else "endpoints"] += 1
+            self.rendezvous["bytes"] += len(msg.data)
 
     async def on_task_event(self, msg: Any) -> None:
         token = msg.subject.split(".")
@@ -115,6 +125,9 @@ async def measure(
                 subjects.task_event("*", "*", "*", "*", "running", "*"), cb=watch.on_task_event
             )
             await nc.subscribe(subjects.task_event("*", "*", "*", "*", "exited", "*"), cb=watch.on_task_event)
+            await nc.subscribe(
+                f"$KV.{subjects.RENDEZVOUS_BUCKET}.>", cb=watch.on_rendezvous, pending_msgs_limit=1_000_000
+            )
             writes0 = {name: await last_seq(js, name) for name in BUCKETS}
             cpu0, t0 = mesh.cpu(), time.monotonic()
             _, verdict = await client.submit(nc, gang(f"gang-{tasks}", tasks, task_seconds))
@@ -135,8 +148,10 @@ async def measure(
                         break
                 await asyncio.sleep(0.05)
             cpu1, elapsed = mesh.cpu(), time.monotonic() - t0
-            # The KV streams' message counts: every write of either record while the gang started.
+            # The KV streams' message counts: every write of either record while the gang started
+            # (the rendezvous bucket's endpoint keys apart).
             writes = {name: await last_seq(js, name) - writes0[name] for name in BUCKETS}
+            writes["rendezvous"] -= watch.rendezvous["endpoints"]
             jobs = await js.key_value(subjects.JOBS_BUCKET)
             job = JobRecord.from_bytes((await jobs.get(verdict.job_id)).value)
             return {
@@ -152,6 +167,8 @@ async def measure(
                 "declared_ended_by_platform": watch.lost,
                 "attempt": job.attempt,
                 "kv_writes": writes,
+                "endpoint_writes": watch.rendezvous["endpoints"],
+                "rendezvous_bytes": watch.rendezvous["bytes"],
                 "cpu_seconds": {k: round(cpu1[k] - cpu0[k], 2) for k in sorted(cpu1)},
                 "cpu_percent": {k: round(100 * (cpu1[k] - cpu0[k]) / elapsed, 1) for k in sorted(cpu1)},
             }
@@ -175,14 +192,20 @@ def main(argv: list[str] | None = None) -> int:
         for n in sizes:
             rows.append(asyncio.run(measure(n, nodes, args.task_seconds, args.timeout, root / f"t{n}")))
     print("One gang, placement to every task running (s), on sim nodes beating every 2 s")
-    print(f"{'tasks':>6} {'nodes':>6} {'reported':>9} {'recorded':>9} {'lost':>5} {'writes a/r':>11}  CPU s")
+    print(
+        f"{'tasks':>6} {'nodes':>6} {'reported':>9} {'recorded':>9} {'x first':>8} {'lost':>5} "
+        f"{'writes a/r':>11} {'rdv KB':>7}  CPU s"
+    )
+    first = rows[0]["placed_to_recorded_s"] if rows else None
     for r in rows:
         cpu = " ".join(f"{k}={v}" for k, v in r["cpu_seconds"].items())
         writes = f"{r['kv_writes']['attempts']}/{r['kv_writes']['rendezvous']}"
         reported, recorded = r["placed_to_reported_s"], r["placed_to_recorded_s"]
-        lost = r["declared_ended_by_platform"]
+        ratio = f"{recorded / first:.2f}" if recorded and first else "-"
+        lost, kb = r["declared_ended_by_platform"], round(r["rendezvous_bytes"] / 1024)
         print(
-            f"{r['tasks']:>6} {r['nodes']:>6} {reported!s:>9} {recorded!s:>9} {lost:>5} {writes:>11}  {cpu}"
+            f"{r['tasks']:>6} {r['nodes']:>6} {reported!s:>9} {recorded!s:>9} {ratio:>8} {lost:>5} "
+            f"{writes:>11} {kb:>7}  {cpu}"
         )
     print(json.dumps({"bench": "gang", "rows": rows}))
     return 0

@@ -284,21 +284,31 @@ class ClusterSpec(Message):
 
 class Rendezvous(Message):
     """What the registry has collected for one attempt: KV bucket `muster_rendezvous`, key
-    `<job_id>.<attempt>`."""
+    `<job_id>.<attempt>`. Each endpoint is stored under its own key
+    (`subjects.endpoint_key`, `<job_id>.<attempt>.<role>.<index>`); this record says which are
+    in, a bit per task (`collected`), and what was last published. So a write of it costs a bit
+    per task of the gang, not its endpoints, however few endpoints each write adds."""
 
     job_id: str
     attempt: int
     gang_size: int
-    endpoints: dict[str, Endpoint] = Field(default_factory=dict)  # "<role>.<index>" -> endpoint
+    # Hex bitmap: bit i set = the endpoint of the attempt record's tasks[i] is stored.
+    collected: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]*$")] = ""
     published: bool = False
     version: int = 0  # the last spec published (elastic attempts publish one per membership)
-    members: list[str] = Field(default_factory=list)  # the tasks of that spec
+    membership: str = ""  # digest of that spec's tasks (`membership`)
+    # Only in records an older registry wrote (every endpoint in the record): moved to their
+    # own keys by the next write.
+    endpoints: dict[str, Endpoint] = Field(default_factory=dict)
 
-    def spec(self) -> ClusterSpec:
-        ordered = sorted(self.endpoints.values(), key=lambda e: (e.role_no, e.index))
-        return ClusterSpec(
-            job_id=self.job_id, attempt=self.attempt, endpoints=ordered, version=max(1, self.version)
-        )
+    @property
+    def bits(self) -> int:
+        return int(self.collected, 16) if self.collected else 0
+
+
+def membership(tasks: list[str]) -> str:
+    """A digest of a spec's tasks ("<role>.<index>", sorted): whether a gang changed."""
+    return hashlib.sha256("\n".join(tasks).encode()).hexdigest()[:32]
 
 
 class TaskEventKind(StrEnum):

@@ -30,6 +30,7 @@ from shared.messages import (
     ClusterSpec,
     Dataset,
     DrainOrder,
+    Endpoint,
     EndpointReported,
     ExecReply,
     ExecRequest,
@@ -238,7 +239,17 @@ CHANNELS: dict[str, Channel] = {
         parameters=("jobId", "attempt"),
         message=Rendezvous,
         action="send",
-        description="The endpoints collected so far for an attempt (JetStream KV bucket muster_rendezvous).",
+        description=(
+            "Which tasks' endpoints are collected for an attempt, a bit per task, and the last spec "
+            "published (JetStream KV bucket muster_rendezvous)."
+        ),
+    ),
+    "rendezvousEndpoint": Channel(
+        address="$KV." + subjects.RENDEZVOUS_BUCKET + ".{jobId}.{attempt}.{role}.{index}",
+        parameters=("jobId", "attempt", "role", "index"),
+        message=Endpoint,
+        action="send",
+        description="A task's endpoint as the registry collected it (JetStream KV bucket muster_rendezvous).",
     ),
     "virtualClusterRecord": Channel(
         address="$KV." + subjects.VCS_BUCKET + ".{vc}",

@@ -186,6 +186,17 @@ ATTEMPTS_BUCKET = "muster_attempts"
 RENDEZVOUS_BUCKET = "muster_rendezvous"
 
 
+def endpoint_key(job_id: str, attempt: int, task: str) -> str:
+    """Where the registry stores one task's endpoint (`task`: "<role>.<index>") in
+    RENDEZVOUS_BUCKET, beside its attempt's record (key `<job_id>.<attempt>`)."""
+    return f"{job_id}.{attempt}.{task}"
+
+
+def endpoint_keys(job_id: str, attempt: int) -> str:
+    """The KV key filter of every endpoint stored for an attempt."""
+    return f"{job_id}.{attempt}.*.*"
+
+
 def name_key(user: str, job_name: str) -> str:
     """A job name's claim in JOB_NAMES_BUCKET: names are unique per user, as in OpenPAI."""
     return f"{user}.{job_name}"

@@ -127,7 +127,9 @@ def test_a_gang_runs_on_sim_nodes_with_no_node_lost(tmp_path: Path):
     assert (row["tasks"], row["nodes"], row["running_reported"]) == (20, 24, 20), row
     assert 0 < row["placed_to_reported_s"] <= row["placed_to_recorded_s"], row
     assert row["declared_ended_by_platform"] == 0 and row["attempt"] == 1, row
-    # Each record written once per batch of its events, never once per task.
+    # Each record written once per batch of its events, never once per task; each endpoint once,
+    # under its own key.
     assert 1 <= row["kv_writes"]["attempts"] <= 20 and 1 <= row["kv_writes"]["rendezvous"] <= 20, row
+    assert row["endpoint_writes"] == 20 and 0 < row["rendezvous_bytes"] <= 1000 * 20, row
     assert set(row["cpu_seconds"]) >= MESH
     assert "placement to every task running" in table

@@ -13,12 +13,15 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from services.agent.service import Agent, AgentOptions
+from services.agent.sim_runtime import SimRuntime
 from services.registry.service import Registry
 from services.supervisor import policy
 from services.supervisor.service import Supervisor
 from shared import bus, subjects
 from shared.jobconfig import JobConfig
 from shared.messages import (
+    Assignment,
     AttemptRecord,
     ClusterSpec,
     Endpoint,
@@ -81,37 +84,53 @@ async def until(check, timeout: float = 30) -> None:
         await asyncio.sleep(0.05)
 
 
-async def test_a_gangs_endpoints_are_collected_in_a_few_writes_not_one_each(nats_url):
+def reported(attempt: AttemptRecord, i: int) -> tuple[str, bytes]:
+    """Task i's endpoint report, as its node publishes it."""
+    return subjects.task_event(attempt.job_id, 1, "worker", i, "endpoint", f"n{i}"), EndpointReported(
+        job_id=attempt.job_id,
+        attempt=1,
+        gang_size=N,
+        endpoint=Endpoint(role="worker", role_no=0, index=i, node=f"n{i}", host="10.0.0.1", port=5000 + i),
+    ).to_bytes()
+
+
+@pytest.mark.parametrize("arrival", ["together", "one by one"])
+async def test_a_gangs_endpoints_cost_its_size_however_they_come(nats_url, arrival):
+    """Every KV write of the rendezvous is seen on the bus (its subjects) and summed: the gang's
+    endpoints cost O(N) bytes written whether they come all at once (a few batches) or one at a
+    time, each collected before the next is sent (a batch each: the trickle a big gang's
+    agents make). On main the record held every endpoint and was rewritten whole per batch: one
+    by one, ~N²/2 endpoints written (7.6 MB for 300 tasks)."""
     nc = await bus.connect("test", nats_url)
     try:
         js, buckets = await bus.setup(nc)
         attempt = gang()
         await buckets[subjects.ATTEMPTS_BUCKET].put(attempt.key, attempt.to_bytes())
         spec = await nc.subscribe(subjects.cluster_spec(attempt.job_id, 1))
-        before = await writes(js, subjects.RENDEZVOUS_BUCKET)
-        # Every endpoint is in the stream before the registry reads one (a gang reporting at once).
-        await asyncio.gather(
-            *(
-                js.publish(
-                    subjects.task_event(attempt.job_id, 1, "worker", i, "endpoint", f"n{i}"),
-                    EndpointReported(
-                        job_id=attempt.job_id,
-                        attempt=1,
-                        gang_size=N,
-                        endpoint=Endpoint(
-                            role="worker", role_no=0, index=i, node=f"n{i}", host="10.0.0.1", port=5000 + i
-                        ),
-                    ).to_bytes(),
-                )
-                for i in range(N)
-            )
-        )
+        written = {"bytes": 0, "records": 0}
+
+        async def on_write(msg) -> None:
+            written["bytes"] += len(msg.data)
+            written["records"] += msg.subject == f"$KV.{subjects.RENDEZVOUS_BUCKET}.{attempt.key}"
+
+        await nc.subscribe(f"$KV.{subjects.RENDEZVOUS_BUCKET}.>", cb=on_write)
+        if arrival == "together":
+            # Every endpoint is in the stream before the registry reads one.
+            await asyncio.gather(*(js.publish(*reported(attempt, i)) for i in range(N)))
         async with running(Registry(nc, js, buckets)):
+            if arrival == "one by one":
+                for i in range(N):
+                    await js.publish(*reported(attempt, i))
+
+                    async def collected(i: int = i) -> bool:
+                        return written["records"] > i
+
+                    await until(collected)
             published = ClusterSpec.from_bytes((await spec.next_msg(timeout=30)).data)
         assert [e.port for e in published.endpoints] == [5000 + i for i in range(N)]
-        made = await writes(js, subjects.RENDEZVOUS_BUCKET) - before
-        # One write per endpoint on main (300); a handful of batches here.
-        assert 1 <= made <= N // 20, made
+        assert written["bytes"] <= 1000 * N, written  # an endpoint is ~150 bytes
+        if arrival == "together":
+            assert 1 <= written["records"] <= N // 20, written  # a handful of batches
     finally:
         await nc.close()
 
@@ -208,3 +227,82 @@ def test_events_applied_together_decide_as_when_applied_one_by_one():
         changed = [policy.apply_task_event(cfg, one_by_one, ev, at) for ev in events]
         assert policy.apply_task_events(cfg, together, events, at) == changed
         assert together == one_by_one
+
+
+async def test_an_agents_check_of_its_tasks_reads_each_attempt_once_not_once_per_task(nats_url, tmp_path):
+    """A node running 8 tasks of a 2,000-task attempt (its record ~250 KB): the routine check
+    that its tasks are still live reads the record once for all of them, and finds each by its
+    key; on main it read the record again for every task (8 reads, each with a pass over the
+    gang). Once the attempt has ended, the check stops them all."""
+    nc = await bus.connect("test", nats_url)
+    try:
+        js, buckets = await bus.setup(nc)
+        mine, size = 8, 2000
+        record = AttemptRecord(
+            job_id="jcheck",
+            attempt=1,
+            tasks=[
+                TaskStatus(role="worker", role_no=0, index=i, node="here" if i < mine else f"n{i}")
+                for i in range(size)
+            ],
+        )
+        kv = buckets[subjects.ATTEMPTS_BUCKET]
+        await kv.put(record.key, record.to_bytes())
+        reads = 0
+        get = kv.get
+
+        async def counted(key: str):
+            nonlocal reads
+            reads += key == record.key
+            return await get(key)
+
+        kv.get = counted  # type: ignore[method-assign]
+        options = AgentOptions(
+            node="here",
+            address="127.0.0.1",
+            cpus=64,
+            memory_mb=262144,
+            gpus=[],
+            work_root=str(tmp_path / "work"),
+            output_root=str(tmp_path / "output"),
+        )
+        agent = Agent(nc, js, buckets, options, SimRuntime())
+        cfg = config(size).model_copy(update={"extras": {"sim": {"seconds": 600}}})
+        order = Assignment(
+            job_id=record.job_id,
+            attempt=1,
+            user="u",
+            config=cfg,
+            gang=[t.spec() for t in record.tasks[:mine]],
+            node="here",
+        )
+        spec = ClusterSpec(
+            job_id=record.job_id,
+            attempt=1,
+            endpoints=[
+                Endpoint(role="worker", role_no=0, index=i, node=t.node, host="10.0.0.1", port=5000)
+                for i, t in enumerate(record.tasks)
+            ],
+        )
+        await js.publish(subjects.cluster_spec(record.job_id, 1), spec.to_bytes())
+        await agent.assign(order)
+
+        async def all_running() -> bool:
+            return len(agent.tasks.live) == mine and all(t.handle for t in agent.tasks.live.values())
+
+        await until(all_running)
+        reads = 0
+        await agent.reconciler.stop_obsolete()
+        assert reads <= 1, reads  # 8 on main
+        assert len(agent.tasks.live) == mine  # live: nothing stopped
+        ended = record.model_copy(update={"ended_at": now(), "outcome": JobState.FAILED})
+        await kv.put(record.key, ended.to_bytes())
+
+        async def all_stopped() -> bool:
+            await agent.reconciler.stop_obsolete(wait=True)
+            return not agent.tasks.live
+
+        await until(all_stopped)
+        await agent.reporter.close()
+    finally:
+        await nc.close()

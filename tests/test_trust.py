@@ -255,6 +255,9 @@ async def test_finished_jobs_and_gone_nodes_are_pruned_after_their_retention(clu
 
     await _until(lambda: missing(jobs, record.job_id), 120, "the job record was never pruned")
     assert await missing(attempts, f"{record.job_id}.1")
+    rendezvous = await js.key_value(subjects.RENDEZVOUS_BUCKET)  # the record and each endpoint
+    assert await missing(rendezvous, f"{record.job_id}.1")
+    assert await missing(rendezvous, subjects.endpoint_key(record.job_id, 1, "w.0"))
     await _until(lambda: missing(nodes, "gone"), 120, "the gone node was never pruned")
     assert not await missing(nodes, "keep")
     counts = []

@@ -181,8 +181,10 @@ class Reconciler:
         """Stop local tasks the bus no longer counts as live (their attempt ended, or they were
         declared lost while this agent was cut off). With `wait`, return once they are gone."""
         stops = []
-        for key, task in list(self.tasks.live.items()):
-            if task.handle is None or not await self.tasks.obsolete(key):
+        started = {key: task for key, task in self.tasks.live.items() if task.handle is not None}
+        obsolete = await self.tasks.obsolete(started)  # one read per attempt, not per task
+        for key, task in started.items():
+            if key not in obsolete or self.tasks.live.get(key) is not task:
                 continue
             self.log.warning("agent.obsolete_task", task=task.name)
             stopping = asyncio.create_task(self.tasks.stop(task, "obsolete attempt", 0))

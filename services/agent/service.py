@@ -47,12 +47,11 @@ from services.agent.rsh import Rsh
 from services.agent.runtime import (
     Runtime,
 )
-from services.agent.sharing import Shared
+from services.agent.sharing import Attempts, Shared
 from services.agent.tasks import NOT_STARTED, LocalTask, Tasks
 from shared import bus, consume, hostpaths, subjects
 from shared.messages import (
     Assignment,
-    AttemptRecord,
     DrainOrder,
     Endpoint,
     EndpointReported,
@@ -63,7 +62,6 @@ from shared.messages import (
     attempt_key,
     now,
 )
-from shared.store import Store
 from shared.subjects import Headers
 
 HEARTBEATS_MISSED = Counter(
@@ -182,7 +180,8 @@ class Agent:
         """`shared`: what this agent shares with the others of its process (sim.py), if any."""
         self.nc, self.js, self.opts, self.runtime = nc, js, options, runtime
         self.nodes = buckets[subjects.NODES_BUCKET]
-        self.attempts = shared.attempts if shared else Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
+        # Attempt records: concurrent reads of one (its tasks here, checked together) share it.
+        self.attempts = shared.attempts if shared else Attempts(buckets[subjects.ATTEMPTS_BUCKET])
         # Free ports are probed here only when the tasks share this network namespace.
         probe = getattr(runtime, "tasks_in_agent_network", True)
         ports = PortPool(options.port_low, options.port_high, probe=probe)
@@ -399,12 +398,13 @@ class Agent:
     # ------------------------------------------------------------ orders
 
     async def assign(self, a: Assignment) -> None:
-        record = await self.attempts.get(a.key)
+        placement = await self.attempts.placement(a.key)
+        record = placement.record if placement is not None else None
         for spec in a.mine:
             key = (a.job_id, a.attempt, spec.role, spec.index)
             if self.tasks.known(key):
                 continue  # a redelivered or repeated order
-            status = next((t for t in record.tasks if t.key == spec.key), None) if record else None
+            status = placement.by_key.get(spec.key) if placement is not None else None
             if record is not None and (record.ended or (status is not None and status.state.ended)):
                 # Its attempt ended before the order was read: never start it, but say so.
                 if status is not None and not status.state.ended:
@@ -473,12 +473,15 @@ class Agent:
         victims = [
             t for t in self.tasks.of_attempt(order.job_id, order.attempt) if not only or t.spec.key in only
         ]
-        record = await self.attempts.get(attempt_key(order.job_id, order.attempt))
-        for t in record.tasks if record else []:
+        placement = await self.attempts.placement(attempt_key(order.job_id, order.attempt))
+        record = placement.record if placement is not None else None
+        # This node's tasks of it, from the record's index: not a pass over the whole gang
+        # (every node of a gang gets a kill order when it ends).
+        for t in placement.by_node.get(self.opts.node, []) if placement is not None else []:
             key = (order.job_id, order.attempt, t.role, t.index)
             if only and t.key not in only:
                 continue
-            if t.node == self.opts.node and not t.state.ended and not self.tasks.known(key):
+            if not t.state.ended and not self.tasks.known(key):
                 assert record is not None
                 why = f"never started: {order.reason}"
                 self.tasks.report_ended(record, t.spec(), TaskCause.KILLED, NOT_STARTED, why)

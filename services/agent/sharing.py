@@ -21,7 +21,7 @@ from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
 from shared import subjects
-from shared.messages import AttemptRecord, ClusterSpec, Message
+from shared.messages import AttemptRecord, ClusterSpec, Message, TaskStatus
 from shared.store import Store
 
 M = TypeVar("M", bound=Message)
@@ -32,12 +32,12 @@ AttemptKey = tuple[str, int]
 class Shared:
     """What the agents of one process share (a sim process: thousands on one connection)."""
 
-    attempts: Store[AttemptRecord]
+    attempts: Attempts
     specs: Specs
 
     @classmethod
     def of(cls, nc: NATS, js: JetStreamContext, attempts: KeyValue) -> Shared:
-        return cls(SharedStore(attempts, AttemptRecord), Specs(nc, js))
+        return cls(Attempts(attempts), Specs(nc, js))
 
 
 class Specs:
@@ -164,3 +164,43 @@ def _stale(at: float, read: asyncio.Task[M | None], now: float, ttl: float) -> b
     if not read.done():
         return False
     return now - at > ttl or read.cancelled() or read.exception() is not None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """An attempt record's tasks by key and by node, worked out once per read of the record:
+    what an agent looks up for its own tasks (orders, kill orders, the obsolete-task check)
+    without a pass over the gang per task (a gang of N on N nodes: O(N²) for the gang)."""
+
+    record: AttemptRecord
+    by_key: dict[str, TaskStatus]
+    by_node: dict[str, list[TaskStatus]]
+
+    @classmethod
+    def of(cls, record: AttemptRecord) -> Placement:
+        by_node: dict[str, list[TaskStatus]] = {}
+        for t in record.tasks:
+            by_node.setdefault(t.node, []).append(t)
+        return cls(record, {t.key: t for t in record.tasks}, by_node)
+
+
+class Attempts(SharedStore[AttemptRecord]):
+    """Attempt records, read as `SharedStore` reads them, each indexed (`Placement`) once per
+    read however many agents and tasks look into it."""
+
+    KEPT = 256  # indexes of the newest reads
+
+    def __init__(self, kv: KeyValue, ttl: float = 1.0) -> None:
+        super().__init__(kv, AttemptRecord, ttl)
+        self._indexed: dict[int, Placement] = {}  # id(record) -> its index (which holds it)
+
+    async def placement(self, key: str) -> Placement | None:
+        record = await self.get(key)
+        if record is None:
+            return None
+        found = self._indexed.get(id(record))
+        if found is None or found.record is not record:
+            found = self._indexed[id(record)] = Placement.of(record)
+            while len(self._indexed) > self.KEPT:
+                del self._indexed[next(iter(self._indexed))]
+        return found

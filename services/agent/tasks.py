@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from services.agent.progress import Progress
 from services.agent.reporting import Reporter
 from services.agent.rsh import Rsh
 from services.agent.runtime import LaunchError, RunningTask, Runtime
-from services.agent.sharing import Specs
+from services.agent.sharing import Attempts, Specs
 from shared import mpi, subjects
 from shared.messages import (
     Assignment,
@@ -98,7 +99,7 @@ class Tasks:
         js: JetStreamContext,
         runtime: Runtime,
         reporter: Reporter,
-        attempts: Store[AttemptRecord],
+        attempts: Attempts,
         ports: PortPool,
         where: Where,
         specs: Specs | None = None,
@@ -175,7 +176,7 @@ class Tasks:
         a = task.assignment
         try:
             cluster = await self.specs.wait(a.job_id, a.attempt, task.spec.key)
-            if await self.obsolete(key):
+            if await self.obsolete([key]):
                 raise asyncio.CancelledError
             prepared = await self.prepare(a)
             launch = build_launch(a, task.spec, task.ports, cluster, self.where, prepared)
@@ -275,13 +276,22 @@ class Tasks:
             with contextlib.suppress(Exception):
                 await remove()
 
-    async def obsolete(self, key: TaskKey) -> bool:
-        """Whether the bus no longer counts the task as live: its attempt or itself ended."""
-        job_id, n, role, index = key
-        record = await self.attempts.get(attempt_key(job_id, n))
-        if record is None:
-            return False
-        return record.ended or record.task(role, index).state.ended
+    async def obsolete(self, keys: Iterable[TaskKey]) -> set[TaskKey]:
+        """Those of `keys` the bus no longer counts as live: their attempt or they ended. One
+        read of each attempt (shared by concurrent checks), each task found by its key."""
+        by_attempt: dict[str, list[TaskKey]] = {}
+        for key in keys:
+            by_attempt.setdefault(attempt_key(key[0], key[1]), []).append(key)
+        placements = await asyncio.gather(*(self.attempts.placement(k) for k in by_attempt))
+        out = set()
+        for found, tasks in zip(placements, by_attempt.values(), strict=True):
+            for key in tasks if found is not None else ():
+                assert found is not None
+                task = found.by_key.get(f"{key[2]}.{key[3]}")
+                # Not in it: a record read before the task joined (an elastic role grew), live.
+                if found.record.ended or (task is not None and task.state.ended):
+                    out.add(key)
+        return out
 
     def output(self, task: LocalTask, line: str) -> None:
         a, spec = task.assignment, task.spec

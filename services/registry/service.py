@@ -2,9 +2,16 @@
 publishes the attempt's cluster spec exactly once (the barrier every task waits behind).
 
 Endpoints arrive through one durable consumer shared by all replicas. What has been collected
-lives in the KV bucket `muster_rendezvous` (key `<job>.<attempt>`), updated with the revision
-read, so a replica killed at any point loses nothing and two replicas never lose an endpoint.
-The spec is published with a message id, so publishing it again after a crash is harmless.
+lives in the KV bucket `muster_rendezvous`: each endpoint under its own key
+(`<job>.<attempt>.<role>.<index>`, written before it counts), and the attempt's record (key
+`<job>.<attempt>`) with a bit per task saying which are in, updated with the revision read, so
+a replica killed at any point loses nothing and two replicas never lose an endpoint. A gang of
+N costs N small writes and a record of N bits per batch, however its endpoints trickle in (a
+record holding every endpoint, rewritten per batch, cost O(N) per batch: O(N²) for a gang
+whose endpoints come a few at a time). The spec is built once, when the last bit is set, from
+the endpoints this replica stored (those another replica stored are read back in one watch of
+the attempt's keys). It is published with a message id, so publishing it again after a crash
+is harmless.
 
 An elastic attempt (`AttemptRecord.elastic`) has a spec per membership: whenever every member's
 endpoint is in and the members differ from the last spec's, the next version is published (a
@@ -15,7 +22,10 @@ last one; torchrun-style jobs rendezvous by themselves and only need the first m
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import collections
+import contextlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -26,7 +36,16 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter, Histogram
 
 from shared import bus, consume, subjects
-from shared.messages import AttemptRecord, Endpoint, EndpointReported, Rendezvous, TaskStatus, attempt_key
+from shared.messages import (
+    AttemptRecord,
+    ClusterSpec,
+    Endpoint,
+    EndpointReported,
+    Rendezvous,
+    TaskStatus,
+    attempt_key,
+    membership,
+)
 from shared.store import GroupCommit, Store
 from shared.subjects import Headers
 
@@ -34,6 +53,9 @@ log = structlog.get_logger(service="registry")
 SPECS = Counter("muster_registry_specs_total", "Cluster specs published")
 MEMBERS_CONSUMER = "registry-members"
 RECENT = 4096  # rendezvous this replica wrote last, kept as (revision, bytes): writes start there
+GANGS = 1024  # attempts this replica collects for, kept (see `Gang`), the newest
+ATTEMPT_REUSE = 5.0  # seconds an attempt record read serves its next batches (placement is fixed)
+READ_WAIT = 30.0  # seconds to read a gang's stored endpoints back
 IN_FLIGHT = 2048  # endpoints handled at once: a gang this big is collected in one write
 FETCH = 256  # endpoints asked of the server at once
 BATCHED = Histogram(
@@ -43,6 +65,37 @@ BATCHED = Histogram(
 )
 
 
+@dataclass
+class Gang:
+    """What this replica holds of one attempt it collects for: the attempt record (read once
+    for many batches: where each task was placed never changes) with each task's position in
+    it, and the endpoints this replica stored (so the spec needs no read of them back)."""
+
+    attempt: AttemptRecord
+    read_at: float  # loop time of the read
+    tasks: dict[str, TaskStatus]  # "<role>.<index>" -> the task
+    positions: dict[str, int]  # "<role>.<index>" -> its bit in `Rendezvous.collected`
+    endpoints: dict[str, Endpoint] = field(default_factory=dict)
+    _members: tuple[list[str], int, str] | None = None
+
+    @classmethod
+    def of(cls, attempt: AttemptRecord, at: float, endpoints: dict[str, Endpoint] | None = None) -> Gang:
+        positions = {t.key: i for i, t in enumerate(attempt.tasks)}
+        tasks = {t.key: t for t in attempt.tasks}
+        return cls(attempt, at, tasks, positions, endpoints if endpoints is not None else {})
+
+    def members(self) -> tuple[list[str], int, str]:
+        """The gang now: its tasks' keys (sorted), their bits and their digest, worked out once
+        per read of the attempt (a fixed gang's are its tasks for good)."""
+        if self._members is None:
+            members = sorted(t.key for t in self.attempt.members())
+            mask = 0
+            for k in members:
+                mask |= 1 << self.positions[k]
+            self._members = (members, mask, membership(members))
+        return self._members
+
+
 class Registry:
     def __init__(self, nc: NATS, js: JetStreamContext, buckets: dict[str, KeyValue]):
         self.nc, self.js = nc, js
@@ -50,6 +103,7 @@ class Registry:
         self.store = Store(self.kv, Rendezvous, cache=RECENT)
         self.attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
         self.batches = GroupCommit(self._write_batch)  # endpoints of one attempt, written together
+        self.gangs: collections.OrderedDict[str, Gang] = collections.OrderedDict()  # the newest last
 
     @classmethod
     async def build(cls, nc: NATS) -> Registry:
@@ -88,37 +142,77 @@ class Registry:
         exists and has not ended: a spec is only ever published for a real gang.
 
         The endpoints of one attempt that arrive while its rendezvous is being written wait and
-        go into the next write together (group commit): one read of the attempt record and one
-        read-modify-write of the rendezvous per batch, not per endpoint, so a gang of N costs
-        O(N) however its endpoints come. Each handler returns (and its message is acked) only
-        once the write that holds its endpoint is done; a failed write fails them all
-        (redelivered)."""
+        go into the next write together (group commit); each endpoint is stored under its own
+        key and the attempt's record holds a bit per task, so a gang of N costs O(N) however
+        its endpoints come (in one batch or one at a time). Each handler returns (and its
+        message is acked) only once the write that holds its endpoint is done; a failed write
+        fails them all (redelivered)."""
         await self.batches.add(attempt_key(sent.message.job_id, sent.message.attempt), sent)
 
+    async def _gang(self, key: str, wanted: Iterable[str]) -> Gang | None:
+        """The attempt `key` as this replica last read it, read again when that is older than
+        ATTEMPT_REUSE seconds, when it lacks a task in `wanted` (an elastic role grew), and for
+        an elastic attempt always (its members are what its spec lists). None: no such attempt."""
+        at = asyncio.get_running_loop().time()
+        gang = self.gangs.get(key)
+        if (
+            gang is None
+            or gang.attempt.elastic
+            or at - gang.read_at > ATTEMPT_REUSE
+            or any(k not in gang.tasks for k in wanted)
+        ):
+            attempt = await self.attempts.get(key)
+            if attempt is None:
+                return None
+            gang = self._remember(attempt, at)
+        return gang
+
+    def _remember(self, attempt: AttemptRecord, at: float | None = None) -> Gang:
+        """A gang for this read of its attempt, keeping the endpoints this replica holds of it."""
+        old = self.gangs.pop(attempt.key, None)
+        at = asyncio.get_running_loop().time() if at is None else at
+        gang = self.gangs[attempt.key] = Gang.of(attempt, at, old.endpoints if old else None)
+        while len(self.gangs) > GANGS:
+            self.gangs.popitem(last=False)
+        return gang
+
     async def _write_batch(self, key: str, items: list[consume.Sent[EndpointReported]]) -> None:
-        attempt = await self.attempts.get(key)
-        tasks = {t.key: t for t in attempt.tasks} if attempt is not None else {}
+        wanted = {f"{s.message.endpoint.role}.{s.message.endpoint.index}" for s in items}
+        gang = await self._gang(key, wanted)
         accepted = []
         for sent in items:
             why = (
                 "no such attempt"
-                if attempt is None
-                else endpoint_refusal(sent.message, sent.subject, sent.by, attempt, tasks)
+                if gang is None
+                else endpoint_refusal(sent.message, sent.subject, sent.by, gang.attempt, gang.tasks)
             )
             if why is not None:
                 consume.REFUSED.labels("endpoint").inc()
                 log.warning("registry.endpoint_refused", subject=sent.subject[:200], why=why)
             else:
                 accepted.append(sent.message.endpoint)
-        if attempt is not None and accepted:
+        if gang is not None and accepted:
             BATCHED.observe(len(accepted))
-            await self.collect(accepted, attempt)
+            await self._collect(accepted, gang)
 
     async def collect(self, eps: Sequence[Endpoint], attempt: AttemptRecord) -> None:
-        """Add `eps` to the attempt's rendezvous in one write; publish the spec once every
-        member's endpoint is in (for an elastic attempt, again whenever its members change)."""
+        """Add `eps` (endpoints of `attempt`'s tasks, already checked) to its rendezvous; publish
+        the spec once every member's endpoint is in (for an elastic attempt, again whenever its
+        members change)."""
+        await self._collect(eps, self._remember(attempt))
+
+    async def _collect(self, eps: Sequence[Endpoint], gang: Gang) -> None:
+        """Store each endpoint under its own key (a put: a redelivered one writes the same
+        again), then set their bits in the attempt's record in one write; the spec is built
+        once, when the last member's bit is set."""
+        attempt = gang.attempt
         key = attempt.key
-        members = sorted(t.key for t in attempt.members())
+        await asyncio.gather(*(self._store(attempt, ep) for ep in eps))
+        bits = 0
+        for ep in eps:
+            gang.endpoints[_task(ep)] = ep
+            bits |= 1 << gang.positions[_task(ep)]
+        members, mask, digest = gang.members()
         # First try on what this replica last wrote (or, for an attempt it has not seen, on no
         # record at all: most endpoints of a gang come to one replica, a gang of one has one):
         # a write proves it current, and only a conflict costs a read.
@@ -134,47 +228,104 @@ class Registry:
                     revision, data = None, None
             fresh = Rendezvous(job_id=attempt.job_id, attempt=attempt.attempt, gang_size=len(members))
             state = (self.store.decode(key, data) if data else None) or fresh  # garbage is replaced
-            for ep in eps:
-                state.endpoints[f"{ep.role}.{ep.index}"] = ep
+            collected = state.bits | bits | await self._migrate(state, gang)
+            complete = collected & mask == mask
             if attempt.elastic:  # the gang is its members now: a removed or ended task leaves it
-                state.gang_size = len(members)
-                state.endpoints = {k: e for k, e in state.endpoints.items() if k in members}
-                complete = all(k in state.endpoints for k in members)
-                due = complete and members != state.members
+                due = complete and digest != state.membership
             else:
-                complete = len(state.endpoints) >= state.gang_size
                 due = complete and not state.published
-            written = (
-                state.model_copy(update={"version": state.version + 1, "members": members, "published": True})
-                if due
-                else state
-            )
+            update: dict[str, object] = {"collected": format(collected, "x"), "endpoints": {}}
+            if attempt.elastic:
+                update["gang_size"] = len(members)
+            if due:
+                update |= {"version": state.version + 1, "membership": digest, "published": True}
+            written = state.model_copy(update=update)
             if due:
                 # Publish first (idempotent by message id), then record it: a crash in between
                 # only republishes the same spec.
-                await self.publish(written)
+                spec = await self._spec(gang, members, written.version)
+                await self.publish(spec, len(members))
             if revision is None:
-                if await self.store.create(key, written):
-                    return
-            elif await self.store.write(key, written, revision):
+                done = await self.store.create(key, written)
+            else:
+                done = await self.store.write(key, written, revision)
+            if done:
+                if due and not attempt.elastic:
+                    gang.endpoints = {}  # its spec is out: nothing will read them here again
                 return
             # It exists, or another replica wrote in between: read it and merge again.
 
-    async def publish(self, state: Rendezvous) -> None:
-        version = "" if state.version <= 1 else f".v{state.version}"
+    async def _store(self, attempt: AttemptRecord, ep: Endpoint) -> None:
+        await self.kv.put(subjects.endpoint_key(attempt.job_id, attempt.attempt, _task(ep)), ep_bytes(ep))
+
+    async def _migrate(self, state: Rendezvous, gang: Gang) -> int:
+        """The bits of the endpoints a record written by an older registry holds in itself,
+        once each is stored under its own key."""
+        eps = [ep for k, ep in state.endpoints.items() if k in gang.positions]
+        await asyncio.gather(*(self._store(gang.attempt, ep) for ep in eps))
+        bits = 0
+        for ep in eps:
+            gang.endpoints.setdefault(_task(ep), ep)
+            bits |= 1 << gang.positions[_task(ep)]
+        return bits
+
+    async def _spec(self, gang: Gang, members: list[str], version: int) -> ClusterSpec:
+        """The spec of `members` (every bit set): from the endpoints this replica stored, the
+        others (another replica's, or stored before this one started) read back in one pass."""
+        missing = {k for k in members if k not in gang.endpoints}
+        if missing:
+            gang.endpoints.update(await self._read_endpoints(gang.attempt, missing))
+        ordered = sorted((gang.endpoints[k] for k in members), key=lambda e: (e.role_no, e.index))
+        a = gang.attempt
+        return ClusterSpec(job_id=a.job_id, attempt=a.attempt, endpoints=ordered, version=max(1, version))
+
+    async def _read_endpoints(self, attempt: AttemptRecord, wanted: set[str]) -> dict[str, Endpoint]:
+        """The stored endpoints of `wanted` tasks of the attempt, in one watch of its keys (not a
+        read each). Each was stored before its bit was set, so all are there; bounded wait."""
+        prefix = f"{attempt.key}."
+        found: dict[str, Endpoint] = {}
+        watcher = await self.kv.watch(subjects.endpoint_keys(attempt.job_id, attempt.attempt))
+        try:
+            async with asyncio.timeout(READ_WAIT):
+                while not wanted <= found.keys():
+                    entry = await watcher.updates(timeout=READ_WAIT)
+                    if entry is None or entry.operation in ("DEL", "PURGE") or not entry.value:
+                        continue  # nats-py's "no more for now" marker (may come early), a deletion
+                    task = entry.key[len(prefix) :]
+                    if task in wanted:
+                        with contextlib.suppress(ValueError):
+                            found[task] = Endpoint.model_validate_json(entry.value)
+        except TimeoutError:
+            lacking = sorted(wanted - found.keys())[:5]
+            raise RuntimeError(f"endpoints of {attempt.key} collected but not found: {lacking}") from None
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+        return found
+
+    async def publish(self, spec: ClusterSpec, tasks: int) -> None:
+        version = "" if spec.version <= 1 else f".v{spec.version}"
         await self.js.publish(
-            subjects.cluster_spec(state.job_id, state.attempt),
-            state.spec().to_bytes(),
-            headers={Headers.MSG_ID: f"spec:{state.job_id}.{state.attempt}{version}"},
+            subjects.cluster_spec(spec.job_id, spec.attempt),
+            spec.to_bytes(),
+            headers={Headers.MSG_ID: f"spec:{spec.job_id}.{spec.attempt}{version}"},
         )
         SPECS.inc()
         log.info(
             "registry.spec_published",
-            job_id=state.job_id,
-            attempt=state.attempt,
-            tasks=state.gang_size,
-            version=max(1, state.version),
+            job_id=spec.job_id,
+            attempt=spec.attempt,
+            tasks=tasks,
+            version=spec.version,
         )
+
+
+def _task(ep: Endpoint) -> str:
+    return f"{ep.role}.{ep.index}"
+
+
+def ep_bytes(ep: Endpoint) -> bytes:
+    return ep.model_dump_json().encode()
 
 
 def _named_attempt(msg: Any) -> str:

@@ -574,6 +574,9 @@ class Supervisor:
             key = attempt_key(job.job_id, n)
             await self.attempts.delete(key)
             await self.rendezvous.purge(key)
+            # Its endpoints, each under its own key (services/registry): one purge for all.
+            endpoints = subjects.endpoint_keys(job.job_id, n)
+            await self.js.purge_stream(self.rendezvous._stream, subject=f"{self.rendezvous._pre}{endpoints}")
         name = subjects.name_key(job.user, job.job_name)
         with contextlib.suppress(KeyNotFoundError, KeyWrongLastSequenceError):
             claim = await self.names.get(name)
