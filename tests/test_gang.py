@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import socket
 import time
 from collections.abc import AsyncIterator
 
 import pytest
 
+from services.agent import environment
 from services.agent.service import Agent, AgentOptions
 from services.agent.sim_runtime import SimRuntime
 from services.registry.service import Registry
@@ -304,5 +306,80 @@ async def test_an_agents_check_of_its_tasks_reads_each_attempt_once_not_once_per
 
         await until(all_stopped)
         await agent.reporter.close()
+    finally:
+        await nc.close()
+
+
+def test_a_gangs_environments_encode_its_cluster_once_not_once_per_task(monkeypatch):
+    """A sim process renders the environment of every task of a gang: TF_CONFIG and
+    CLUSTER_SPEC hold the whole cluster (O(N) bytes each, by the format), and on main each was
+    encoded again per task (json.dumps of N addresses, N times: O(N²) encoding for the process).
+    Here the cluster is encoded once per spec and each task's value is the same text as
+    json.dumps of the whole would give."""
+    size = 400
+    cfg = config(size)
+    spec = ClusterSpec(
+        job_id="jenv",
+        attempt=1,
+        endpoints=[
+            Endpoint(
+                role="worker", role_no=0, index=i, node=f"n{i}", host=f"10.0.{i // 250}.{i % 250}", port=5000
+            )
+            for i in range(size)
+        ],
+    )
+    encoded = 0
+    dumps = environment.json.dumps
+
+    def counted(value, *args, **kwargs):
+        nonlocal encoded
+        text = dumps(value, *args, **kwargs)
+        encoded += len(text)
+        return text
+
+    monkeypatch.setattr(environment.json, "dumps", counted)
+    for i in range(size):
+        env = environment.render_env(
+            environment.TaskContext(
+                job_id="jenv",
+                attempt=1,
+                user="u",
+                config=cfg,
+                spec=spec,
+                role="worker",
+                index=i,
+                gpus=[],
+                output_root="/o",
+            )
+        )
+        cluster = {"worker": [f"{e.address}" for e in spec.endpoints]}
+        want = dumps({"cluster": cluster, "task": {"type": "worker", "index": i}, "environment": "cloud"})
+        assert env["TF_CONFIG"] == env["CLUSTER_SPEC"] == want
+    # The cluster's ~7 KB twice (TF_CONFIG, CLUSTER_SPEC) and a few bytes per task; main: 5.6 MB.
+    assert encoded <= 2 * len(want) + 100 * size, encoded
+
+
+async def test_sim_tasks_take_ports_without_binding_sockets(nats_url, tmp_path):
+    """A sim task listens on nothing: its ports are counted, not probed (main bound a socket per
+    port, thousands per gang in one sim process): a port some process here holds is taken."""
+    nc = await bus.connect("test", nats_url)
+    try:
+        js, buckets = await bus.setup(nc)
+        with socket.socket() as held:
+            held.bind(("0.0.0.0", 0))
+            held.listen()
+            port = held.getsockname()[1]
+            options = AgentOptions(
+                node="s",
+                address="127.0.0.1",
+                cpus=1,
+                memory_mb=1024,
+                gpus=[],
+                port_low=port,
+                port_high=port,
+                work_root=str(tmp_path),
+            )
+            agent = Agent(nc, js, buckets, options, SimRuntime())
+            assert agent.tasks.ports.take(1) == [port]
     finally:
         await nc.close()

@@ -211,6 +211,7 @@ class Gang:
             self.on_node.setdefault(ep.node, []).append(ep)
         self._hosts = {role: ",".join(addresses) for role, addresses in self.addresses.items()}
         self._tf: dict[str, dict[str, list[str]]] = {}
+        self._tf_json: dict[str, str] = {}  # var -> its cluster as JSON
         self.hostfile: str | None = None  # render_hostfile's text, once made
 
     def hosts(self, role: str) -> str:
@@ -221,6 +222,13 @@ class Gang:
             types = _role_types(config, ROLE_TYPES[var])
             self._tf[var] = {types[r.name]: self.addresses.get(r.name, []) for r in config.taskRoles}
         return self._tf[var]
+
+    def tf_cluster_json(self, var: str, config: JobConfig) -> str:
+        """`tf_cluster` as JSON, made once: each task's TF_CONFIG holds it whole (O(N) bytes
+        each), and copying a string costs far less than encoding the gang again per task."""
+        if var not in self._tf_json:
+            self._tf_json[var] = json.dumps(self.tf_cluster(var, config))
+        return self._tf_json[var]
 
 
 _GANGS: dict[int, tuple[ClusterSpec, JobConfig, Gang]] = {}  # id(spec) -> the spec, its config, its gang
@@ -298,9 +306,10 @@ def _role_types(config: JobConfig, table: dict[str, str]) -> dict[str, str]:
 
 def _tf_config(ctx: TaskContext, gang: Gang, var: str) -> dict[str, str]:
     types = _role_types(ctx.config, ROLE_TYPES[var])
-    cluster = gang.tf_cluster(var, ctx.config)
-    task = {"type": types[ctx.role], "index": ctx.index}
-    return {var: json.dumps({"cluster": cluster, "task": task, "environment": "cloud"})}
+    cluster = gang.tf_cluster_json(var, ctx.config)
+    task = json.dumps({"type": types[ctx.role], "index": ctx.index})
+    # json.dumps({"cluster": ..., "task": ..., "environment": "cloud"}), the cluster encoded once.
+    return {var: f'{{"cluster": {cluster}, "task": {task}, "environment": "cloud"}}'}
 
 
 def _modelarts(ctx: TaskContext, gang: Gang) -> dict[str, str]:

@@ -138,6 +138,9 @@ class SimTask:
 class SimRuntime:
     name = "sim"
     can_adopt = False
+    # A simulated task listens on nothing: its ports are only counted, never probed by a bind
+    # (a socket per port, thousands per gang in a sim process).
+    tasks_in_agent_network = False
 
     async def start(self, launch: TaskLaunch, output: OutputSink) -> SimTask:
         role, index = launch.labels.get(LABEL_ROLE, ""), int(launch.labels.get(LABEL_INDEX, "0"))
