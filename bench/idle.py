@@ -1,15 +1,17 @@
 """Idle cost: CPU of each service while N simulated nodes beat and nothing else happens.
 
-    python -m bench.idle [--nodes 1000,10000] [--settle 15] [--window 30]
+    python -m bench.idle [--nodes 1000,10000] [--settle 15] [--window 60]
 
 For each size: a fresh mesh (`bench.cluster`: nats-server with authentication, each service its
 own process, one process of N sim nodes, each beating every 2 s as a real agent does), wait until
 every node is registered, let it settle (`--settle` seconds: start-up work done), then CPU per
 process over `--window` seconds, as a percentage of one core. What the nodes really sent in that
 window is counted on the bus and printed beside it: beats a second (and so the period per node
-achieved) and node-record writes a second. The sim process and nats-server are the load and the
-floor beside the services: a service can cost no less than reading what they send. Prints a
-table, then one JSON line."""
+achieved) and node-record writes a second. The window defaults to a whole refresh period
+(MUSTER_NODE_REFRESH, 60 s: each node rewrites its record once in it, at a random point of its
+first period), so both costs are counted at their real average rates. The sim process and
+nats-server are the load and the floor beside the services: a service can cost no less than
+reading what they send. Prints a table, then one JSON line."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cluster import Mesh
+from services.agent.service import REFRESH
 from shared import subjects
 
 
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", default="1000,10000", help="comma-separated sizes")
     p.add_argument("--settle", type=float, default=15.0, help="seconds after registration before measuring")
-    p.add_argument("--window", type=float, default=30.0, help="seconds measured")
+    p.add_argument("--window", type=float, default=REFRESH, help="seconds measured (default: one refresh)")
     p.add_argument("--workdir", type=Path, default=None, help="keep logs and data here (default: a temp dir)")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.nodes.split(",") if s.strip()]

@@ -102,7 +102,9 @@ def test_idle_cost_is_measured_for_every_process(tmp_path: Path):
     # bench says it drove is what the bus carried: beats, not node-record writes.
     assert 1.6 <= row["period_per_node_s"] <= 3.0, row
     assert row["beats_per_s"] == pytest.approx(30 / row["period_per_node_s"], rel=0.05)
-    assert row["node_writes_per_s"] < 1, row  # a record is rewritten on change, and once a minute
+    # A record is rewritten on change, and once a refresh period (60 s, at a random point of the
+    # first): at most once per node in the window; a write per beat would be 3 per node.
+    assert row["node_writes_per_s"] * row["window_s"] <= row["nodes"] + 0.5, row
 
 
 @pytest.mark.docker

@@ -9,6 +9,8 @@ import contextlib
 import time
 from datetime import UTC, datetime, timedelta
 
+from services.agent import service as agent_service
+from services.agent.sim_runtime import SimRuntime
 from services.supervisor.service import Supervisor
 from shared import auth, bus, subjects
 from shared.liveness import Beats
@@ -155,3 +157,50 @@ async def test_a_stall_longer_than_the_grace_is_a_lost_node(nats_url, monkeypatc
     finally:
         await nc.close()
         await frozen.close()
+
+
+async def test_agents_registered_together_spread_their_record_refreshes(nats_url, tmp_path, monkeypatch):
+    """40 agents register at once (a fleet restarted together, a sim process): each rewrites its
+    node record once a refresh period (3 s here), the first time at a random point of the
+    first period, so their rewrites are spread over it. On main every one came a whole period
+    after registering: 10,000 sim nodes rewrote their records within the same few seconds of
+    every minute."""
+    monkeypatch.setattr(agent_service, "REFRESH", 3.0)
+    nc = await bus.connect("test", nats_url)
+    try:
+        js, buckets = await bus.setup(nc)
+        agents = [
+            agent_service.Agent(
+                nc,
+                js,
+                buckets,
+                agent_service.AgentOptions(
+                    node=f"r{i}",
+                    address="127.0.0.1",
+                    cpus=1,
+                    memory_mb=1024,
+                    gpus=[],
+                    work_root=str(tmp_path / f"r{i}"),
+                ),
+                SimRuntime(),
+            )
+            for i in range(40)
+        ]
+        await asyncio.gather(*(a.start() for a in agents))
+        loop = asyncio.get_running_loop()
+        registered = loop.time()
+        first: dict[str, float] = {}  # node -> when its record was first rewritten
+
+        async def rewritten(msg) -> None:
+            first.setdefault(msg.subject.rsplit(".", 1)[1], loop.time() - registered)
+
+        await nc.subscribe(f"$KV.{subjects.NODES_BUCKET}.>", cb=rewritten)  # after registering
+        while len(first) < len(agents):
+            assert loop.time() - registered < 30, "records never refreshed"
+            await asyncio.gather(*(a.beat() for a in agents))  # each beats every 50 ms
+            await asyncio.sleep(0.05)
+        assert max(first.values()) - min(first.values()) > 1.5, sorted(first.values())
+        for a in agents:
+            await a.reporter.close()
+    finally:
+        await nc.close()

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import math
 import os
+import random
 import re
 import time
 import uuid
@@ -286,6 +287,12 @@ class Agent:
         self.runtime.start_fence(self.opts.work_root, str(pidfile), 0.6 * bus.node_timeout())
         self.reporter.start()
         await self._write_node()
+        # The first refresh comes at a random point of the first period, not a whole period
+        # after registering: agents that register together (a fleet restarted at once, a sim
+        # process of thousands) do not all rewrite their records in the same second of every
+        # period after.
+        written_at, reconnects = self._written
+        self._written = (written_at - random.uniform(0, REFRESH), reconnects)
         self._last_beat = asyncio.get_running_loop().time()
         await self.js.publish(subjects.node_event(self.opts.node, "registered"), self.info().to_bytes())
         self.log.info(
