@@ -1,6 +1,6 @@
 """Big gangs: time from placement to every task running, for one gang of N tasks on M sim nodes.
 
-    python -m bench.gang [--tasks 1000,2000] [--nodes 2000] [--task-seconds 30]
+    python -m bench.gang [--tasks 1000,2000] [--nodes 2000] [--task-seconds 30] [--rounds 3]
 
 For each size: a fresh mesh (`bench.cluster`: nats-server with authentication, each service its
 own process, one process of M sim nodes beating every 2 s as real agents do, default settings:
@@ -16,8 +16,11 @@ submitted as a user would. Measured from the scheduler's `placed` event:
   * nodes declared lost and tasks ended by the platform (there should be none), and the job's
     attempt number at the end (1: it was never retried).
 
-The gang runs `--task-seconds` (long enough to be all running) and is then killed. Prints a
-table, then one JSON line. The services, the sim nodes and nats-server share this machine's
+The gang runs `--task-seconds` (long enough to be all running) and is then killed. With
+`--rounds R`, the sizes are measured R times, in turn (a fresh mesh each), and the median of
+each size's times is printed with its ratio to the first size's: one run's times on a busy
+machine vary by more than the ratio asked (2,000 tasks in at most twice the 1,000's time).
+Prints a table, then one JSON line. The services, the sim nodes and nats-server share this machine's
 cores: the figures are the whole system's."""
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -176,12 +180,20 @@ async def measure(
             await nc.close()
 
 
+def _median(values: list[float | None]) -> float | None:
+    """The median; None when any is None (a size that did not all run is not timed)."""
+    if not values or any(v is None for v in values):
+        return None
+    return float(statistics.median(v for v in values if v is not None))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tasks", default="1000,2000", help="comma-separated gang sizes")
     p.add_argument("--nodes", type=int, default=None, help="sim nodes (default: the largest gang)")
     p.add_argument("--task-seconds", type=float, default=60.0, help="how long each task runs")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for all running")
+    p.add_argument("--rounds", type=int, default=1, help="measure each size this many times, in turn")
     p.add_argument("--workdir", type=Path, default=None, help="keep logs and data here (default: a temp dir)")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.tasks.split(",") if s.strip()]
@@ -189,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="muster-gang-") as tmp:
         root = args.workdir or Path(tmp)
-        for n in sizes:
-            rows.append(asyncio.run(measure(n, nodes, args.task_seconds, args.timeout, root / f"t{n}")))
+        for k in range(max(1, args.rounds)):
+            for n in sizes:
+                where = root / f"t{n}" if args.rounds <= 1 else root / f"r{k}-t{n}"
+                rows.append(asyncio.run(measure(n, nodes, args.task_seconds, args.timeout, where)))
     print("One gang, placement to every task running (s), on sim nodes beating every 2 s")
     print(
         f"{'tasks':>6} {'nodes':>6} {'reported':>9} {'recorded':>9} {'x first':>8} {'lost':>5} "
@@ -207,7 +221,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['tasks']:>6} {r['nodes']:>6} {reported!s:>9} {recorded!s:>9} {ratio:>8} {lost:>5} "
             f"{writes:>11} {kb:>7}  {cpu}"
         )
-    print(json.dumps({"bench": "gang", "rows": rows}))
+    medians = {n: _median([r["placed_to_recorded_s"] for r in rows if r["tasks"] == n]) for n in sizes}
+    if args.rounds > 1:
+        base = medians[sizes[0]]
+        for n, m in medians.items():
+            ratio = f"{m / base:.2f}" if m is not None and base else "-"
+            print(f"median of {args.rounds}: {n} tasks all recorded running {m} s after placement (x{ratio})")
+    print(json.dumps({"bench": "gang", "rows": rows, "median_recorded_s": medians}))
     return 0
 
 

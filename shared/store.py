@@ -217,12 +217,25 @@ class GroupCommit(Generic[T]):
     batch holding `item` (or raises what that write raised). Items of a key are written in the
     order they were added, one batch at a time; other keys' meanwhile. A record of size N
     updated once per item costs O(N) per item, O(N²) for N items arriving together (a gang's
-    endpoints or task events); in batches, it costs O(N) per batch."""
+    endpoints or task events); in batches, it costs O(N) per batch.
 
-    def __init__(self, write: Callable[[str, list[T]], Awaitable[None]]) -> None:
-        self.write = write
+    Batches alone do not bound the writes of items that trickle in (each may find the record
+    idle and be written alone): `spacing(key)`, if given, is the least time in seconds between
+    the starts of two writes of a key, so that the items of that time share one write. Sized to
+    the record (seconds per byte, as it were), it bounds the bytes written per second, whatever
+    the record's size or the items' pace."""
+
+    KEPT = 4096  # keys whose last write time is kept (for `spacing`), the newest
+
+    def __init__(
+        self,
+        write: Callable[[str, list[T]], Awaitable[None]],
+        spacing: Callable[[str], float] | None = None,
+    ) -> None:
+        self.write, self.spacing = write, spacing
         self._pending: dict[str, tuple[list[T], asyncio.Future[None]]] = {}
         self._writers: dict[str, asyncio.Task[None]] = {}
+        self._last: dict[str, float] = {}  # key -> loop time its last write started
 
     async def add(self, key: str, item: T) -> None:
         batch = self._pending.get(key)
@@ -234,9 +247,20 @@ class GroupCommit(Generic[T]):
         await asyncio.shield(batch[1])
 
     async def _drain(self, key: str) -> None:
+        loop = asyncio.get_running_loop()
         try:
-            while (batch := self._pending.pop(key, None)) is not None:
-                items, done = batch
+            while key in self._pending:
+                last = self._last.get(key)
+                if self.spacing is not None and last is not None:
+                    wait = self.spacing(key) - (loop.time() - last)
+                    if wait > 0:
+                        await asyncio.sleep(wait)  # what comes meanwhile joins this batch
+                items, done = self._pending.pop(key)
+                if self.spacing is not None:
+                    self._last.pop(key, None)
+                    self._last[key] = loop.time()
+                    while len(self._last) > self.KEPT:
+                        del self._last[next(iter(self._last))]
                 try:
                     await self.write(key, items)
                     done.set_result(None)

@@ -383,3 +383,59 @@ async def test_sim_tasks_take_ports_without_binding_sockets(nats_url, tmp_path):
             assert agent.tasks.ports.take(1) == [port]
     finally:
         await nc.close()
+
+
+async def test_a_gangs_trickling_task_events_rewrite_its_record_at_a_bounded_pace(nats_url):
+    """A 400-task gang whose tasks start one by one, a few milliseconds apart (image pulls end
+    at different times): its record (~100 KB) is rewritten at most once per 0.1 s (0.25 ms per
+    task), the events of that time together, so the bytes written per second are bounded
+    whatever the gang's size; on main each event that found the record idle was written alone
+    (a write of the whole gang per task: O(N²))."""
+    size = 400
+    nc = await bus.connect("test", nats_url)
+    try:
+        js, buckets = await bus.setup(nc)
+        attempt = gang(size, "jtrickle")
+        job = JobRecord(
+            job_id=attempt.job_id,
+            job_name="trickle",
+            submission_id="s",
+            user="u",
+            config=config(size),
+            state=JobState.WAITING,
+            attempt=1,
+            submitted_at=now(),
+        )
+        await buckets[subjects.JOBS_BUCKET].put(job.job_id, job.to_bytes())
+        kv = buckets[subjects.ATTEMPTS_BUCKET]
+        await kv.put(attempt.key, attempt.to_bytes())
+        loop = asyncio.get_running_loop()
+        writes: list[float] = []
+
+        async def written(msg) -> None:
+            writes.append(loop.time())
+
+        await nc.subscribe(f"$KV.{subjects.ATTEMPTS_BUCKET}.{attempt.key}", cb=written)
+        supervisor = Supervisor(nc, js, buckets)
+
+        async def all_recorded() -> bool:
+            record = AttemptRecord.from_bytes((await kv.get(attempt.key)).value)
+            return all(t.state == TaskState.RUNNING for t in record.tasks)
+
+        async with running(supervisor):
+            await asyncio.wait_for(supervisor.synced["attempts"].wait(), 30)
+            assert supervisor.spacing(attempt.key) == pytest.approx(0.1)
+            began = loop.time()
+            for i in range(size):
+                ev = TaskEvent(
+                    job_id=attempt.job_id, attempt=1, role="worker", index=i, node=f"n{i}", kind="running"
+                )
+                await js.publish(
+                    subjects.task_event(attempt.job_id, 1, "worker", i, "running", f"n{i}"), ev.to_bytes()
+                )
+                await asyncio.sleep(0.01)
+            await until(all_recorded)
+        elapsed = writes[-1] - began
+        assert 1 <= len(writes) <= elapsed / 0.1 + 2, (len(writes), elapsed)
+    finally:
+        await nc.close()

@@ -88,6 +88,8 @@ TO_RUNNING = Histogram(
 DAY = 24 * 3600.0
 ALIVE_WAIT = 1.0  # seconds a quiet node's agent has to answer whether it is there
 IN_FLIGHT = 2048  # task events handled at once: a gang this big is recorded in one write
+WRITE_SPACING = 0.00025  # seconds between writes of an attempt record, per task of it
+MAX_SPACING = 1.0
 FETCH = 256  # task events asked of the server at once
 BATCHED = Histogram(
     "muster_supervisor_batch_events",
@@ -156,7 +158,9 @@ class Supervisor:
         self.declared: set[str] = set()  # "<attempt>/<task>" this replica already declared ended
         self.lost: set[str] = set()  # nodes seen lost, counted once until they beat again
         self.prunes = 0
-        self.batches = GroupCommit(self.apply_events)  # events of one attempt, written together
+        # Events of one attempt, written together, and a big attempt's record not rewritten more
+        # often than its size allows (`spacing`): its tasks' events may trickle in for minutes.
+        self.batches = GroupCommit(self.apply_events, self.spacing)
         # Liveness (shared/liveness.py): each node's last sign of life, the nodes found quiet
         # (no sign for the node timeout) and not heard since, and, for the nodes with tasks
         # not ended, where those tasks are: a lost node costs its own tasks, not a pass over
@@ -228,6 +232,15 @@ class Supervisor:
         lost (N declared ends) costs O(N), not N writes of an O(N) record. A failed batch fails
         each of its handlers (their messages are redelivered)."""
         await self.batches.add(attempt_key(sent.message.job_id, sent.message.attempt), sent)
+
+    def spacing(self, key: str) -> float:
+        """The least time between two writes of the attempt record `key`: WRITE_SPACING seconds
+        per task of it (a write is ~250 bytes per task), at most MAX_SPACING. A gang of N whose
+        events trickle in is then written at most every N·WRITE_SPACING seconds, ~1 MB/s
+        whatever N, where each write of its own would be O(N) per event, O(N²) for the gang;
+        a small gang's events are written at once as before (40 tasks: 10 ms)."""
+        attempt = self.view_attempts.get(key)
+        return 0.0 if attempt is None else min(MAX_SPACING, WRITE_SPACING * len(attempt.tasks))
 
     async def apply_events(self, key: str, items: list[consume.Sent[TaskEvent]]) -> None:
         """Apply task events of the attempt `key`, in order, in one write of its record."""
