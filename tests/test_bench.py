@@ -112,3 +112,41 @@ def test_launch_overhead_beside_bare_docker_run(base_image: str, tmp_path: Path)
         report["submit_to_running_ms"]["p50"] - report["docker_run_ms"]["p50"], 1
     )
     assert "overhead over bare docker run" in table
+
+
+def test_listing_pages_a_retention_window_and_holds_little_per_job(tmp_path: Path):
+    report, table = bench("listing", "--jobs", "2000", "--runs", "1", "--workdir", str(tmp_path))
+    (row,) = report["rows"]
+    assert row["jobs"] == 2000 and row["live"] == 20
+    assert all(t["exit_codes"] == [0] for t in row["status"].values()), row["status"]
+    assert row["status"]["default"]["rows"] == 20 + 20  # the live jobs, then the 20 newest finished
+    assert row["status"]["failed"]["rows"] == 50
+    assert 0 < row["held_bytes_per_job"] <= 1024 < row["wire_bytes_per_job"], row
+    assert row["all_json"] == {"pages": 20, "s": row["all_json"]["s"], "exit_code": 0}
+    assert "muster status over N retained jobs" in table
+
+
+def test_logflood_ships_the_limit_and_keeps_the_whole_output(tmp_path: Path):
+    report, table = bench(
+        "logflood",
+        *(
+            "--mb",
+            "3",
+            "--limits",
+            "0/0/1MiB,none",
+            "--read-timeout",
+            "60",
+            "--workdir",
+            str(tmp_path),
+        ),
+    )
+    limited, unlimited = report["rows"]
+    assert limited["state"] == unlimited["state"] == "SUCCEEDED"
+    assert limited["file_bytes"] == unlimited["file_bytes"] == 3_000_000  # the whole output, on the node
+    assert limited["total"] == 1024 * 1024 and limited["stream_bytes"] < limited["total"] + 64 * 1024
+    assert unlimited["stream_bytes"] >= 3_000_000
+    for row, lines in ((limited, (10_487, 10_495)), (unlimited, (30_000, 30_000))):  # 1 MiB: 10,485 lines
+        after = row["logs_after"]
+        assert after["finished"] and after["first_line_s"] is not None, row
+        assert lines[0] <= after["lines"] <= lines[1], row
+    assert "one task printing 3 MB" in table

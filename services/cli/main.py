@@ -571,16 +571,19 @@ async def drain(args: argparse.Namespace) -> int:
 
 
 async def show_logs(args: argparse.Namespace) -> int:
+    """A job's output, page by page as the gateway reads it from the stream (no model is
+    imported: its first lines come as soon as the first page does)."""
     nc = await connect(args.connect_timeout)
     try:
-        record = await resolve(nc, args.job)
-        attempt = _attempt_and_task(record, args)
+        job = (await ask(nc, "job", ref=args.job))["job"]
+        attempt = _attempt_and_task(job, args)
 
         def show(lines: list[Any]) -> None:
-            for name, text in lines:
-                out(f"[{name}] {text}")
+            if lines:
+                sys.stdout.write("".join(f"[{name}] {text}\n" for name, text in lines))
+                sys.stdout.flush()
 
-        await _pages(nc, "logs", "lines", record.job_id, attempt, args, show)
+        await _pages(nc, "logs", "lines", job["job_id"], attempt, args, show)
         return EXIT_OK
     finally:
         await nc.close()
@@ -592,10 +595,13 @@ async def show_metrics(args: argparse.Namespace) -> int:
 
     nc = await connect(args.connect_timeout)
     try:
-        record = await resolve(nc, args.job)
+        from shared.messages import JobRecord
+
+        job = (await ask(nc, "job", ref=args.job))["job"]
+        record = JobRecord.model_validate(job)
         if not record.config.metrics:
             raise CliError(f"job {record.job_id} declares no metrics (its config's `metrics`)", EXIT_INVALID)
-        attempt = _attempt_and_task(record, args)
+        attempt = _attempt_and_task(job, args)
         formats = {s.name: s.format for s in record.config.metric_specs}
         if not args.json:
             out(f"{'TIME':<23}  {'TASK':<12}  {'STEP':>8}  {'METRIC':<20}  VALUE")
@@ -636,19 +642,21 @@ async def _pages(
         await asyncio.sleep(0.5)
 
 
-def _attempt_and_task(record: JobRecord, args: argparse.Namespace) -> int:
-    """The attempt `--attempt` names (default: the current one), with `--task` checked."""
+def _attempt_and_task(job: dict[str, Any], args: argparse.Namespace) -> int:
+    """The attempt `--attempt` names (default: the current one) of a job (as the gateway
+    answers it), with `--task` checked."""
     role, _, index = (args.task or "*.*").partition(".")
-    sizes = {r.name: r.taskNumber for r in record.config.taskRoles}
+    sizes = {r["name"]: r["taskNumber"] for r in job["config"]["taskRoles"]}
+    job_id, current = job["job_id"], job["attempt"]
     if args.task and (role not in sizes or (index and int(index) >= sizes[role])):
         tasks = ", ".join(f"{r}.0-{n - 1}" if n > 1 else f"{r}.0" for r, n in sizes.items())
-        raise CliError(f"job {record.job_id} has no task {args.task}; its tasks: {tasks}", EXIT_INVALID)
-    if args.attempt and args.attempt > record.attempt:
-        has = f"its attempts: 1-{record.attempt}" if record.attempt else "it has not started yet"
-        raise CliError(f"job {record.job_id} has no attempt {args.attempt}; {has}", EXIT_INVALID)
-    attempt: int = args.attempt or record.attempt
+        raise CliError(f"job {job_id} has no task {args.task}; its tasks: {tasks}", EXIT_INVALID)
+    if args.attempt and args.attempt > current:
+        has = f"its attempts: 1-{current}" if current else "it has not started yet"
+        raise CliError(f"job {job_id} has no attempt {args.attempt}; {has}", EXIT_INVALID)
+    attempt: int = args.attempt or current
     if attempt == 0:
-        raise CliError(f"job {record.job_id} has not started yet: {record.reason}")
+        raise CliError(f"job {job_id} has not started yet: {job['reason']}")
     return attempt
 
 
