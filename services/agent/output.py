@@ -211,8 +211,7 @@ class Shipper:
             log.warning("agent.output_file_failed", path=str(self.path), error=str(exc))
 
     def _count(self, limit: str, lines: int, size: int) -> None:
-        NOT_SHIPPED_LINES.labels(self.node, limit).inc(lines)
-        NOT_SHIPPED_BYTES.labels(self.node, limit).inc(size)
+        """Cut: said in the next note, and counted then (a flood cuts lines by the million)."""
         held = self.cut.setdefault(limit, [0, 0])
         held[0] += lines
         held[1] += size
@@ -231,6 +230,8 @@ class Shipper:
     def _notes(self) -> None:
         self.note_timer = None
         for limit, (lines, size) in sorted(self.cut.items()):
+            NOT_SHIPPED_LINES.labels(self.node, limit).inc(lines)
+            NOT_SHIPPED_BYTES.labels(self.node, limit).inc(size)
             what = f"{lines} lines ({size} bytes)" if lines else f"{size} bytes of long lines"
             self._queue(self._note(what, limit).encode())
         self.cut.clear()
