@@ -402,13 +402,22 @@ class Gateway:
                 row(s.vc)["waiting" if state == JobState.WAITING else "running"] += 1
                 if s.attempt:
                     placed.append(s)
-        for s in placed:  # what they hold: their records and current attempts
+
+        async def holding(s: Summary) -> tuple[JobRecord, AttemptRecord] | None:
+            """A placed job's record and current attempt (the list keeps neither)."""
             record = await self.jobs.get(s.job_id)
             if record is None or record.state.final or not record.attempt:
-                continue
+                return None
             attempt = await self.attempts.get(attempt_key(record.job_id, record.attempt))
-            if attempt is None:
+            return None if attempt is None else (record, attempt)
+
+        held = []
+        for i in range(0, len(placed), 64):
+            held += await asyncio.gather(*(holding(s) for s in placed[i : i + 64]))
+        for pair in held:  # what they hold
+            if pair is None:
                 continue
+            record, attempt = pair
             live = [t.spec() for t in attempt.tasks if not t.state.ended]
             use = quota.held(record.config, live, model_of)
             r = row(record.config.virtualCluster)
