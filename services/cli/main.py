@@ -345,7 +345,7 @@ async def list_jobs(nc: NATS, args: argparse.Namespace) -> int:
                 wanted += page["total"]
             shown += len(page["jobs"])
             if args.json:
-                out(json.dumps(page, ensure_ascii=False))
+                out(json.dumps(page))
                 continue
             rows = [job_row(j) for j in page["jobs"]]
             if rows and widths is None:

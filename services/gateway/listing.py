@@ -228,7 +228,7 @@ class Listing(MutableMapping[str, Summary]):
                 more = True
                 break
             item = s.shown()
-            cost = len(json.dumps(item, separators=(",", ":"), ensure_ascii=False).encode()) + 1
+            cost = len(json.dumps(item, separators=(",", ":"))) + 1
             if jobs and size + cost > budget:
                 more = True
                 break

@@ -169,7 +169,7 @@ class Gateway:
     async def _respond(self, msg: Msg, verb: str, answer: dict[str, Any]) -> None:
         """Send `answer`; one above the server's payload limit, or that fails to go, is logged,
         counted and replaced by an error (which may still be lost if the asker went away)."""
-        data = json.dumps(answer, default=str, separators=(",", ":"), ensure_ascii=False).encode()
+        data = json.dumps(answer, default=str, separators=(",", ":")).encode()
         if len(data) > self.nc.max_payload:
             UNSENT.labels(verb, "too_large").inc()
             log.warning("gateway.answer_too_large", subject=msg.subject[:200], bytes=len(data))
@@ -329,7 +329,7 @@ class Gateway:
                 continue
             text = data.decode("utf-8", "replace")
             page = [[key, line] for line in text.split("\n")]
-            cost = len(json.dumps(page, ensure_ascii=False).encode())
+            cost = len(json.dumps(page, separators=(",", ":")))
             if lines and (size + cost > budget or len(lines) >= request.limit):
                 more, last = True, msgs[n - 1][1]
                 break
