@@ -91,6 +91,7 @@ class Mesh:
         self.stop()
 
     def _env(self, identity: str) -> dict[str, str]:
+        # Sim nodes beat as real agents do (every 2 s), so the node timeout is the default one.
         beat = sim.heartbeat_for(self.nodes, None)
         return {
             **os.environ,

@@ -199,7 +199,7 @@ class Assignment(Message):
     attempt: int
     user: str
     config: JobConfig
-    gang: list[TaskSpec]  # every task of the attempt, on every node
+    gang: list[TaskSpec]  # the attempt's tasks on `node` (its peers are in the cluster spec)
     node: str
 
     @property
@@ -219,7 +219,7 @@ class Assignment(Message):
             attempt=attempt.attempt,
             user=job.user,
             config=job.config,
-            gang=[t.spec() for t in attempt.tasks],
+            gang=[t.spec() for t in attempt.tasks if t.node == node],
             node=node,
         )
 

@@ -92,12 +92,17 @@ def test_pipeline_floor_alone_passes_every_message_through_its_hops():
 
 
 def test_idle_cost_is_measured_for_every_process(tmp_path: Path):
-    report, _ = bench("idle", "--nodes", "30", "--settle", "1", "--window", "2", "--workdir", str(tmp_path))
+    report, _ = bench("idle", "--nodes", "30", "--settle", "1", "--window", "6", "--workdir", str(tmp_path))
     (row,) = report["rows"]
-    assert row["nodes"] == 30 and row["window_s"] >= 2
+    assert row["nodes"] == 30 and row["window_s"] >= 6
     assert set(row["cpu_percent"]) >= MESH
     assert all(v >= 0 for v in row["cpu_percent"].values())
     assert row["cpu_percent"]["sim"] > 0  # the nodes beat, and that costs something
+    # Issue 23.3: the nodes beat as real agents do, every 2 s each (not N/250 s), and what the
+    # bench says it drove is what the bus carried: beats, not node-record writes.
+    assert 1.6 <= row["period_per_node_s"] <= 3.0, row
+    assert row["beats_per_s"] == pytest.approx(30 / row["period_per_node_s"], rel=0.05)
+    assert row["node_writes_per_s"] < 1, row  # a record is rewritten on change, and once a minute
 
 
 @pytest.mark.docker
@@ -112,6 +117,20 @@ def test_launch_overhead_beside_bare_docker_run(base_image: str, tmp_path: Path)
         report["submit_to_running_ms"]["p50"] - report["docker_run_ms"]["p50"], 1
     )
     assert "overhead over bare docker run" in table
+
+
+def test_a_gang_runs_on_sim_nodes_with_no_node_lost(tmp_path: Path):
+    report, table = bench(
+        "gang", "--tasks", "20", "--nodes", "24", "--task-seconds", "30", "--workdir", str(tmp_path)
+    )
+    (row,) = report["rows"]
+    assert (row["tasks"], row["nodes"], row["running_reported"]) == (20, 24, 20), row
+    assert 0 < row["placed_to_reported_s"] <= row["placed_to_recorded_s"], row
+    assert row["declared_ended_by_platform"] == 0 and row["attempt"] == 1, row
+    # Each record written once per batch of its events, never once per task.
+    assert 1 <= row["kv_writes"]["attempts"] <= 20 and 1 <= row["kv_writes"]["rendezvous"] <= 20, row
+    assert set(row["cpu_seconds"]) >= MESH
+    assert "placement to every task running" in table
 
 
 def test_listing_pages_a_retention_window_and_holds_little_per_job(tmp_path: Path):
