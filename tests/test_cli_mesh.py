@@ -195,9 +195,14 @@ def test_a_second_mesh_never_gets_the_first_ones_commands(tmp_path):
         r = muster(env, elsewhere, "submit", job(tmp_path, "in-neither"))
         assert r.returncode == 1 and url_a in r.stderr and url_b in r.stderr, r.stderr
         assert "set MUSTER_NATS_URL" in r.stderr
+        # MUSTER_DATA_DIR, as `muster up` takes it, names a mesh from anywhere.
+        named = env | {"MUSTER_DATA_DIR": str(second / ".muster")}
+        r = muster(named, elsewhere, "submit", job(tmp_path, "by-data-dir"))
+        assert r.returncode == 0 and "by-data-dir  accepted" in r.stdout, r.stderr
         on_a, on_b = jobs_on(env, url_a), jobs_on(env, url_b)
         assert "in-first" in on_a and "in-second" not in on_a and "in-neither" not in on_a, on_a
         assert "in-second" in on_b and "in-first" not in on_b and "in-neither" not in on_b, on_b
+        assert "by-data-dir" in on_b and "by-data-dir" not in on_a
         # Its admin identity too: a user added in the second checkout is the second mesh's.
         r = muster(env, second, "admin", "user", "add", "alice")
         assert r.returncode == 0, r.stderr

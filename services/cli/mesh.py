@@ -229,12 +229,17 @@ def describe(note: dict[str, Any]) -> str:
 
 def find_mesh(cwd: str | None = None) -> Found:
     """Where a command run in `cwd` (default: here) goes. MUSTER_NATS_URL set: there (with the
-    note of a local `muster up` serving it, for its identity). Else: the mesh started in `cwd`
-    or the nearest directory above it; else a `muster up` starting there (wait for its note);
+    note of a local `muster up` serving it, for its identity). Else: the mesh running on the data
+    dir MUSTER_DATA_DIR names (its note there); the mesh started in `cwd` or the nearest
+    directory above it; else a `muster up` starting there (wait for its note);
     else the only mesh running; else none noted (the default URL). Raises MeshError when several
     run elsewhere."""
     if os.environ.get("MUSTER_NATS_URL"):
         return Found(local_note() or None)
+    if os.environ.get("MUSTER_DATA_DIR"):  # the mesh of that data dir, if one runs on it
+        noted = _read(Path(os.environ["MUSTER_DATA_DIR"]) / NOTE)
+        if _alive(noted.get("up_pid")) and isinstance(noted.get("url"), str):
+            return Found(noted)
     cwd = cwd or os.getcwd()
     notes = running()
     here = [n for n in notes if _contains(n.get("cwd"), cwd)]
