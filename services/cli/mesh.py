@@ -77,6 +77,7 @@ def notes_dir(env: Mapping[str, str] = os.environ) -> Path:
 
 
 def _alive(pid: object) -> bool:
+    """Whether `pid` is a running `muster up` (a SIGKILLed one's pid may have been reused)."""
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:
@@ -84,8 +85,13 @@ def _alive(pid: object) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    try:
+        return _is_up(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))
+    except FileNotFoundError:
+        return not Path("/proc/self").exists()  # no /proc here: the pid is all there is to go by
+    except OSError:
         return True
-    return True
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -150,7 +156,7 @@ def _contains(parent: object, child: str) -> bool:
 
 def _is_up(argv: list[bytes]) -> bool:
     """Whether a command line is `muster up ...` (the console script, or python -m services.cli.main)."""
-    for i, arg in enumerate(argv[:3]):
+    for i, arg in enumerate(argv[:4]):  # python [-u] [-m services.cli.main | muster] up
         if arg == b"services.cli.main" or os.path.basename(arg) == b"muster":
             return argv[i + 1 : i + 2] == [b"up"]
     return False
