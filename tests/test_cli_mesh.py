@@ -155,23 +155,23 @@ def test_submit_waits_for_a_mesh_that_is_starting(tmp_path):
     env = user_env(tmp_path)
     checkout = tmp_path / "checkout"
     up = start_up(env, checkout, "--port", str(free_port()))
-    os.kill(up.pid, signal.SIGSTOP)
     try:
-        submit = subprocess.Popen(
-            [sys.executable, "-m", "services.cli.main", "submit", job(tmp_path, "patient")],
-            cwd=checkout,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        deadline = time.monotonic() + 5  # past the 2 s the CLI gives a mesh it does not know is starting
-        while time.monotonic() < deadline and submit.poll() is None:
-            time.sleep(0.1)
-        assert submit.poll() is None, submit.communicate()
-    finally:
-        os.kill(up.pid, signal.SIGCONT)
-    try:
+        os.kill(up.pid, signal.SIGSTOP)
+        try:
+            submit = subprocess.Popen(
+                [sys.executable, "-m", "services.cli.main", "submit", job(tmp_path, "patient")],
+                cwd=checkout,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            deadline = time.monotonic() + 5  # past the 2 s the CLI gives a mesh it does not know is starting
+            while time.monotonic() < deadline and submit.poll() is None:
+                time.sleep(0.1)
+            assert submit.poll() is None, submit.communicate()
+        finally:
+            os.kill(up.pid, signal.SIGCONT)
         out, err = submit.communicate(timeout=120)
         assert submit.returncode == 0 and "patient  accepted" in out, out + err
         assert "waiting for the `muster up` starting in" in err
