@@ -12,7 +12,8 @@ then `ready` once the gateway answers, its pid, the directory it runs in, its da
 credentials file) in the user's runtime dir (`$XDG_RUNTIME_DIR/muster/`, else
 `$XDG_STATE_HOME/muster/up/`, one file per `muster up`) and in its data dir (`up.json`), and
 removes both when it stops. The CLI (`find_mesh`) goes, when MUSTER_NATS_URL is unset, to the
-mesh started in the directory it runs in or the nearest one above it; else to a `muster up`
+mesh on the data dir MUSTER_DATA_DIR names; else to the mesh started in the directory it runs in
+or the nearest one above it; else to a `muster up`
 starting there, once it has noted; else to the only mesh running; with several elsewhere it
 names them and asks. So a second mesh of the same user never gets the first one's commands."""
 
