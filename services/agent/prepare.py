@@ -21,7 +21,12 @@ Code sync (`codeSync: {"git": URL, "branch" | "commit"}`):
   MUSTER_CODE_SYNC_TIMEOUT seconds (default 300), without prompts, hooks or remote helpers;
 - a local repository (a path or file://) must lie under the submitter's data roots: the agent
   copies nothing a job could not mount;
-- git runs on the host (never in the task's image).
+- git runs on the host (never in the task's image);
+- credentials in the URL (`https://user:token@host/...`) never reach git's command line, which
+  every local user can read (`ps`): git gets the URL without them and asks a credential helper
+  for them, a shell function on its command line that prints them from git's environment
+  (readable, as /proc/PID/environ, only by the agent's user), only for the URL's own protocol
+  and host (`_credentials`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import contextlib
 import os
 import re
 import signal
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -148,9 +154,52 @@ def check_source(sync: CodeSync, user: str, roots: list[str]) -> None:
             raise LaunchError(f"codeSync.git {path}: {exc}", TaskCause.CONFIG) from None
 
 
-async def _git(args: list[str], cwd: str, deadline: float) -> tuple[int, str]:
+# git's credential helper for a codeSync URL's user info (`_credentials`): reads what git asks
+# (`protocol=`, `host=`, ... up to an empty line) and, for a `get` of the URL's own protocol and
+# host, answers the username and password from git's environment. `printf` is a shell builtin:
+# the values are never any process's arguments. Other actions (store, erase) do nothing.
+CREDENTIAL_HELPER = (
+    '!f() { p=; h=; while IFS= read -r l && [ -n "$l" ]; do case "$l" in '
+    'protocol=*) p="${l#protocol=}";; host=*) h="${l#host=}";; esac; done; '
+    '[ "$1" = get ] && [ "$p" = "$MUSTER_GIT_PROTOCOL" ] && [ "$h" = "$MUSTER_GIT_HOST" ] || return 0; '
+    'printf "username=%s\\npassword=%s\\n" "$MUSTER_GIT_USERNAME" "$MUSTER_GIT_PASSWORD"; }; f'
+)
+
+
+def _credentials(url: str) -> tuple[str, dict[str, str]]:
+    """`url` as git gets it, and what git's environment adds for CREDENTIAL_HELPER. An http(s)
+    URL's user info (percent-decoded, as git decodes it; a user without a password gets an empty
+    one, so nothing prompts) moves to the environment; other schemes keep their user (ssh's login)
+    and lose a password, which none of them can use without a prompt. LaunchError(CONFIG) for user
+    info holding a line break or NUL, which no environment or credential protocol can carry."""
+    scheme, sep, rest = url.partition("://")
+    authority, slash, path = rest.partition("/")
+    if not sep or "@" not in authority:
+        return url, {}
+    userinfo, host = authority.rsplit("@", 1)
+    user, colon, password = userinfo.partition(":")
+    if scheme.lower() not in ("http", "https"):
+        return f"{scheme}://{user}@{host}{slash}{path}" if user else f"{scheme}://{host}{slash}{path}", {}
+    env = {
+        "MUSTER_GIT_PROTOCOL": scheme.lower(),
+        "MUSTER_GIT_HOST": urllib.parse.unquote(host),
+        "MUSTER_GIT_USERNAME": urllib.parse.unquote(user),
+        "MUSTER_GIT_PASSWORD": urllib.parse.unquote(password) if colon else "",
+    }
+    if any(c in v for v in env.values() for c in "\n\r\0"):
+        raise LaunchError(
+            f"codeSync.git {shown_url(url)}: its user info holds a line break or NUL", TaskCause.CONFIG
+        )
+    return f"{scheme}://{host}{slash}{path}", env
+
+
+async def _git(
+    args: list[str], cwd: str, deadline: float, secrets: dict[str, str] | None = None
+) -> tuple[int, str]:
     """Run git (no prompt, no hooks, no system or global config, no remote helpers) until
-    `deadline` (loop time); (exit code, its stderr). Killed, its whole group, at the deadline."""
+    `deadline` (loop time); (exit code, its stderr). Killed, its whole group, at the deadline.
+    `secrets`: `_credentials`' environment, for CREDENTIAL_HELPER (only the helper git is
+    given: none from a checkout's own config)."""
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": cwd,
@@ -163,12 +212,17 @@ async def _git(args: list[str], cwd: str, deadline: float) -> tuple[int, str]:
         "GIT_ALLOW_PROTOCOL": GIT_PROTOCOLS,
         "LC_ALL": "C",
     }
+    helper: list[str] = []
+    if secrets:
+        env.update(secrets)
+        helper = ["-c", "credential.helper=", "-c", f"credential.helper={CREDENTIAL_HELPER}"]
     proc = await asyncio.create_subprocess_exec(
         "git",
         "-c",
         "core.hooksPath=/dev/null",
         "-c",
         "advice.detachedHead=false",
+        *helper,
         *args,
         cwd=cwd,
         env=env,
@@ -202,8 +256,12 @@ async def fetch_code(sync: CodeSync, target: str, own_dir: bool, timeout: float 
         what = f"codeSync: cannot fetch {shown_url(url)} (its default branch)"
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    bare, secrets = _credentials(url)
 
     def failed(why: str) -> LaunchError:
+        for value in (secrets.get("MUSTER_GIT_PASSWORD"), secrets.get("MUSTER_GIT_USERNAME")):
+            if value and len(value) >= 4:  # as git might echo them (a one-letter user would garble)
+                why = why.replace(value, "***")
         lines = [line.strip() for line in _masked(why, url).splitlines() if line.strip()]
         said = "; ".join(lines[-2:])[:MAX_ERROR] or "git failed"
         if why == "timed out":
@@ -217,14 +275,15 @@ async def fetch_code(sync: CodeSync, target: str, own_dir: bool, timeout: float 
     checkout = "FETCH_HEAD"
     full = sync.commit is not None and len(sync.commit) < 40  # an abbreviated commit: no shallow fetch
     if not full:
-        code, err = await _git(["fetch", "-q", "--no-tags", "--depth", "1", "--", url, ref], target, deadline)
+        fetch = ["fetch", "-q", "--no-tags", "--depth", "1", "--", bare, ref]
+        code, err = await _git(fetch, target, deadline, secrets)
         if code != 0 and sync.commit is not None and err != "timed out":
             full = True  # a server that gives no commit by id: fetch its branches and look there
         elif code != 0:
             raise failed(err)
     if full:
         refs = "+refs/heads/*:refs/remotes/sync/*"
-        code, err = await _git(["fetch", "-q", "--no-tags", "--", url, refs], target, deadline)
+        code, err = await _git(["fetch", "-q", "--no-tags", "--", bare, refs], target, deadline, secrets)
         if code != 0:
             raise failed(err)
         checkout = f"{sync.commit}^{{commit}}"
