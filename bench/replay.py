@@ -423,7 +423,10 @@ def print_table(about: dict[str, Any], runs: list[dict[str, Any]], setup_s: floa
     shared = [r for r in runs if "order" in r]
     if shared:
         print()
-        print(f"sharing order: {a['vcs']} VCs, {a['users_per_vc']} users each (priority from QoS)")
+        print(
+            f"sharing order: {a['vcs']} VCs, {a['users_per_vc']} users each (priority from QoS), "
+            f"{'borrowing' if a['borrow'] else 'not borrowing'} beyond their quotas"
+        )
         print(
             f"{'policy':<15} {'order s':>8} {'plan s':>8} {'order/plan':>10} {'given/replan':>12}"
             f" {'keyed/replan':>12}"
@@ -479,6 +482,9 @@ def _parser() -> argparse.ArgumentParser:
         "behind the scheduler's sharing order (bench/replay_vcs.py)",
     )
     p.add_argument("--users", type=int, default=4, help="with --vcs: users per virtual cluster")
+    p.add_argument(
+        "--no-borrow", action="store_true", help="with --vcs: no VC runs beyond its quota (the rest waits)"
+    )
     p.add_argument("--limit", type=int, default=None, help="replay only the first N tasks (by arrival)")
     p.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by K (durations kept)")
     p.add_argument(
@@ -534,13 +540,13 @@ def main(argv: list[str] | None = None) -> int:
     def policy(name: str) -> Policy:
         if name in ORDERS:
             facts = facts_for(trace, args.vcs, args.users, args.speedup)
-            return Sharing(name, facts, vcs_for(trace.nodes, args.vcs), trace.nodes)
+            return Sharing(name, facts, vcs_for(trace.nodes, args.vcs, not args.no_borrow), trace.nodes)
         return POLICIES[name]()
 
     runs = [replay(trace, policy(name), args.speedup, args.bucket, never).report() for name in policies]
     about = describe(trace, args.speedup)
     if args.vcs:
-        about.update(vcs=args.vcs, users_per_vc=args.users)
+        about.update(vcs=args.vcs, users_per_vc=args.users, borrow=not args.no_borrow)
     if not args.json:
         print_table(about, runs, setup_s)
     print(json.dumps({"bench": "replay", **about, "setup_s": round(setup_s, 3), "policies": runs}))

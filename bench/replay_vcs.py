@@ -3,7 +3,8 @@ scheduler's sharing order (services/scheduler/quota.py) in front of its planner,
 
 A trace has no VCs or users, so they are drawn from each task's name (crc32, the same every run):
 K VCs `vc0`..`vc{K-1}`, each guaranteed 1/K of every GPU model of the nodes and free to borrow
-beyond it, and U users in each. The priority comes from the trace's QoS class (LS high, BE low,
+beyond it (`--no-borrow`: not, so jobs beyond a VC's quota wait in the queue, held back), and U
+users in each. The priority comes from the trace's QoS class (LS high, BE low,
 the others normal; a trace without one: all normal). The ledger (what each VC and user holds) is
 kept in step with what the replay starts and ends, as the scheduler's view keeps it.
 
@@ -41,15 +42,19 @@ def _draw(name: str, salt: str, n: int) -> int:
     return zlib.crc32(f"{salt}:{name}".encode()) % n
 
 
-def vcs_for(nodes: Sequence[NodeState], k: int) -> dict[str, VirtualCluster]:
-    """K VCs, each guaranteed 1/K of every GPU model (rounded down), borrowing beyond it."""
+def vcs_for(nodes: Sequence[NodeState], k: int, borrow: bool = True) -> dict[str, VirtualCluster]:
+    """K VCs, each guaranteed 1/K of every GPU model (rounded down), borrowing beyond it or not."""
     models: dict[str, int] = {}
     for n in nodes:
         for d in n.gpus:
             models[d.model] = models.get(d.model, 0) + 1
     return {
         f"vc{i}": VirtualCluster.model_validate(
-            {"name": f"vc{i}", "quota": {"gpus": {m: c // k for m, c in models.items() if c // k}}}
+            {
+                "name": f"vc{i}",
+                "quota": {"gpus": {m: c // k for m, c in models.items() if c // k}},
+                "borrow": borrow,
+            }
         )
         for i in range(k)
     }
@@ -127,7 +132,7 @@ class Sharing(MusterKept):
             timed = _Timed(order)
             placements = self._cluster.plan(timed, self._capacity, window=WINDOW).placements
             t = clock()
-            order.held()  # every VC borrows: none; asked as the scheduler asks
+            order.held()  # asked as the scheduler asks: the reasons of the jobs held back
             self.order_s += timed.spent + clock() - t
             self.given += order.given
             self.keyed += order.keyed

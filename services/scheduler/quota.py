@@ -362,6 +362,7 @@ class Order(Generic[T]):
         self.looked = 0  # jobs looked over in a pass for their group's largest and smallest needs
         self.sorted_groups = 0  # groups given out of submission order, sorted
         self._held: dict[str, str] = {}
+        self._whys: dict[tuple[str, tuple[int, int, int], str | None], str] = {}
         self._carry: tuple[int, int, int, str, int] | None = None  # the last group's next job
         self._index: dict[str, Fixed] | None = None
         self._groups: dict[tuple[int, str, str], _Group[T]] = {}
@@ -442,10 +443,14 @@ class Order(Generic[T]):
         return lim.memory_mb is None or used.memory_mb + memory_mb <= lim.memory_mb
 
     def _why(self, g: _Group[T], fx: Fixed) -> str:
-        return (
-            f"waiting for virtual cluster {g.vc}'s quota ({g.limit.shown()}): it needs "
-            f"{fx.need.shown()}, and {g.used.shown()} are in use"
-        )
+        key = (g.vc, fx.least, fx.model)  # what the reason says: jobs alike share it
+        why = self._whys.get(key)
+        if why is None:
+            why = self._whys[key] = (
+                f"waiting for virtual cluster {g.vc}'s quota ({g.limit.shown()}): it needs "
+                f"{fx.need.shown()}, and {g.used.shown()} are in use"
+            )
+        return why
 
     def _tell(self, g: _Group[T], want_within: bool) -> None:
         """Tell g's next jobs apart until one of the wanted kind is found (or none is left)."""
