@@ -217,8 +217,8 @@ class Workdirs:
         now = time.time()
         before = self.removed
         for job_id, attempts in found.items():
-            if not attempts:
-                if job_id not in jobs_live:
+            if not attempts:  # still none (the scan ran in a thread) and nothing of the job live
+                if job_id not in jobs_live and not _attempts_in(self.root / job_id):
                     path = self._to_trash(self.root / job_id)
                     if path is not None:
                         self._delete([path])
