@@ -387,25 +387,25 @@ def print_table(about: dict[str, Any], runs: list[dict[str, Any]], setup_s: floa
     print(f"setup    {setup_s:.2f} s (reading the trace, asking Muster's core which jobs can never fit)")
     print()
     print(
-        f"{'policy':<9} {'wall s':>7} {'decide s':>8} {'replans':>7} {'placed':>6} {'never':>5}"
+        f"{'policy':<14} {'wall s':>7} {'decide s':>8} {'replans':>7} {'placed':>6} {'never':>5}"
         f" | {'delay mean':>10} {'p50':>9} {'p99':>10} {'max':>10} | {'JCT mean':>10} {'p50':>10} {'p99':>10}"
     )
     for r in runs:
         d, j = r["queue_delay_s"], r["jct_s"]
         print(
-            f"{r['policy']:<9} {r['wall_s']:>7.2f} {r['decide_s']:>8.2f} {r['replans']:>7} {r['placed']:>6}"
+            f"{r['policy']:<14} {r['wall_s']:>7.2f} {r['decide_s']:>8.2f} {r['replans']:>7} {r['placed']:>6}"
             f" {r['never_placed']:>5} | {_s(d['mean']):>10} {_s(d['p50']):>9} {_s(d['p99']):>10}"
             f" {_s(d['max']):>10} | {_s(j['mean']):>10} {_s(j['p50']):>10} {_s(j['p99']):>10}"
         )
     print("(delays and JCT in simulated seconds)")
     print()
     print(
-        f"{'policy':<9} {'alloc active':>12} {'run':>6} {'peak':>6} {'peak bkt':>8} | {'saturated s':>11}"
+        f"{'policy':<14} {'alloc active':>12} {'run':>6} {'peak':>6} {'peak bkt':>8} | {'saturated s':>11}"
         f" {'share':>6} {'alloc@sat':>9} {'stranded@sat':>12} {'free@sat':>8}"
     )
     for r in runs:
         print(
-            f"{r['policy']:<9} {_share(r['gpu_alloc_active']):>12} {_share(r['gpu_alloc_run']):>6}"
+            f"{r['policy']:<14} {_share(r['gpu_alloc_active']):>12} {_share(r['gpu_alloc_run']):>6}"
             f" {_share(r['gpu_alloc_peak']):>6} {_share(r['gpu_alloc_peak_bucket']):>8} |"
             f" {_s(r['saturated_s']):>11} {_share(r['saturated_share_active']):>6}"
             f" {_share(r['gpu_alloc_saturated']):>9} {_s2(r['stranded_gpus_saturated']):>12}"
@@ -419,7 +419,7 @@ def print_table(about: dict[str, Any], runs: list[dict[str, Any]], setup_s: floa
     print()
     print("GPU allocation by tenth of the active period:")
     for r in runs:
-        print(f"{r['policy']:<9} " + " ".join(f"{x * 100:5.1f}%" for x in r["gpu_alloc_by_tenth"]))
+        print(f"{r['policy']:<14} " + " ".join(f"{x * 100:5.1f}%" for x in r["gpu_alloc_by_tenth"]))
     shared = [r for r in runs if "order" in r]
     if shared:
         print()
