@@ -32,6 +32,7 @@ from typing import Any
 
 from bench.cluster import BENCH_USER, Mesh
 from services.agent import workdirs
+from services.agent.output import output_path
 from services.agent.workdirs import Workdirs
 from shared import subjects
 from shared.subjects import Headers
@@ -65,7 +66,9 @@ def make_attempt(root: Path, job_id: str, attempt: int) -> None:
     task = workdirs.task_dir(root, job_id, attempt, "worker", 0)
     task.mkdir(parents=True)
     (task / "env").write_text("export PAI_TASK_ROLE_NAME='worker'\n")
-    (task / workdirs.OUTPUT).write_bytes(b"x" * OUTPUT_BYTES)
+    out = output_path(str(root), job_id, attempt, "worker", 0)
+    out.parent.mkdir()
+    out.write_bytes(b"x" * OUTPUT_BYTES)
     base = workdirs.attempt_dir(root, job_id, attempt)
     (base / "hostfile").write_text("worker-0 slots=1\n")
     code = base / "code"

@@ -450,6 +450,8 @@ async def test_a_task_printing_its_secrets_shows_them_masked(runtime, engine, ro
         where=types.SimpleNamespace(work_root=str(roots)),
         limits=OutputLimits(),
         keep_output=False,  # its output file is not what this test looks at
+        of_attempt=lambda job_id, attempt: [],
+        workdirs=types.SimpleNamespace(ended=lambda job_id, attempt: None),  # its directory's end
     )
     tasks.report_ended = functools.partial(Tasks.report_ended, tasks)
     task = LocalTask(assignment=a, spec=a.gang[0], endpoint=None, ports=[5000])  # type: ignore[arg-type]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from services.agent import workdirs
+from services.agent.output import output_path
 from services.agent.prepare import CodeSyncs
 from services.agent.workdirs import Workdirs
 from shared import bus
@@ -34,7 +35,7 @@ async def until(cond: Callable[[], bool], timeout: float = 20, what: str = "") -
 
 
 def attempt_with_output(root: Path, job_id: str, attempt: int) -> Path:
-    out = workdirs.task_output(root, job_id, attempt, "worker", 0)
+    out = output_path(str(root), job_id, attempt, "worker", 0)  # the task's whole output
     out.parent.mkdir(parents=True)
     out.write_text("line\n" * 100)
     (workdirs.attempt_dir(root, job_id, attempt) / "hostfile").write_text("h slots=1\n")

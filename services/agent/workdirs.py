@@ -7,7 +7,8 @@ Under the agent's work root (0700: the agent's alone):
                                       MPI hostfile and muster-rsh (and its socket), codeSync's
                                       checkout (`code/`) and its mark
     <job id>/<attempt>/<role>-<index>/  a task's directory: its working directory (without
-                                      codeSync), its env file, and its whole output (`OUTPUT`)
+                                      codeSync) and its env file
+    <job id>/<attempt>/output/<role>-<index>.log   a task's whole output (output.py)
     <job id>/<attempt>.ended          when the attempt's last task here ended (not a place its
                                       tasks can write: the job's directory is not mounted)
     <job id>/git/                     codeSync's fetch, shared by the job's attempts here
@@ -48,7 +49,6 @@ log = structlog.get_logger(service="agent")
 # about 60 of them, where it kept every one before.
 RETENTION = float(os.environ.get("MUSTER_WORKDIR_RETENTION", "") or "3600")
 SWEEP_EVERY = float(os.environ.get("MUSTER_WORKDIR_SWEEP", "") or "600")  # the sweep for leftovers
-OUTPUT = "output.log"  # a task's whole output, in its task directory
 CODE = "git"  # codeSync's fetch, in the job's directory
 TRASH = ".trash"
 ENDED = ".ended"  # <attempt>.ended, in the job's directory
@@ -70,12 +70,6 @@ def attempt_dir(work_root: str | Path, job_id: str, attempt: int) -> Path:
 
 def task_dir(work_root: str | Path, job_id: str, attempt: int, role: str, index: int) -> Path:
     return attempt_dir(work_root, job_id, attempt) / f"{role}-{index}"
-
-
-def task_output(work_root: str | Path, job_id: str, attempt: int, role: str, index: int) -> Path:
-    """Where a task's whole output is kept on its node: kept and removed with its attempt's
-    directory."""
-    return task_dir(work_root, job_id, attempt, role, index) / OUTPUT
 
 
 def job_code(work_root: str | Path, job_id: str) -> Path:
