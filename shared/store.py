@@ -9,7 +9,7 @@ the revision read, retried)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any, Generic, TypeVar
 
 import structlog
@@ -173,7 +173,7 @@ class Store(Generic[M]):
 
     async def mirror(
         self,
-        into: dict[str, Any],
+        into: MutableMapping[str, Any],
         synced: asyncio.Event,
         changed: Callable[[str], None] | None = None,
         keep: Callable[[M], Any] | None = None,

@@ -283,6 +283,7 @@ class Agent:
             await self.rsh.start()  # before adopting: an adopted launcher may call at once
         self.reconciler.read_from = stopped_reading(self.opts.work_root)
         await self.reconciler.at_start(placed)
+        self.tasks.workdirs.start()  # what nothing adopted uses may go (services/agent/workdirs.py)
         # From here on, tasks do not outlive this agent unless it detaches on purpose.
         self.runtime.start_fence(self.opts.work_root, str(pidfile), 0.6 * bus.node_timeout())
         self.reporter.start()
@@ -313,6 +314,7 @@ class Agent:
             await self.tasks.stop_all("agent shutting down", self.opts.stop_grace)
             await self.reporter.flush(10)
         await self.rsh.close()
+        await self.tasks.workdirs.close()
         await self.reporter.close()
         await self.runtime.close()
         if self.runtime.can_adopt:  # the next agent reads the tasks' output on from here

@@ -10,7 +10,6 @@ import collections
 import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import nats.errors
@@ -19,8 +18,10 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from prometheus_client import Counter, Gauge
 
+from services.agent import workdirs
 from services.agent.inventory import PortPool
 from services.agent.launch import Where, attempt_path, build_launch, resize_signal, task_env, task_name
+from services.agent.output import OutputLimits, Shipper, output_path
 from services.agent.prepare import (
     SYNCED_MARK,
     CodeSyncs,
@@ -34,6 +35,7 @@ from services.agent.reporting import Reporter
 from services.agent.rsh import Rsh
 from services.agent.runtime import LaunchError, RunningTask, Runtime
 from services.agent.sharing import Attempts, Specs
+from services.agent.workdirs import Workdirs
 from shared import mpi, subjects
 from shared.messages import (
     Assignment,
@@ -80,6 +82,7 @@ class LocalTask:
     masker: Masker | None = None  # its job's secret values, cut out of its output
     version: int = 0  # the spec version its environment describes (elastic attempts have many)
     cluster: ClusterSpec | None = None  # the spec it was started with (None: adopted)
+    shipper: Shipper | None = None  # its output: to its file and, within limits, the stream
 
     def mask(self, text: str) -> str:
         if self.masker is None:
@@ -103,8 +106,11 @@ class Tasks:
         ports: PortPool,
         where: Where,
         specs: Specs | None = None,
+        limits: OutputLimits | None = None,
     ):
         self.nc, self.js, self.runtime, self.reporter = nc, js, runtime, reporter
+        self.limits = limits or OutputLimits.from_env()  # what a task's output may cost (output.py)
+        self.keep_output = runtime.name != "sim"  # a sim task's two lines need no file
         self.specs = specs or Specs(nc, js)  # cluster specs: one read per attempt
         self.attempts, self.ports, self.where = attempts, ports, where
         self.node = where.node
@@ -117,6 +123,8 @@ class Tasks:
         self._datasets: Store[Dataset] | None = None
         self.progress = Progress(nc, self.node, self.hung)  # training metrics, hang detection
         self.rsh: Rsh | None = None  # MPI jobs' daemons in peer tasks (the agent sets it)
+        # Attempt directories: kept while a task of theirs is live here, removed after (workdirs.py).
+        self.workdirs = Workdirs(where.work_root, self._attempts_live, self.node)
         self._serving: set[asyncio.Task[None]] = set()
 
     def known(self, key: TaskKey) -> bool:
@@ -127,6 +135,9 @@ class Tasks:
         self.finished[key] = None
         while len(self.finished) > REMEMBERED:
             self.finished.popitem(last=False)
+
+    def _attempts_live(self) -> set[tuple[str, int]]:
+        return {(job, n) for job, n, _, _ in self.live}
 
     def of_attempt(self, job_id: str, attempt: int) -> list[LocalTask]:
         return [t for (job, n, _, _), t in self.live.items() if job == job_id and n == attempt]
@@ -219,12 +230,13 @@ class Tasks:
         mounts, env = await resolve_datasets(config, a.user, self._dataset, roots, self.where.containers)
         code_dir = None
         if config.codeSync is not None:
-            attempt_dir = Path(self.where.work_root) / a.job_id / str(a.attempt)
+            attempt_dir = attempt_path(self.where, a)
             attempt_dir.mkdir(parents=True, exist_ok=True)
             check_source(config.codeSync, a.user, roots)
             code_dir, own = sync_target(config, a.user, attempt_dir, roots)
             mark = attempt_dir / SYNCED_MARK
-            await self.code_syncs.sync(a.job_id, a.attempt, config.codeSync, code_dir, own, mark)
+            shared = workdirs.job_code(self.where.work_root, a.job_id)  # fetched once per job here
+            await self.code_syncs.sync(a.job_id, a.attempt, config.codeSync, code_dir, own, mark, shared)
         return Prepared(mounts=mounts, env=env, code_dir=code_dir)
 
     async def _dataset(self, name: str) -> Dataset | None:
@@ -270,11 +282,16 @@ class Tasks:
         TASKS_ENDED.labels(self.node, outcome).inc()
         reason = task.mask(reason)
         self.log.info("agent.task_ended", task=task.name, exit_code=code, cause=cause, reason=reason)
+        if task.shipper is not None:  # its last lines (and what was cut) before its end is told
+            await task.shipper.close()
         self.report_ended(task.assignment, task.spec, cause, code, reason, list(task.lines))
         remove = getattr(task.handle, "remove", None)
         if remove is not None:
             with contextlib.suppress(Exception):
                 await remove()
+        a = task.assignment
+        if not self.of_attempt(a.job_id, a.attempt):  # its last task here: its directory may go
+            self.workdirs.ended(a.job_id, a.attempt)
 
     async def obsolete(self, keys: Iterable[TaskKey]) -> set[TaskKey]:
         """Those of `keys` the bus no longer counts as live: their attempt or they ended. One
@@ -298,9 +315,13 @@ class Tasks:
         line = task.mask(line)  # a task printing its secrets: logs and last_lines show ***
         task.lines.append(line)
         self.progress.line((a.job_id, a.attempt, spec.role, spec.index), line)
-        subject = subjects.task_logs(a.job_id, a.attempt, spec.role, spec.index, self.node)
-        with contextlib.suppress(Exception):
-            asyncio.get_running_loop().create_task(self.nc.publish(subject, line.encode()))
+        if task.shipper is None:
+            subject = subjects.task_logs(a.job_id, a.attempt, spec.role, spec.index, self.node)
+            path = output_path(self.where.work_root, a.job_id, a.attempt, spec.role, spec.index)
+            task.shipper = Shipper(
+                self.nc.publish, subject, self.node, path if self.keep_output else None, self.limits
+            )
+        task.shipper.line(line)
 
     # ------------------------------------------------------------ elastic attempts: new gangs
 
@@ -381,6 +402,8 @@ class Tasks:
         for task in list(self.live.values()):
             if task.runner is not None:
                 task.runner.cancel()
+            if task.shipper is not None:
+                task.shipper.flush()
 
     # ------------------------------------------------------------ reports
 

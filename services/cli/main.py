@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from nats.js.kv import KeyValue
 
     from services.agent.sim import SimSetup
+    from services.cli.mesh import Found
     from shared.messages import AttemptRecord, JobRecord, VirtualCluster
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
@@ -109,36 +110,102 @@ def cmd_validate(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- bus helpers
 
 
-async def connect(timeout: float) -> NATS:
-    """Connect to MUSTER_NATS_URL (as MUSTER_CREDENTIALS, or the local `muster up`'s identity)
-    and check that Muster answers there, within `timeout` seconds in all (a `muster up` started
-    a moment ago gets that long)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+def locate() -> Found:
+    """The mesh this command goes to (services/cli/mesh.py `find_mesh`): MUSTER_NATS_URL, else
+    the `muster up` started in this directory or above it, one starting there, or the only one
+    running. Once found, MUSTER_NATS_URL names it for the rest of the command."""
+    from services.cli.mesh import MeshError, find_mesh
+
+    try:
+        found = find_mesh()
+    except MeshError as exc:
+        raise CliError(str(exc)) from None
+    if found.note is not None and not os.environ.get("MUSTER_NATS_URL"):
+        os.environ["MUSTER_NATS_URL"] = str(found.note["url"])
+    return found
+
+
+class Patience:
+    """A command's wait for the bus: `timeout` seconds from its start, or from the last moment
+    the mesh it goes to was seen starting (a `muster up` beside it), up to mesh.START_WAIT in all
+    (or `timeout`, if longer)."""
+
+    def __init__(self, timeout: float):
+        from services.cli.mesh import START_WAIT
+
+        self.loop = asyncio.get_running_loop()
+        self.timeout = timeout
+        self.started = self.loop.time()
+        self.deadline = self.started + timeout
+        self.cap = self.started + max(timeout, START_WAIT)
+        self.starting: str | None = None  # the last mesh seen starting, for messages
+        self.told = False
+
+    def left(self, found: Found) -> float:
+        now = self.loop.time()
+        if found.starting:
+            self.starting = found.starting
+            self.deadline = max(self.deadline, min(self.cap, now + self.timeout))
+            if not self.told and now - self.started > 2.0:
+                err(f"muster: waiting for {found.starting} (up to {self.cap - self.started:.0f}s)")
+                self.told = True
+        return self.deadline - now
+
+    def waited(self) -> str:
+        return f"{self.loop.time() - self.started:.1f}s"
+
+
+def _real_wait(text: str, waited: str) -> str:
+    """bus.connect's words with the whole wait instead of its last try's bound."""
+    return re.sub(r" within [0-9.e+-]+s", f" within {waited}", text, count=1)
+
+
+async def connect_bus(timeout: float) -> tuple[NATS, Patience]:
+    """Connect to the mesh this command goes to (`locate`) as MUSTER_CREDENTIALS or that mesh's
+    local admin identity, within `timeout` seconds (more while that mesh is starting)."""
+    wait = Patience(timeout)
     while True:
-        creds = local_credentials()
-        left = max(0.1, deadline - loop.time())
-        if creds is None and not os.environ.get(auth.CREDENTIALS_ENV):
-            left = min(left, 0.5)  # none found (yet): look again soon
+        found = locate()
+        left = wait.left(found)
+        url = found.url
+        if url is None:  # a `muster up` here that has not said where it listens yet
+            if left <= 0:
+                raise CliError(f"{found.starting} has not said where it listens within {wait.waited()}")
+            await asyncio.sleep(0.1)
+            continue
+        creds = found.credentials()
+        try_for = max(0.1, left)
+        if found.starting or (creds is None and not os.environ.get(auth.CREDENTIALS_ENV)):
+            try_for = min(try_for, 1.0)  # look at the notes again soon
         try:
-            nc = await bus.connect("muster-cli", connect_timeout=left, quiet=True, credentials=creds)
-            break
+            nc = await bus.connect("muster-cli", url, connect_timeout=try_for, quiet=True, credentials=creds)
+            return nc, wait
         except ConnectionError as exc:
-            # A `muster up` that has just started may not have noted its identity yet.
-            if loop.time() < deadline - 0.1:
+            if wait.left(found) > 0.1:
                 await asyncio.sleep(0.1)
                 continue
-            raise CliError(f"{exc} (is `muster up` running? set MUSTER_NATS_URL to join another)") from None
+            why = _real_wait(str(exc), wait.waited())
+            if wait.starting and not found.starting:
+                why += f"; {wait.starting} stopped (see its output)"
+            raise CliError(f"{why} (is `muster up` running? set MUSTER_NATS_URL to join another)") from None
+
+
+async def connect(timeout: float) -> NATS:
+    """`connect_bus`, then check that Muster answers there, within the same wait in all (a
+    `muster up` started a moment ago gets until it is ready, up to mesh.START_WAIT)."""
+    nc, wait = await connect_bus(timeout)
     while True:
         try:
-            await client.ask(nc, "ping", timeout=max(0.5, min(2.0, deadline - loop.time())))
+            await client.ask(nc, "ping", timeout=max(0.5, min(2.0, wait.left(locate()))))
             return nc
         except client.Refused as exc:
             await nc.close()
             raise CliError(str(exc)) from None
         except TimeoutError as exc:
-            if loop.time() >= deadline:
-                why = f"Muster does not answer on {bus.shown(bus.nats_url())}: {exc}"
+            if wait.left(locate()) <= 0:
+                why = f"Muster does not answer on {bus.shown(bus.nats_url())} within {wait.waited()}"
+                if "no gateway answers" in str(exc):
+                    why += f": {exc}"
                 if client.asker(nc) == subjects.ALL:  # may look: say what is missing, if anything
                     try:
                         await bus.open_jetstream(nc)
@@ -149,16 +216,6 @@ async def connect(timeout: float) -> NATS:
                 await nc.close()
                 raise CliError(why) from None
             await asyncio.sleep(0.25)
-
-
-def local_credentials() -> auth.Credentials | None:
-    """MUSTER_CREDENTIALS if set, else the identity `muster up` made for this machine's user in
-    its data dir (when that `muster up` serves the bus we are about to use)."""
-    if os.environ.get(auth.CREDENTIALS_ENV):
-        return None  # bus.connect reads it
-    from services.cli.mesh import local_identity
-
-    return local_identity()
 
 
 async def ask(nc: NATS, verb: str, **request: Any) -> dict[str, Any]:
@@ -285,8 +342,6 @@ async def follow(nc: NATS, job_id: str, quiet: bool = False, give_up: float = ma
 
 
 async def status(args: argparse.Namespace) -> int:
-    from shared.messages import JobRecord
-
     nc = await connect(args.connect_timeout)
     try:
         if args.job:
@@ -314,33 +369,78 @@ async def status(args: argparse.Namespace) -> int:
                     if not page["more"]:
                         break
             return EXIT_OK
-        records = [JobRecord.model_validate(r) for r in (await ask(nc, "jobs"))["jobs"]]
-        if args.json:
-            out(json.dumps([r.model_dump(mode="json") for r in records], indent=2))
-        else:
-            out(table(records))
-        return EXIT_OK
+        return await list_jobs(nc, args)
     finally:
         await nc.close()
 
 
-def table(records: list[JobRecord]) -> str:
-    if not records:
-        return "no jobs"
-    rows = [("JOB ID", "NAME", "STATE", "USER", "TASKS", "SUBMITTED", "REASON")]
-    for r in records:
-        rows.append(
-            (
-                r.job_id,
-                r.job_name,
-                str(r.state),
-                r.user,
-                str(r.config.total_tasks),
-                r.submitted_at.strftime("%Y-%m-%d %H:%M:%S"),
-                "" if r.state.final else r.reason,
-            )
-        )
-    return columns(rows)
+LIVE, FINISHED = ["WAITING", "RUNNING"], ["SUCCEEDED", "FAILED", "STOPPED"]
+STATES = LIVE + FINISHED
+RECENT = 20  # finished jobs `muster status` shows by default
+HEADER = ("JOB ID", "NAME", "STATE", "USER", "VC", "TASKS", "SUBMITTED", "REASON")
+
+
+async def list_jobs(nc: NATS, args: argparse.Namespace) -> int:
+    """Jobs newest first, as the gateway pages them: by default every live job, then the most
+    recent finished ones; `--all` or `--state` instead. Filtered, at most `--limit`; each page
+    printed as it comes (`--json`: as the gateway answered it, one line each)."""
+    filters = {"user": args.user, "vc": args.vc, "name": args.name, "since": args.since}
+    chosen = bool(args.all or args.state)
+    parts = [(args.state or STATES, args.limit)] if chosen else [(LIVE, None), (FINISHED, RECENT)]
+    widths: list[int] | None = None
+    counts: dict[str, int] = {}
+    shown = wanted = 0
+    for states, most in parts:
+        if args.limit is not None:
+            left = args.limit - shown
+            most = left if most is None else min(most, left)
+            if most <= 0:
+                break
+        async for page in client.job_pages(nc, most, state=states, **filters):
+            if "total" in page:  # the first page of a part
+                counts = counts or page["counts"]
+                wanted += page["total"]
+            shown += len(page["jobs"])
+            if args.json:
+                out(json.dumps(page))
+                continue
+            rows = [job_row(j) for j in page["jobs"]]
+            if rows and widths is None:
+                widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER) - 1)]
+                out(aligned(HEADER, widths))
+            for row in rows:
+                out(aligned(row, widths or []))
+    if args.json:
+        return EXIT_OK
+    if widths is None:
+        out("no jobs")
+    every = sum(counts.values()) if not chosen else wanted
+    if shown < every:
+        told = ", ".join(f"{n:,} {state.lower()}" for state, n in counts.items() if n)
+        if chosen:
+            err(f"muster: {told}; shown: the {shown:,} newest of {wanted:,} (--limit)")
+        else:
+            err(f"muster: {told}; shown: the live jobs and the newest finished (--all, --state, --limit)")
+    return EXIT_OK
+
+
+def job_row(j: dict[str, Any]) -> tuple[str, ...]:
+    final = j["state"] in FINISHED
+    return (
+        j["job_id"],
+        j["job_name"],
+        j["state"],
+        j["user"],
+        j["vc"],
+        str(j["tasks"]),
+        j["submitted_at"][:19].replace("T", " "),
+        "" if final else j["reason"],
+    )
+
+
+def aligned(row: tuple[str, ...], widths: list[int]) -> str:
+    """A row padded to `widths` (the last column is not padded; a wider cell pushes the rest)."""
+    return ("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]).rstrip()
 
 
 def columns(rows: list[tuple[str, ...]]) -> str:
@@ -528,16 +628,19 @@ async def drain(args: argparse.Namespace) -> int:
 
 
 async def show_logs(args: argparse.Namespace) -> int:
+    """A job's output, page by page as the gateway reads it from the stream (no model is
+    imported: its first lines come as soon as the first page does)."""
     nc = await connect(args.connect_timeout)
     try:
-        record = await resolve(nc, args.job)
-        attempt = _attempt_and_task(record, args)
+        job = (await ask(nc, "job", ref=args.job))["job"]
+        attempt = _attempt_and_task(job, args)
 
         def show(lines: list[Any]) -> None:
-            for name, text in lines:
-                out(f"[{name}] {text}")
+            if lines:
+                sys.stdout.write("".join(f"[{name}] {text}\n" for name, text in lines))
+                sys.stdout.flush()
 
-        await _pages(nc, "logs", "lines", record.job_id, attempt, args, show)
+        await _pages(nc, "logs", "lines", job["job_id"], attempt, args, show)
         return EXIT_OK
     finally:
         await nc.close()
@@ -549,10 +652,13 @@ async def show_metrics(args: argparse.Namespace) -> int:
 
     nc = await connect(args.connect_timeout)
     try:
-        record = await resolve(nc, args.job)
+        from shared.messages import JobRecord
+
+        job = (await ask(nc, "job", ref=args.job))["job"]
+        record = JobRecord.model_validate(job)
         if not record.config.metrics:
             raise CliError(f"job {record.job_id} declares no metrics (its config's `metrics`)", EXIT_INVALID)
-        attempt = _attempt_and_task(record, args)
+        attempt = _attempt_and_task(job, args)
         formats = {s.name: s.format for s in record.config.metric_specs}
         if not args.json:
             out(f"{'TIME':<23}  {'TASK':<12}  {'STEP':>8}  {'METRIC':<20}  VALUE")
@@ -593,19 +699,21 @@ async def _pages(
         await asyncio.sleep(0.5)
 
 
-def _attempt_and_task(record: JobRecord, args: argparse.Namespace) -> int:
-    """The attempt `--attempt` names (default: the current one), with `--task` checked."""
+def _attempt_and_task(job: dict[str, Any], args: argparse.Namespace) -> int:
+    """The attempt `--attempt` names (default: the current one) of a job (as the gateway
+    answers it), with `--task` checked."""
     role, _, index = (args.task or "*.*").partition(".")
-    sizes = {r.name: r.taskNumber for r in record.config.taskRoles}
+    sizes = {r["name"]: r["taskNumber"] for r in job["config"]["taskRoles"]}
+    job_id, current = job["job_id"], job["attempt"]
     if args.task and (role not in sizes or (index and int(index) >= sizes[role])):
         tasks = ", ".join(f"{r}.0-{n - 1}" if n > 1 else f"{r}.0" for r, n in sizes.items())
-        raise CliError(f"job {record.job_id} has no task {args.task}; its tasks: {tasks}", EXIT_INVALID)
-    if args.attempt and args.attempt > record.attempt:
-        has = f"its attempts: 1-{record.attempt}" if record.attempt else "it has not started yet"
-        raise CliError(f"job {record.job_id} has no attempt {args.attempt}; {has}", EXIT_INVALID)
-    attempt: int = args.attempt or record.attempt
+        raise CliError(f"job {job_id} has no task {args.task}; its tasks: {tasks}", EXIT_INVALID)
+    if args.attempt and args.attempt > current:
+        has = f"its attempts: 1-{current}" if current else "it has not started yet"
+        raise CliError(f"job {job_id} has no attempt {args.attempt}; {has}", EXIT_INVALID)
+    attempt: int = args.attempt or current
     if attempt == 0:
-        raise CliError(f"job {record.job_id} has not started yet: {record.reason}")
+        raise CliError(f"job {job_id} has not started yet: {job['reason']}")
     return attempt
 
 
@@ -615,12 +723,7 @@ def _attempt_and_task(record: JobRecord, args: argparse.Namespace) -> int:
 async def admin_init(args: argparse.Namespace) -> int:
     """Declare or update every stream and bucket from this shell's settings (MUSTER_JS_REPLICAS,
     MUSTER_LOGS_MAX_BYTES): the one client path that shapes them; services do it at start."""
-    try:
-        nc = await bus.connect(
-            "muster-admin", connect_timeout=args.connect_timeout, quiet=True, credentials=local_credentials()
-        )
-    except ConnectionError as exc:
-        raise CliError(str(exc)) from None
+    nc, _ = await connect_bus(args.connect_timeout)
     try:
         js, _ = await bus.ensure_jetstream(nc)
         rows = [("STREAM", "REPLICAS", "MAX BYTES")]
@@ -637,16 +740,16 @@ async def admin_init(args: argparse.Namespace) -> int:
 
 
 def auth_dir_of(args: argparse.Namespace) -> auth.AuthDir:
-    from services.cli.mesh import default_data_dir, local_note
+    """--auth-dir, MUSTER_AUTH_DIR, the auth dir of the mesh this command goes to, or the default
+    data dir's."""
+    from services.cli.mesh import default_data_dir
 
-    path = args.auth_dir or os.environ.get("MUSTER_AUTH_DIR") or local_note().get("auth_dir")
+    path = args.auth_dir or os.environ.get("MUSTER_AUTH_DIR") or (locate().note or {}).get("auth_dir")
     return auth.AuthDir(path or default_data_dir() / "auth")
 
 
 def admin_user(args: argparse.Namespace) -> int:
-    """Identities in an auth dir; the local `muster up`'s server (if it serves this bus) reloads."""
-    from services.cli.mesh import local_note
-
+    """Identities in an auth dir; the server of the local `muster up` using it reloads."""
     keys = auth_dir_of(args)
     if args.action == "list":
         rows = [("NAME", "ROLE", "NODE", "PUBLIC KEY")]
@@ -672,8 +775,12 @@ def admin_user(args: argparse.Namespace) -> int:
     except auth.AuthError as exc:
         raise CliError(str(exc), EXIT_INVALID) from None
     out(done)
-    note = local_note()
-    if note.get("auth_dir") and Path(note["auth_dir"]).resolve() == keys.path.resolve() and note.get("pid"):
+    from services.cli.mesh import running
+
+    here = keys.path.resolve()
+    # The local `muster up` whose server uses this auth dir, if any.
+    note = next((n for n in running() if n.get("auth_dir") and Path(n["auth_dir"]).resolve() == here), {})
+    if note.get("pid"):
         try:
             os.kill(int(note["pid"]), signal.SIGHUP)
             out("the local NATS server reloaded its identities")
@@ -1105,6 +1212,40 @@ COUNT = checked(int, lambda v: v >= 1, "must be a whole number ≥ 1")
 PORT = checked(int, lambda v: 1 <= v <= 65535, "must be a port, 1-65535")
 
 
+NAME = checked(str, lambda v: bool(auth.NAME_RE.match(v)), "letters, digits, '_' and '-'")
+AGO = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def job_states(text: str) -> list[str]:
+    """--state: states by name (any case), comma-separated; `live` and `finished` for their groups."""
+    out: list[str] = []
+    for word in (w.strip().upper() for w in text.split(",")):
+        named = {"LIVE": LIVE, "FINISHED": FINISHED}.get(word, [word] if word in STATES else None)
+        if not named:
+            raise argparse.ArgumentTypeError(
+                f"expected states from {', '.join(s.lower() for s in STATES)}, live, finished; got {text!r}"
+            )
+        out += [s for s in named if s not in out]
+    return out
+
+
+def since(text: str) -> str:
+    """--since: a time ago (30m, 12h, 7d, 2w) or a date/time (local unless it names its zone),
+    as an ISO time with its zone."""
+    from datetime import UTC, datetime, timedelta
+
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([mhdw])", text.strip())
+    try:
+        if m:
+            at = datetime.now(UTC) - timedelta(seconds=float(m[1]) * AGO[m[2]])
+        else:
+            at = datetime.fromisoformat(text.strip())
+            at = at if at.tzinfo else at.astimezone()
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"expected 30m, 12h, 7d, 2w or a date/time, got {text!r}") from None
+    return at.isoformat()
+
+
 def task_ref(text: str) -> str:
     """--task: ROLE or ROLE.INDEX (never a subject wildcard)."""
     m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9_-]*)(?:\.(\d+))?", text)
@@ -1150,10 +1291,28 @@ def parser() -> argparse.ArgumentParser:
     )
     s.set_defaults(func=lambda a: asyncio.run(submit(a)))
 
-    s = sub.add_parser("status", help="list jobs, or show one job by id or name")
+    s = sub.add_parser(
+        "status",
+        help="list jobs, newest first (by default the live ones and the newest finished), "
+        "or show one job by id or name",
+    )
     s.add_argument("job", nargs="?")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="a list: one line per page, as the gateway answers")
     s.add_argument("--events", action="store_true", help="with JOB: its history, event by event")
+    s.add_argument(
+        "--state",
+        type=job_states,
+        help="only jobs in these states, comma-separated (waiting, running, succeeded, failed, stopped; "
+        "live, finished)",
+    )
+    s.add_argument("--all", action="store_true", help="every job still kept, whatever its state")
+    s.add_argument("--user", type=NAME, help="only this user's jobs (an admin's view)")
+    s.add_argument("--vc", type=NAME, help="only jobs of this virtual cluster")
+    s.add_argument("--name", help="only jobs whose name holds this text (any case)")
+    s.add_argument(
+        "--since", type=since, help="only jobs submitted since: 30m, 12h, 7d, or a date/time (2024-05-01)"
+    )
+    s.add_argument("--limit", type=COUNT, help="at most this many jobs")
     s.set_defaults(func=lambda a: asyncio.run(status(a)))
 
     s = sub.add_parser(

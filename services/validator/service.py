@@ -477,7 +477,10 @@ def check_data(config: JobConfig, user: str, datasets: dict[str, Dataset]) -> li
         ds = datasets.get(mount.name)
         if ds is None:
             known = ", ".join(sorted(n for n, d in datasets.items() if d.admits(user))) or "none"
-            reason = f"no dataset {mount.name!r}; yours to mount: {known}"
+            reason = (
+                f"no dataset {mount.name!r}; yours to mount: {known}; an admin defines it with "
+                f"`muster admin dataset set {mount.name} --source DIR` (docs/data.md)"
+            )
         elif not ds.admits(user):
             reason = f"user {user!r} may not mount dataset {mount.name!r}"
         elif mount.rw and not ds.writable:
