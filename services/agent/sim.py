@@ -70,7 +70,7 @@ CHUNK = 500  # nodes per order consumer
 CONSUMER_IDLE = 600.0  # seconds: the server drops a sim consumer nobody pulls from (a past run's)
 STARTING = 200  # nodes registering at once
 TICK = 0.05  # seconds between heartbeat rounds
-BATCH = 64  # orders fetched at once: an order carries its whole gang (~100 KB for 800 tasks)
+BATCH = 64  # orders fetched at once (an order carries its node's tasks and the job's config)
 
 
 @dataclass(frozen=True)
