@@ -94,3 +94,27 @@ async def test_a_gang_of_one_is_published_without_a_read(nats_url):
         await nco.close()
     finally:
         await nc.close()
+
+
+async def test_a_rendezvous_an_older_registry_wrote_is_completed_with_its_endpoints(nats_url):
+    """A record of the former layout (every endpoint inside it), left mid-rendezvous by an older
+    registry: the next endpoint moves them to their own keys and completes the gang."""
+    r, nc = await replica(nats_url)
+    attempt = gang(3)
+    try:
+        older = Rendezvous(
+            job_id=attempt.job_id,
+            attempt=1,
+            gang_size=3,
+            endpoints={f"worker.{i}": endpoint(i) for i in range(2)},
+        )
+        await r.kv.put(attempt.key, older.to_bytes())
+        await r.collect([endpoint(2)], attempt)
+        (published,) = await specs(nats_url, attempt)
+        assert [e.port for e in published.endpoints] == [5000, 5001, 5002]
+        state = Rendezvous.from_bytes((await r.kv.get(attempt.key)).value)
+        assert state.bits == 0b111 and state.published and not state.endpoints
+        stored = await r.kv.get(subjects.endpoint_key(attempt.job_id, 1, "worker.0"))
+        assert Endpoint.model_validate_json(stored.value) == endpoint(0)
+    finally:
+        await nc.close()
