@@ -9,6 +9,7 @@ the revision read, retried)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any, Generic, TypeVar
 
@@ -220,22 +221,24 @@ class GroupCommit(Generic[T]):
     endpoints or task events); in batches, it costs O(N) per batch.
 
     Batches alone do not bound the writes of items that trickle in (each may find the record
-    idle and be written alone): `spacing(key)`, if given, is the least time in seconds between
-    the starts of two writes of a key, so that the items of that time share one write. Sized to
-    the record (seconds per byte, as it were), it bounds the bytes written per second, whatever
-    the record's size or the items' pace."""
+    idle and be written alone): `spacing(key, waiting)`, if given, is the least time in seconds
+    between the starts of two writes of a key while `waiting` items wait for the next, so that
+    the items of that time share one write. Sized to the record (seconds per byte, as it were),
+    it bounds the bytes written per second whatever the record's size or the items' pace; 0
+    once enough wait (a burst is written as soon as a write can take it)."""
 
     KEPT = 4096  # keys whose last write time is kept (for `spacing`), the newest
 
     def __init__(
         self,
         write: Callable[[str, list[T]], Awaitable[None]],
-        spacing: Callable[[str], float] | None = None,
+        spacing: Callable[[str, int], float] | None = None,
     ) -> None:
         self.write, self.spacing = write, spacing
         self._pending: dict[str, tuple[list[T], asyncio.Future[None]]] = {}
         self._writers: dict[str, asyncio.Task[None]] = {}
         self._last: dict[str, float] = {}  # key -> loop time its last write started
+        self._spaced: dict[str, asyncio.Event] = {}  # keys whose writer waits out a spacing
 
     async def add(self, key: str, item: T) -> None:
         batch = self._pending.get(key)
@@ -244,6 +247,9 @@ class GroupCommit(Generic[T]):
             if key not in self._writers:
                 self._writers[key] = asyncio.create_task(self._drain(key))
         batch[0].append(item)
+        spaced = self._spaced.get(key)
+        if spaced is not None and self.spacing is not None and self.spacing(key, len(batch[0])) <= 0:
+            spaced.set()  # enough wait now: no need to wait the spacing out
         await asyncio.shield(batch[1])
 
     async def _drain(self, key: str) -> None:
@@ -252,9 +258,14 @@ class GroupCommit(Generic[T]):
             while key in self._pending:
                 last = self._last.get(key)
                 if self.spacing is not None and last is not None:
-                    wait = self.spacing(key) - (loop.time() - last)
-                    if wait > 0:
-                        await asyncio.sleep(wait)  # what comes meanwhile joins this batch
+                    wait = self.spacing(key, len(self._pending[key][0])) - (loop.time() - last)
+                    if wait > 0:  # what comes meanwhile joins this batch
+                        spaced = self._spaced[key] = asyncio.Event()
+                        try:
+                            with contextlib.suppress(TimeoutError):
+                                await asyncio.wait_for(spaced.wait(), wait)
+                        finally:
+                            del self._spaced[key]
                 items, done = self._pending.pop(key)
                 if self.spacing is not None:
                     self._last.pop(key, None)

@@ -233,14 +233,18 @@ class Supervisor:
         each of its handlers (their messages are redelivered)."""
         await self.batches.add(attempt_key(sent.message.job_id, sent.message.attempt), sent)
 
-    def spacing(self, key: str) -> float:
-        """The least time between two writes of the attempt record `key`: WRITE_SPACING seconds
-        per task of it (a write is ~250 bytes per task), at most MAX_SPACING. A gang of N whose
+    def spacing(self, key: str, waiting: int) -> float:
+        """The least time between two writes of the attempt record `key` while `waiting` of its
+        events wait: WRITE_SPACING seconds per task of it (a write is ~250 bytes per task), at
+        most MAX_SPACING; none once an eighth of its tasks' events wait. A gang of N whose
         events trickle in is then written at most every N·WRITE_SPACING seconds, ~1 MB/s
         whatever N, where each write of its own would be O(N) per event, O(N²) for the gang;
-        a small gang's events are written at once as before (40 tasks: 10 ms)."""
+        a burst (a gang starting at once) is written in batches of N/8 or more as soon as they
+        are in, and a small gang's events at once as before (40 tasks: 10 ms)."""
         attempt = self.view_attempts.get(key)
-        return 0.0 if attempt is None else min(MAX_SPACING, WRITE_SPACING * len(attempt.tasks))
+        if attempt is None or 8 * waiting >= len(attempt.tasks):
+            return 0.0
+        return min(MAX_SPACING, WRITE_SPACING * len(attempt.tasks))
 
     async def apply_events(self, key: str, items: list[consume.Sent[TaskEvent]]) -> None:
         """Apply task events of the attempt `key`, in order, in one write of its record."""
