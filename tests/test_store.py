@@ -7,7 +7,7 @@ import contextlib
 
 from shared import bus, subjects
 from shared.messages import AttemptRecord, TaskStatus
-from shared.store import Store
+from shared.store import GroupCommit, Store
 
 
 def record(n: int) -> AttemptRecord:
@@ -150,3 +150,37 @@ async def test_keys_are_not_lost_to_nats_pys_race_and_an_empty_bucket_has_none(n
         assert await store.keys() == ["j1.1"] and len(asked) == 2
     finally:
         await nc.close()
+
+
+async def test_a_group_commit_spaces_a_trickles_writes_but_not_a_bursts():
+    """`spacing(key, waiting)`: items that trickle in share writes at most every `spacing`
+    seconds; once enough wait (spacing 0), they are written without waiting it out."""
+    loop = asyncio.get_running_loop()
+    writes: list[tuple[float, list[int]]] = []
+
+    async def write(key: str, items: list[int]) -> None:
+        writes.append((loop.time(), list(items)))
+
+    commit = GroupCommit(write, lambda key, waiting: 0.0 if waiting >= 10 else 0.2)
+    began = loop.time()
+    adding = []
+    for i in range(20):  # a trickle: one every 20 ms
+        adding.append(asyncio.create_task(commit.add("k", i)))
+        await asyncio.sleep(0.02)
+    await asyncio.gather(*adding)
+    elapsed = loop.time() - began
+    assert [i for _, items in writes for i in items] == list(range(20))  # each once, in order
+    assert len(writes) <= elapsed / 0.2 + 1, (len(writes), elapsed)  # 20 without the spacing
+    # Right after a write, with a spacing of 30 s unless 10 wait: items coming every 10 ms
+    # wake the waiting writer when the tenth comes, never waiting the spacing out.
+    slow = GroupCommit(write, lambda key, waiting: 0.0 if waiting >= 10 else 30.0)
+    await slow.add("k", -1)
+    writes.clear()
+    t0 = loop.time()
+    adding = []
+    for i in range(10):
+        adding.append(asyncio.create_task(slow.add("k", i)))
+        await asyncio.sleep(0.01)
+    await asyncio.wait_for(asyncio.gather(*adding), 20)
+    assert loop.time() - t0 < 20
+    assert [items for _, items in writes] == [list(range(10))], writes
