@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from shared.messages import Message
 
 M = TypeVar("M", bound=Message)
+OWN_KEPT = 64  # records a store wrote kept for its watcher (see Store._wrote)
 BAD_RECORDS = Counter(
     "muster_bad_records_total", "KV records skipped: they do not decode, or claim what cannot be", ["bucket"]
 )
@@ -49,6 +50,9 @@ class Store(Generic[M]):
         self.bucket = kv._name
         self._limit = cache
         self._latest: dict[str, tuple[int, bytes]] | None = {} if cache else None
+        # With `cache`: the records this store wrote, decoded, until `mirror` sees them come back
+        # (then it takes them rather than decoding again: a big attempt record is ~12 ms).
+        self._wrote: dict[str, tuple[int, M]] = {}
 
     def _saw(self, key: str, revision: int, data: bytes | None) -> None:
         if self._latest is None:
@@ -62,6 +66,14 @@ class Store(Generic[M]):
         self._latest[key] = (revision, data)
         if len(self._latest) > self._limit:  # the oldest first (insertion order)
             del self._latest[next(iter(self._latest))]
+
+    def _own(self, key: str, revision: int, record: M) -> None:
+        if self._latest is None:
+            return
+        self._wrote.pop(key, None)
+        self._wrote[key] = (revision, record)
+        if len(self._wrote) > OWN_KEPT:
+            del self._wrote[next(iter(self._wrote))]
 
     def decode(self, key: str, data: bytes | None) -> M | None:
         """The record, or None (counted and named once) when it does not decode or check."""
@@ -93,7 +105,9 @@ class Store(Generic[M]):
         """Write `record` only if `key` has none; whether it was written."""
         data = record.to_bytes()
         try:
-            self._saw(key, await self.kv.create(key, data), data)
+            revision = await self.kv.create(key, data)
+            self._saw(key, revision, data)
+            self._own(key, revision, record)
             return True
         except KeyWrongLastSequenceError:
             return False
@@ -102,7 +116,9 @@ class Store(Generic[M]):
         """Write `record` only if `key` is still at `revision`; whether it was written."""
         data = record.to_bytes()
         try:
-            self._saw(key, await self.kv.update(key, data, last=revision), data)
+            written = await self.kv.update(key, data, last=revision)
+            self._saw(key, written, data)
+            self._own(key, written, record)
             return True
         except KeyWrongLastSequenceError:
             return False
@@ -144,6 +160,7 @@ class Store(Generic[M]):
             except KeyWrongLastSequenceError:
                 continue
             self._saw(key, written, new)
+            self._own(key, written, updated)
             return updated
 
     async def delete(self, key: str) -> None:
@@ -192,8 +209,12 @@ class Store(Generic[M]):
                         synced.set()
                         continue
                     record = None
+                    own = self._wrote.get(entry.key)
+                    if own is not None and own[0] <= entry.revision:  # seen: no longer kept
+                        del self._wrote[entry.key]
                     if entry.operation not in ("DEL", "PURGE"):
-                        record = self.decode(entry.key, entry.value)
+                        record = own[1] if own is not None and own[0] == entry.revision else None
+                        record = record or self.decode(entry.key, entry.value)
                     self._saw(entry.key, entry.revision, entry.value if record is not None else None)
                     kept = record if record is None or keep is None else keep(record)
                     if kept is None:

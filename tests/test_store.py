@@ -184,3 +184,43 @@ async def test_a_group_commit_spaces_a_trickles_writes_but_not_a_bursts():
     await asyncio.wait_for(asyncio.gather(*adding), 20)
     assert loop.time() - t0 < 20
     assert [items for _, items in writes] == [list(range(10))], writes
+
+
+async def test_a_cached_stores_watcher_takes_its_own_writes_without_decoding_them(nats_url):
+    """A big attempt record takes ~12 ms to decode: the supervisor, which mirrors the records it
+    writes, takes back what it wrote (the same record) instead of decoding it again; another
+    writer's record is decoded as ever."""
+    nc = await bus.connect("test", nats_url)
+    try:
+        js, buckets = await bus.ensure_jetstream(nc)
+        cached = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord, cache=100)
+        other = Store(await js.key_value(subjects.ATTEMPTS_BUCKET), AttemptRecord)
+        view: dict[str, AttemptRecord] = {}
+        synced = asyncio.Event()
+        mirror = asyncio.create_task(cached.mirror(view, synced))
+        await asyncio.wait_for(synced.wait(), 10)
+        decoded: list[str] = []
+        decode = cached.decode
+        cached.decode = lambda key, data: decoded.append(key) or decode(key, data)  # type: ignore[method-assign]
+
+        async def seen(attempt: int) -> None:
+            for _ in range(200):
+                if "own" in view and view["own"].attempt == attempt:
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"the mirror never saw attempt {attempt}")
+
+        assert await cached.create("own", record(1))
+        await seen(1)
+        written = await cached.update("own", bump)
+        await seen(2)
+        assert view["own"] is written and view["own"] == AttemptRecord.from_bytes(written.to_bytes())
+        assert decoded == ["own"]  # update's read of its cached bytes; the watcher decoded nothing
+        assert (await other.update("own", bump)).attempt == 3
+        await seen(3)
+        assert decoded == ["own", "own"]  # another writer's record: decoded
+        mirror.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await mirror
+    finally:
+        await nc.close()
