@@ -39,13 +39,13 @@ from pathlib import Path
 import structlog
 
 from services.agent.runtime import LaunchError, Mount
-from shared import hostpaths
+from shared import hostpaths, settings
 from shared.jobconfig import CodeSync, JobConfig, shown_url
 from shared.messages import Dataset, TaskCause
 
 log = structlog.get_logger(service="agent")
 
-CODE_SYNC_TIMEOUT = float(os.environ.get("MUSTER_CODE_SYNC_TIMEOUT", "") or "300")
+CODE_SYNC_TIMEOUT = settings.seconds("MUSTER_CODE_SYNC_TIMEOUT", 300.0, low=1)
 SYNCED_MARK = ".muster-code-sync"  # in the attempt dir: the fetch of this attempt is done
 GIT_PROTOCOLS = "https:http:ssh:git:file"
 MAX_ERROR = 300  # characters of git's own words kept in a reason
