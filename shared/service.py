@@ -100,7 +100,8 @@ async def serve_health(
             elif path.startswith("/healthz"):
                 ok = nc.is_connected
                 status = "200 OK" if ok else "503 Service Unavailable"
-                down = b"nats connection closed\n" if nc.is_closed else b"nats disconnected\n"
+                closed = getattr(nc, "is_closed", False)
+                down = b"nats connection closed\n" if closed else b"nats disconnected\n"
                 ctype, body = "text/plain", (b"ok\n" if ok else down)
             else:
                 status, ctype, body = "404 Not Found", "text/plain", b"not found\n"

@@ -201,6 +201,7 @@ class Validator:
         # identity can only set to its own name (never a header or the spec).
         user = subjects.requester(msg.subject)
         if not auth.NAME_RE.fullmatch(user):
+            consume.REJECTED.labels(subjects.VALIDATOR_CONSUMER, "bad_submitter").inc()
             log.warning("validator.bad_submitter", subject=msg.subject[:200])
             await msg.term()
             return
