@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field, StringConstraints
+from pydantic import BeforeValidator, Field, StringConstraints, WithJsonSchema
 
 from shared import auth, trainmetrics
 from shared.jobconfig import IDENT_RE, MAX_ROLES, MAX_TASKS_PER_ROLE
@@ -94,32 +94,45 @@ def clip(text: str, limit: int = REASON) -> str:
     return text if len(text) <= limit else text[: limit - 1] + CUT
 
 
-def _cutter(limit: int, hard: int | None) -> Callable[[Any], Any]:
+def _cut(limit: int, hard: int) -> Callable[[Any], Any]:
     def cut(value: Any) -> Any:
-        if not isinstance(value, str):
-            return value  # the str check says what it is not
-        if hard is not None and len(value) > hard:
+        if not isinstance(value, str) or len(value) <= limit:
+            return value  # (what is not a str, the str check names)
+        if len(value) > hard:
             raise ValueError(f"at most {hard} characters, got {len(value)}")
-        return clip(value, limit)
+        return value[: limit - 1] + CUT
 
     return cut
 
 
-def _tail(count: int, hard: int | None) -> Callable[[Any], Any]:
+def _tail(count: int, each: int, hard: int) -> Callable[[Any], Any]:
     def keep(value: Any) -> Any:
         if not isinstance(value, list):
             return value
-        if hard is not None and len(value) > hard:
+        if len(value) > hard:
             raise ValueError(f"at most {hard} lines, got {len(value)}")
-        return value[-count:] if len(value) > count else value
+        kept = value[-count:] if len(value) > count else value
+        if any(isinstance(line, str) and len(line) > each for line in kept):
+            cut = _cut(each, HARD_TEXT)
+            kept = [cut(line) for line in kept]
+        return kept
 
     return keep
 
 
 # Free text on the bus (from agents, users, any service): cut, and refused beyond the hard cap.
-Reason = Annotated[str, BeforeValidator(_cutter(REASON, HARD_TEXT)), Field(max_length=HARD_TEXT)]
-Line = Annotated[str, BeforeValidator(_cutter(LINE, HARD_TEXT)), Field(max_length=HARD_TEXT)]
-Lines = Annotated[list[Line], BeforeValidator(_tail(LINES, HARD_LINES)), Field(max_length=HARD_LINES)]
+# One Python call per field (a line's length checked in the list's): a task event decodes in
+# microseconds. The hard caps are in the JSON schema too.
+Reason = Annotated[
+    str, BeforeValidator(_cut(REASON, HARD_TEXT)), WithJsonSchema({"type": "string", "maxLength": HARD_TEXT})
+]
+Lines = Annotated[
+    list[str],
+    BeforeValidator(_tail(LINES, LINE, HARD_LINES)),
+    WithJsonSchema(
+        {"type": "array", "items": {"type": "string", "maxLength": HARD_TEXT}, "maxItems": HARD_LINES}
+    ),
+]
 # Free text in records that only services write (KV records, the job history) is plain `str`:
 # what they quote came in a message cut as above, and a record an older version wrote longer
 # must still decode.

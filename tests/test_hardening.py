@@ -485,12 +485,20 @@ def test_commands_refuse_unknown_fields_and_values_of_the_wrong_shape():
         (KillOrder, json_bytes({"job_id": "j1", "attempt": 0, "reason": "r"})),
         (KillOrder, json_bytes({"job_id": "j1", "attempt": 1, "reason": "r", "tasks": ["w.0", "*"]})),
         (TaskEvent, json_bytes(task_event(reason="x" * 100_000))),
+        (TaskEvent, json_bytes(task_event(last_lines=["x" * 70_000]))),
+        (TaskEvent, json_bytes(task_event(last_lines=["x"] * 1001))),
+        (TaskEvent, json_bytes(task_event(last_lines=[3]))),
         (TaskEvent, json_bytes(task_event(role="w.0"))),
         (TaskEvent, json_bytes(task_event(attempt=10**400))),
     ]
     for model, data in refused:
         with pytest.raises(ValidationError):
             model.from_bytes(data)
+    # The CLI offers the graces an order may carry (it imports no model to say so).
+    from services.cli.main import MAX_GRACE
+    from shared import shapes
+
+    assert MAX_GRACE == shapes.MAX_GRACE
 
 
 def json_bytes(doc: dict) -> bytes:
