@@ -14,7 +14,7 @@ from typing import Any, Generic, TypeVar
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge
 
-from shared import settings, subjects
+from shared import settings, shapes, subjects
 from shared.bus import consume
 
 M = TypeVar("M")
@@ -98,7 +98,7 @@ class Handling(Generic[M]):
         try:
             decoded = self.decode(msg)
         except Exception as exc:
-            self._reject(msg, "undecodable", str(exc)[:200])
+            self._reject(msg, "undecodable", shapes.refusal(exc))
             with contextlib.suppress(Exception):
                 await msg.term()
             return

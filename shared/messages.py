@@ -481,7 +481,7 @@ class Failure(BaseModel):
     """What failed an attempt, and the evidence: the first failed task's node, exit code, output."""
 
     kind: FailureKind
-    task: str
+    task: TaskKey
     node: Name
     cause: TaskCause | None = None
     exit_code: ExitCode | None = None

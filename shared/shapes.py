@@ -136,3 +136,17 @@ Lines = Annotated[
 # Free text in records that only services write (KV records, the job history) is plain `str`:
 # what they quote came in a message cut as above, and a record an older version wrote longer
 # must still decode.
+
+
+def refusal(exc: Exception, limit: int = 300) -> str:
+    """Why a message did not decode, in one line: each field and what is wrong with it."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            found = errors(include_url=False, include_input=False)
+            text = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'payload'}: {e['msg']}" for e in found)
+        except Exception:
+            text = str(exc)
+    else:
+        text = str(exc)
+    return clip(" ".join(text.split()), limit)

@@ -802,3 +802,29 @@ async def test_the_bus_refuses_a_subject_the_server_would_close_the_connection_o
         assert nc.is_connected and not nc.is_closed
     finally:
         await nc.close()
+
+
+async def test_an_exec_request_of_the_wrong_shape_is_answered_with_its_refusal(cluster):
+    """The launcher's agent waits for an answer to each exec request: one that does not decode
+    is answered with why (if it names its session), not left to time out."""
+    import nats.errors
+
+    from shared import bus, subjects
+    from shared.messages import ExecReply
+
+    cluster.agent("n1", "--address", "127.0.0.1", "--cpus", "2")
+    nc = await bus.connect("test", cluster.url, quiet=True)
+    try:
+        replies = await nc.subscribe(subjects.exec_reply("n2", "n1"))
+        bad = {"kind": "open", "session": "s1", "job_id": "x" * 5000, "attempt": 1, "role": "w"}
+        deadline = time.monotonic() + 60
+        while True:  # until the agent listens
+            await nc.publish(subjects.exec_request("n1", "n2"), json_bytes(bad))
+            try:
+                reply = ExecReply.from_bytes((await replies.next_msg(timeout=1)).data)
+                break
+            except nats.errors.TimeoutError:
+                assert time.monotonic() < deadline, cluster.logs()
+        assert (reply.kind, reply.session) == ("error", "s1") and "job_id" in reply.error, reply
+    finally:
+        await nc.close()
