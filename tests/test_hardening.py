@@ -680,7 +680,11 @@ async def test_a_forged_drain_drains_nothing(cluster):
         while not await drained():  # the real order, behind the forged ones, is applied
             assert time.monotonic() < deadline + 30, cluster.logs()
             await asyncio.sleep(0.2)
-        log = next(cluster.log_dir.glob("agent-*.log")).read_text()
+        log_file = next(cluster.log_dir.glob("agent-*.log"))
+        while '"agent.drain"' not in log_file.read_text():  # logged just after the record is written
+            assert time.monotonic() < deadline + 30, cluster.logs()
+            await asyncio.sleep(0.2)
+        log = log_file.read_text()
         assert log.count("agent.drain_refused") == 1 and log.count('"agent.drain"') == 1, log[-3000:]
         assert log.count("message.rejected") >= 1, log[-3000:]
     finally:
