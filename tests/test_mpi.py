@@ -118,7 +118,9 @@ def spec_of(config: JobConfig, placed: list[tuple[str, int, str]]) -> ClusterSpe
         job_id="j1",
         attempt=1,
         endpoints=[
-            Endpoint(role=r, index=i, role_no=role_no[r], node=f"n-{h}", host=h, port=5000 + n)
+            Endpoint(
+                role=r, index=i, role_no=role_no[r], node="n-" + h.replace(".", "-"), host=h, port=5000 + n
+            )
             for n, (r, i, h) in enumerate(placed)
         ],
     )

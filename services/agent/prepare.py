@@ -51,13 +51,13 @@ from typing import Any
 import structlog
 
 from services.agent.runtime import LaunchError, Mount
-from shared import hostpaths
+from shared import hostpaths, settings
 from shared.jobconfig import CodeSync, JobConfig, shown_url
 from shared.messages import Dataset, TaskCause
 
 log = structlog.get_logger(service="agent")
 
-CODE_SYNC_TIMEOUT = float(os.environ.get("MUSTER_CODE_SYNC_TIMEOUT", "") or "300")
+CODE_SYNC_TIMEOUT = settings.seconds("MUSTER_CODE_SYNC_TIMEOUT", 300.0, low=1)
 SYNCED_MARK = ".muster-code-sync"  # in the attempt dir: the fetch of this attempt is done
 FETCHED_MARK = "git.synced"  # in the job's dir: its fetch is done (the commit, the source's digest)
 GIT_PROTOCOLS = "https:http:ssh:git:file"

@@ -1206,7 +1206,8 @@ def checked(kind: type, ok: Any, wanted: str) -> Any:
     return parse
 
 
-SECONDS = checked(float, lambda v: 0 <= v < math.inf, "must be seconds ≥ 0")
+MAX_GRACE = 24 * 3600  # shared.shapes.MAX_GRACE: a kill or drain order's longest grace (no model imported)
+GRACE = checked(float, lambda v: 0 <= v <= MAX_GRACE, f"must be seconds from 0 to {MAX_GRACE}")
 TIMEOUT = checked(float, lambda v: 0 < v < math.inf, "must be seconds > 0")
 COUNT = checked(int, lambda v: v >= 1, "must be a whole number ≥ 1")
 PORT = checked(int, lambda v: 1 <= v <= 65535, "must be a port, 1-65535")
@@ -1323,13 +1324,13 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("kill", help="stop a job: SIGTERM, SIGKILL after the grace; it is not retried")
     s.add_argument("job")
-    s.add_argument("--grace", type=SECONDS, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    s.add_argument("--grace", type=GRACE, default=10.0, help="seconds between SIGTERM and SIGKILL")
     s.add_argument("--no-wait", action="store_true", help="do not wait for the tasks to stop")
     s.set_defaults(func=lambda a: asyncio.run(kill(a)))
 
     s = sub.add_parser("drain", help="stop every task on a node (retried elsewhere) and keep new work off it")
     s.add_argument("node")
-    s.add_argument("--grace", type=SECONDS, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    s.add_argument("--grace", type=GRACE, default=10.0, help="seconds between SIGTERM and SIGKILL")
     s.add_argument("--undo", action="store_true", help="let the node take work again")
     s.set_defaults(func=lambda a: asyncio.run(drain(a)))
 

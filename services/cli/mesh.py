@@ -34,7 +34,7 @@ from typing import Any
 import structlog
 from nats.aio.client import Client as NATS
 
-from shared import auth, bus
+from shared import auth, bus, settings
 from shared.natsserver import NatsServer, free_port
 from shared.service import Service, run_service, serve_health
 
@@ -421,7 +421,9 @@ async def up(
             )
         creds["muster-up"] = admin
     if metrics_port is None:
-        metrics_port = int(os.environ.get("MUSTER_METRICS_PORT") or free_port(9100, "0.0.0.0"))
+        metrics_port = settings.number("MUSTER_METRICS_PORT", -1, int, low=0, high=65535)  # unset: -1
+        if metrics_port < 0:
+            metrics_port = free_port(9100, "0.0.0.0")
     health, poll, nc = None, None, None
     try:
         # Fail fast on a bad URL or an unusable JetStream, before starting the services.

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,7 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Histogram
 
-from shared import bus, consume, subjects
+from shared import bus, consume, shapes, subjects
 from shared.messages import (
     AttemptRecord,
     ClusterSpec,
@@ -46,7 +47,7 @@ from shared.messages import (
     attempt_key,
     membership,
 )
-from shared.store import GroupCommit, Store
+from shared.store import BAD_RECORDS, GroupCommit, Store
 from shared.subjects import Headers
 
 log = structlog.get_logger(service="registry")
@@ -293,8 +294,11 @@ class Registry:
                         continue  # nats-py's "no more for now" marker (may come early), a deletion
                     task = entry.key[len(prefix) :]
                     if task in wanted:
-                        with contextlib.suppress(ValueError):
+                        try:
                             found[task] = Endpoint.model_validate_json(entry.value)
+                        except ValueError as exc:  # not an endpoint: skipped, counted and named
+                            BAD_RECORDS.labels(subjects.RENDEZVOUS_BUCKET).inc()
+                            log.warning("registry.bad_endpoint_record", key=entry.key, error=str(exc)[:200])
         except TimeoutError:
             lacking = sorted(wanted - found.keys())[:5]
             raise RuntimeError(f"endpoints of {attempt.key} collected but not found: {lacking}") from None
@@ -331,7 +335,12 @@ def ep_bytes(ep: Endpoint) -> bytes:
 def _named_attempt(msg: Any) -> str:
     """The attempt an `attempt_members` message names in its subject (the payload is ignored)."""
     parts = msg.subject.split(".")
-    if len(parts) != 6 or parts[-1] != "members" or not parts[4].isdigit():
+    if (
+        len(parts) != 6
+        or parts[-1] != "members"
+        or not shapes.is_job_id(parts[3])
+        or not re.fullmatch(r"[1-9][0-9]{0,8}", parts[4])
+    ):
         raise ValueError(f"not an attempt_members subject: {msg.subject[:200]}")
     return attempt_key(parts[3], int(parts[4]))
 

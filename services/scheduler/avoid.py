@@ -3,15 +3,15 @@ never to the point that a job waits for ever."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
 
 from services.scheduler import placement
+from shared import settings
 from shared.messages import AttemptRecord, FailureKind, TaskSpec
 
-AVOID_AFTER = int(os.environ.get("MUSTER_AVOID_AFTER", "3"))
-AVOID_WINDOW = float(os.environ.get("MUSTER_AVOID_WINDOW", "600"))
+AVOID_AFTER = settings.number("MUSTER_AVOID_AFTER", 3, int, low=1)
+AVOID_WINDOW = settings.seconds("MUSTER_AVOID_WINDOW", 600.0)
 
 
 def nodes_to_avoid(attempts: Iterable[AttemptRecord], at: datetime) -> set[str]:

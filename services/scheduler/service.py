@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import os
 import uuid
 from collections.abc import Iterable, Iterator
 from datetime import datetime
@@ -38,7 +37,7 @@ from services.scheduler import elastic, placement, quota
 from services.scheduler import metrics as cluster_metrics
 from services.scheduler.avoid import nodes_to_avoid, plan_around
 from services.scheduler.view import Job, View
-from shared import bus, liveness, subjects
+from shared import bus, liveness, settings, subjects
 from shared.jobconfig import has_secrets, rank, with_secrets
 from shared.messages import (
     Assignment,
@@ -73,11 +72,11 @@ CYCLE_SECONDS = Histogram(
 )
 RENEW_EVERY = 1.0  # seconds between lease renewals, whatever a cycle is doing
 # Jobs behind the head that one plan tries at most (Slurm's bf_max_job_test); later ones wait.
-BACKFILL_WINDOW = int(os.environ.get("MUSTER_BACKFILL_WINDOW", "500"))
+BACKFILL_WINDOW = settings.number("MUSTER_BACKFILL_WINDOW", 500, int, low=0)
 IN_FLIGHT = 128  # commits and reason writes of one cycle in flight at once
 # Seconds a preempted gang gets between SIGTERM and SIGKILL, to checkpoint.
-PREEMPT_GRACE = float(os.environ.get("MUSTER_PREEMPT_GRACE", "30"))
-ELASTIC_GRACE = float(os.environ.get("MUSTER_ELASTIC_GRACE", "10"))  # SIGTERM..SIGKILL of a removed task
+PREEMPT_GRACE = settings.seconds("MUSTER_PREEMPT_GRACE", 30.0)
+ELASTIC_GRACE = settings.seconds("MUSTER_ELASTIC_GRACE", 10.0)  # SIGTERM..SIGKILL of a removed task
 PREEMPT_TRIES = 16  # waiting jobs one cycle looks at for a preemption that would let them run
 PREEMPTIONS = Counter("muster_scheduler_preemptions_total", "Gangs stopped to make room", ["why"])
 # Seconds from a job's submission to its first placement (waits of minutes to a day are normal).
