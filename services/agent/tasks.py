@@ -9,6 +9,7 @@ import asyncio
 import collections
 import contextlib
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -397,7 +398,17 @@ class Tasks:
         code: int,
         reason: str,
         lines: list[str] | None = None,
+        at: datetime | None = None,
     ) -> None:
+        """`at`: when it ended, when that was not now (it ended while no agent watched)."""
+        fields: dict[str, Any] = {"at": at} if at is not None else {}
         self.report(
-            a, spec, TaskEventKind.EXITED, cause=cause, exit_code=code, reason=reason, last_lines=lines or []
+            a,
+            spec,
+            TaskEventKind.EXITED,
+            cause=cause,
+            exit_code=code,
+            reason=reason,
+            last_lines=lines or [],
+            **fields,
         )

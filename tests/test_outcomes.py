@@ -1,0 +1,159 @@
+"""Exact task outcomes across agent death (issue 24.5): a task that exits just as its agent is
+SIGKILLed is recorded as it ended — exit 0, its job SUCCEEDED in its first attempt — and is
+never run again; one that was still running is killed with its agent and recorded as lost (a
+platform failure), never as an exit of its own. On the process runtime and on Docker, whether
+the agent comes back at once or stays away past the node timeout (then its fence reports).
+
+Each task appends a line to a file of the test's each time it starts, so a second run shows.
+The agent is frozen (SIGSTOP) while its tasks exit, so it cannot see them, then SIGKILLed
+within milliseconds of the last exit; one case leaves it running and races its own report."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import docker
+import pytest
+
+from shared import client
+from shared.messages import JobRecord, JobState, TaskCause, TaskState
+from tests.test_jobs import attempt, nc, role, wait_final  # noqa: F401 - nc is a fixture
+
+NODE_TIMEOUT = 5.0
+AGENT = ("--address", "127.0.0.1", "--cpus", "4", "--heartbeat", "0.5")
+
+
+def _workers_ended(job_id: str) -> bool:
+    """No process of the job's workers is alive (a zombie's environment cannot be read)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"MUSTER_JOB_ID={job_id}".encode() in environ and b"MUSTER_TASK_ROLE=w" in environ:
+            return False
+    return True
+
+
+def _config(shared: Path, image: str, **extra) -> dict:
+    """Two workers that end as soon as the test says so, beside a ps that never ends by
+    itself; the job succeeds once both workers have (killAllOnCompletedTaskNumber)."""
+    me = "$MUSTER_TASK_ROLE.$MUSTER_TASK_INDEX"
+    worker = f"echo {me} >> {shared}/runs; while [ ! -e {shared}/go ]; do sleep 0.01; done; exit 0"
+    return {
+        "jobName": "exact",
+        "image": image,
+        "killAllOnCompletedTaskNumber": 2,
+        "taskRoles": [role("ps", 1, f"echo {me} >> {shared}/runs; sleep 600"), role("w", 2, worker)],
+        **extra,
+    }
+
+
+async def _run(cluster, nc, shared: Path, config: dict, args: tuple, ended, freeze: bool, away: bool):  # noqa: F811
+    agent = cluster.agent("n1", *args)
+    _, verdict = await client.submit(nc, json.dumps(config).encode())
+    assert verdict is not None and verdict.accepted, verdict
+    job_id = verdict.job_id
+    deadline = time.monotonic() + 90
+    while not (shared / "runs").exists() or len((shared / "runs").read_text().split()) < 3:
+        assert time.monotonic() < deadline, cluster.logs()
+        await asyncio.sleep(0.1)
+    if freeze:
+        agent.send_signal(signal.SIGSTOP)  # it sees nothing of what follows
+    (shared / "go").touch()
+    deadline = time.monotonic() + 30
+    while not ended(job_id):  # both workers have exited (poll: a few milliseconds)
+        assert time.monotonic() < deadline, "the workers never ended"
+        await asyncio.sleep(0.005)
+    agent.send_signal(signal.SIGKILL)
+    agent.wait(10)
+    if away:  # past the node timeout: the fence alone can tell
+        record = await wait_final(nc, job_id, timeout=NODE_TIMEOUT + 30)
+        cluster.agent("n1", *args)
+    else:
+        cluster.agent("n1", *args)
+        record = await wait_final(nc, job_id, timeout=60)
+    return record
+
+
+async def _check(nc, record: JobRecord, shared: Path, cluster) -> None:  # noqa: F811
+    """SUCCEEDED in its first attempt, its workers recorded as exited 0, and nothing run twice."""
+    deadline = time.monotonic() + 30  # the job ends with its workers; ps is stopped after
+    while True:
+        a = await attempt(nc, record.job_id)
+        if all(t.state.ended for t in a.tasks):
+            break
+        assert time.monotonic() < deadline, a
+        await asyncio.sleep(0.2)
+    assert (record.state, record.attempt, record.platform_retries) == (JobState.SUCCEEDED, 1, 0), (
+        record,
+        cluster.logs(),
+    )
+    for i in (0, 1):
+        w = a.task("w", i)
+        assert (w.state, w.cause, w.exit_code) == (TaskState.SUCCEEDED, TaskCause.EXITED, 0), w
+    # Killed with its agent (process; Docker when no agent came back) or by the kill order the
+    # job's end sent (an agent came back and adopted it): never an exit of its own (137).
+    ps = a.task("ps", 0)
+    assert ps.cause in (TaskCause.PLATFORM, TaskCause.KILLED), ps
+    runs = sorted((shared / "runs").read_text().split())
+    assert runs == ["ps.0", "w.0", "w.1"], f"a task ran again: {runs}"
+
+
+@pytest.mark.parametrize(
+    ("freeze", "away"),
+    [(True, False), (True, True), (False, False)],
+    ids=["back-at-once", "away-past-node-timeout", "racing-its-report"],
+)
+async def test_process_tasks_that_exit_as_their_agent_is_killed_are_not_run_again(
+    cluster,
+    nc,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    freeze,
+    away,
+):
+    monkeypatch.setenv("MUSTER_NODE_TIMEOUT", str(NODE_TIMEOUT))
+    cluster.core()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    config = _config(shared, "img")
+    record = await _run(cluster, nc, shared, config, AGENT, _workers_ended, freeze, away)
+    await _check(nc, record, shared, cluster)
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("away", [False, True], ids=["back-at-once", "away-past-node-timeout"])
+async def test_docker_tasks_that_exit_as_their_agent_is_killed_are_not_run_again(
+    base_image,
+    cluster,
+    nc,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    away,
+):
+    monkeypatch.setenv("MUSTER_NODE_TIMEOUT", str(NODE_TIMEOUT))
+    cluster.core()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # tasks run as a non-root user
+    config = _config(shared, base_image, outputDir=str(shared))  # mounted where it is
+
+    def ended(job_id: str) -> bool:  # the workers' containers have exited; ps still runs
+        engine = docker.from_env()
+        try:
+            found = engine.containers.list(all=True, filters={"label": f"muster.job={job_id}"})
+            workers = [c for c in found if c.labels.get("muster.role") == "w"]
+            return len(workers) == 2 and all(c.status == "exited" for c in workers)
+        finally:
+            engine.close()
+
+    args = ("--runtime", "docker", "--overcommit", *AGENT)
+    record = await _run(cluster, nc, shared, config, args, ended, True, away)
+    await _check(nc, record, shared, cluster)
