@@ -1,8 +1,8 @@
 """A Muster cluster for benchmarks: an authenticated nats-server, each service as its own process
 (as compose runs them, one identity each) and one process of simulated nodes (the sim runtime:
 tasks "run" `extras.sim.seconds` and exit, nothing is started), or one real agent on the Docker
-runtime. Used by `bench.bus`, `bench.idle` and `bench.launch`; logs and data stay in the work
-directory for a look after a run.
+or the process runtime. Used by `bench.bus`, `bench.idle`, `bench.launch` and `bench.logflood`;
+logs and data stay in the work directory for a look after a run.
 
 CPU per process is read from /proc (utime + stime), so a figure is what that process burned,
 whatever else runs on the machine."""
@@ -30,6 +30,7 @@ from shared.natsserver import NatsServer, die_with_parent, free_port
 
 SERVICES = ("validator", "scheduler", "registry", "supervisor", "gateway")
 DOCKER_NODE = "bench-docker"  # the one real agent of a `docker=True` mesh
+PROCESS_NODE = "bench-process"  # the one real agent of a `process=True` mesh
 BENCH_USER = "bench"  # an admin identity: it submits, and makes the floor's scratch stream
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -42,7 +43,8 @@ def cpu_seconds(pid: int) -> float:
 
 class Mesh:
     """`with Mesh(workdir, nodes=1000) as mesh:` — started, then everything killed on exit.
-    `docker=True`: one real agent (node `DOCKER_NODE`, Docker runtime) instead of the sim nodes."""
+    `docker=True`: one real agent (node `DOCKER_NODE`, Docker runtime) instead of the sim nodes;
+    `process=True`: one on the process runtime (node `PROCESS_NODE`)."""
 
     def __init__(
         self,
@@ -53,8 +55,11 @@ class Mesh:
         memory_mb: int = 262144,
         env: dict[str, str] | None = None,
         docker: bool = False,
+        process: bool = False,
     ) -> None:
-        self.workdir, self.nodes, self.docker = workdir, 1 if docker else nodes, docker
+        self.workdir, self.nodes, self.docker = workdir, 1 if docker or process else nodes, docker
+        self.runtime = "docker" if docker else "process" if process else "sim"
+        self.node = DOCKER_NODE if docker else PROCESS_NODE
         self.gpus, self.cpus, self.memory_mb = gpus, cpus, memory_mb
         self.extra_env = env or {}
         self.keys = auth.AuthDir(workdir / "auth")
@@ -86,6 +91,7 @@ class Mesh:
         self.stop()
 
     def _env(self, identity: str) -> dict[str, str]:
+        # Sim nodes beat as real agents do (every 2 s), so the node timeout is the default one.
         beat = sim.heartbeat_for(self.nodes, None)
         return {
             **os.environ,
@@ -112,9 +118,9 @@ class Mesh:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.keys.ensure_services()
         self.keys.ensure(BENCH_USER, "admin")
-        agent = auth.agent_name(DOCKER_NODE) if self.docker else auth.SIM_IDENTITY
-        if self.docker:
-            self.keys.ensure(agent, "agent", DOCKER_NODE)
+        agent = auth.agent_name(self.node) if self.runtime != "sim" else auth.SIM_IDENTITY
+        if self.runtime != "sim":
+            self.keys.ensure(agent, "agent", self.node)
         else:
             self.keys.ensure(agent, "sim")
         self.server = NatsServer(
@@ -122,13 +128,13 @@ class Mesh:
         ).start()
         for name in SERVICES:
             self._spawn(name, name, f"services.{name}")
-        if self.docker:
+        if self.runtime != "sim":
             self._spawn(
                 "agent",
                 agent,
                 "services.agent",
-                "--runtime=docker",
-                f"--node={DOCKER_NODE}",
+                f"--runtime={self.runtime}",
+                f"--node={self.node}",
                 "--address=127.0.0.1",
                 f"--cpus={self.cpus}",
                 f"--memory-mb={self.memory_mb}",

@@ -3,11 +3,13 @@
     python -m bench.idle [--nodes 1000,10000] [--settle 15] [--window 30]
 
 For each size: a fresh mesh (`bench.cluster`: nats-server with authentication, each service its
-own process, one process of N sim nodes), wait until every node is registered, let it settle
-(`--settle` seconds: start-up work done), then CPU per process over `--window` seconds, as a
-percentage of one core. The sim process (all N nodes' heartbeats, ~250 node writes a second
-spread over the heartbeat period) and nats-server are the load and the floor beside the services:
-a service can cost no less than reading what they write. Prints a table, then one JSON line."""
+own process, one process of N sim nodes, each beating every 2 s as a real agent does), wait until
+every node is registered, let it settle (`--settle` seconds: start-up work done), then CPU per
+process over `--window` seconds, as a percentage of one core. What the nodes really sent in that
+window is counted on the bus and printed beside it: beats a second (and so the period per node
+achieved) and node-record writes a second. The sim process and nats-server are the load and the
+floor beside the services: a service can cost no less than reading what they send. Prints a
+table, then one JSON line."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cluster import Mesh
+from shared import subjects
 
 
 async def measure(nodes: int, settle: float, window: float, workdir: Path) -> dict[str, Any]:
@@ -27,15 +30,35 @@ async def measure(nodes: int, settle: float, window: float, workdir: Path) -> di
         ready_s = await mesh.wait_ready()
         await asyncio.sleep(settle)
         mesh.check()
-        before, t0 = mesh.cpu(), time.monotonic()
-        await asyncio.sleep(window)
-        mesh.check()
-        after, elapsed = mesh.cpu(), time.monotonic() - t0
+        nc = await mesh.connect()
+        try:
+            beats = 0
+
+            async def heard(_: Any) -> None:
+                nonlocal beats
+                beats += 1
+
+            await nc.subscribe(subjects.beat("*"), cb=heard, pending_msgs_limit=1_000_000)
+            await nc.flush()
+            js = nc.jetstream()
+            stream = f"KV_{subjects.NODES_BUCKET}"
+            writes0 = (await js.stream_info(stream)).state.last_seq
+            before, t0, beats = mesh.cpu(), time.monotonic(), 0
+            await asyncio.sleep(window)
+            mesh.check()
+            after, elapsed, heard_n = mesh.cpu(), time.monotonic() - t0, beats
+            writes = (await js.stream_info(stream)).state.last_seq - writes0
+        finally:
+            await nc.close()
         percent = {name: round(100 * (after[name] - before[name]) / elapsed, 2) for name in after}
+        per_s = heard_n / elapsed
         return {
             "nodes": nodes,
             "ready_s": round(ready_s, 1),
             "window_s": round(elapsed, 1),
+            "beats_per_s": round(per_s, 1),
+            "period_per_node_s": round(nodes / per_s, 2) if per_s else None,
+            "node_writes_per_s": round(writes / elapsed, 2),
             "cpu_percent": percent,
         }
 
@@ -56,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     names = list(rows[0]["cpu_percent"]) if rows else []
     print("CPU, % of one core, idle (nodes registered, no jobs)")
     print(f"{'process':>12} " + " ".join(f"{r['nodes']:>8} nodes" for r in rows))
+    for key, label in (
+        ("beats_per_s", "beats/s"),
+        ("period_per_node_s", "period s"),
+        ("node_writes_per_s", "KV w/s"),
+    ):
+        print(f"{label:>12} " + " ".join(f"{r[key]!s:>14}" for r in rows))
     for name in names:
         print(f"{name:>12} " + " ".join(f"{r['cpu_percent'].get(name, 0):>13.1f}%" for r in rows))
     print(json.dumps({"bench": "idle", "rows": rows}))

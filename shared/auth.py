@@ -247,6 +247,7 @@ def permissions(ident: Identity | Credentials) -> dict[str, Any]:
             f"{ev}.job.>",
             subjects.attempt_members("*", "*"),
         ]
+        return {"publish": {"allow": publish}, "subscribe": {"allow": [own_inbox, subjects.beat("*")]}}
     elif role == "registry":
         publish = [
             *lookup,
@@ -272,7 +273,9 @@ def permissions(ident: Identity | Credentials) -> dict[str, Any]:
             f"{ev}.job.>",
             subjects.task_event("*", "*", "*", "*", "*", subjects.PLATFORM),
             subjects.attempt_members("*", "*"),
+            subjects.alive("*"),  # is a silent node's agent still connected? (it answers)
         ]
+        return {"publish": {"allow": publish}, "subscribe": {"allow": [own_inbox, subjects.beat("*")]}}
     elif role == "gateway":
         publish = [
             *lookup,
@@ -309,6 +312,7 @@ def _agent(own_inbox: str, node: str, consumer: str) -> dict[str, Any]:
     )
     publish = [
         f"$KV.{nodes_kv}.{node}",
+        subjects.beat(node),
         subjects.task_event("*", "*", "*", "*", "*", node),
         subjects.node_event(node, ">"),
         subjects.task_logs("*", "*", "*", "*", node),
@@ -339,8 +343,13 @@ def _agent(own_inbox: str, node: str, consumer: str) -> dict[str, Any]:
         subjects.cluster_spec("*", "*"),
         subjects.exec_request(node, "*"),
         subjects.exec_reply(node, "*"),
+        subjects.alive(node),  # the supervisor asking whether it is still there: it answers
     ]
-    return {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}}
+    return {
+        "publish": {"allow": publish},
+        "subscribe": {"allow": subscribe},
+        "allow_responses": {"max": 1, "expires": "1m"},
+    }
 
 
 def authorization(identities: list[Identity]) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Client side of Muster's protocols, used by the CLI and the tests (and by any program that
 submits jobs): publish a config to the submit subject and wait for that submission's verdict;
-ask the gateway about jobs."""
+ask the gateway about jobs, and page through its job list."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import getpass
 import hashlib
 import json
 import uuid
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from nats.aio.client import Client as NATS
@@ -177,3 +178,24 @@ async def ask(
     if "error" in answer:
         raise Refused(answer["error"], int(answer.get("code", 2)))
     return dict(answer)
+
+
+async def job_pages(
+    nc: NATS, limit: int | None = None, page: int = 100, who: str | None = None, **filters: Any
+) -> AsyncIterator[dict[str, Any]]:
+    """The gateway's job list (`jobs`), newest first, page by page: each page as the gateway
+    answers it (`jobs`, `next`; the first also `counts` and `total`), following `next` until
+    there is none or `limit` jobs came. `filters`: state (a list), user, vc, name, since, until
+    (ISO times with a zone). Raises as `ask` does."""
+    got, cursor = 0, None
+    while limit is None or got < limit:
+        size = page if limit is None else min(page, limit - got)
+        request = {k: v for k, v in filters.items() if v is not None} | {"limit": size}
+        if cursor is not None:
+            request["cursor"] = cursor
+        answer = await ask(nc, "jobs", request, who)
+        got += len(answer["jobs"])
+        yield answer
+        cursor = answer.get("next")
+        if not cursor or not answer["jobs"]:
+            return

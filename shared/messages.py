@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from shared.jobconfig import FieldError, JobConfig, Priority
 
@@ -199,7 +199,7 @@ class Assignment(Message):
     attempt: int
     user: str
     config: JobConfig
-    gang: list[TaskSpec]  # every task of the attempt, on every node
+    gang: list[TaskSpec]  # the attempt's tasks on `node` (its peers are in the cluster spec)
     node: str
 
     @property
@@ -219,7 +219,7 @@ class Assignment(Message):
             attempt=attempt.attempt,
             user=job.user,
             config=job.config,
-            gang=[t.spec() for t in attempt.tasks],
+            gang=[t.spec() for t in attempt.tasks if t.node == node],
             node=node,
         )
 
@@ -595,8 +595,9 @@ def dataset_refusal(key: str, ds: Dataset) -> str | None:
 
 class Question(Message):
     """A user's question to the gateway, on `muster.api.<user>.<verb>` (request/reply): which
-    fields matter depends on the verb (jobs: none; job: ref; verdict: sid; logs: job_id, attempt,
-    task, after, limit). The answer is JSON: the result, or {"error", "code"}."""
+    fields matter depends on the verb (jobs: state, user, vc, name, since, until, cursor, limit;
+    job: ref; verdict: sid; logs: job_id, attempt, task, after, limit). The answer is JSON: the
+    result, or {"error", "code"}."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -606,7 +607,15 @@ class Question(Message):
     attempt: int | None = Field(default=None, ge=1)
     task: str | None = Field(default=None, max_length=140)  # ROLE or ROLE.INDEX
     after: int = Field(default=0, ge=0)  # a MUSTER_LOGS (MUSTER_METRICS for metrics) stream sequence
-    limit: int = Field(default=1000, ge=1, le=10000)
+    limit: int = Field(default=1000, ge=1, le=10000)  # jobs: default 100, at most 1000 a page
+    # jobs: which ones (every one given must hold), and where the last page ended (its `next`).
+    state: list[JobState] | None = Field(default=None, min_length=1, max_length=len(JobState))
+    user: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+    vc: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+    name: str | None = Field(default=None, min_length=1, max_length=128)  # part of the job's name
+    since: AwareDatetime | None = None  # submitted at or after
+    until: AwareDatetime | None = None  # submitted before
+    cursor: str | None = Field(default=None, max_length=160, pattern=r"^\d{1,19}\.[-/_=.a-zA-Z0-9]{1,128}$")
 
 
 EXEC_SESSION_RE = r"^[A-Za-z0-9_-]{1,64}$"

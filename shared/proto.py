@@ -114,9 +114,10 @@ CHANNELS: dict[str, Channel] = {
         action="receive",
         description=(
             "A question to the gateway, asked as {user} (only identity {user} may publish here; "
-            "_all: an admin, about every job), answered by request/reply with JSON: jobs (the asker's "
-            "jobs), job (one, with its attempts), verdict (of a submission), logs (a page of output "
-            "lines after a stream sequence), metrics (a page of training metric points, the same way), "
+            "_all: an admin, about every job), answered by request/reply with JSON: jobs (a page of the "
+            "asker's jobs, newest first, filtered, with a cursor to the next), job (one, with its "
+            "attempts), verdict (of a submission), logs (a page of output lines after a stream "
+            "sequence), metrics (a page of training metric points, the same way), "
             "events (a page of the job's history), ping. Another "
             "user's job is answered as no such job."
         ),

@@ -9,7 +9,7 @@ the revision read, retried)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any, Generic, TypeVar
 
 import structlog
@@ -173,7 +173,7 @@ class Store(Generic[M]):
 
     async def mirror(
         self,
-        into: dict[str, Any],
+        into: MutableMapping[str, Any],
         synced: asyncio.Event,
         changed: Callable[[str], None] | None = None,
         keep: Callable[[M], Any] | None = None,
@@ -206,3 +206,42 @@ class Store(Generic[M]):
             except Exception as exc:
                 log.warning("store.watch_restart", bucket=self.bucket, error=str(exc) or type(exc).__name__)
                 await asyncio.sleep(1)
+
+
+T = TypeVar("T")
+
+
+class GroupCommit(Generic[T]):
+    """Items for one record (by key) that arrive while it is being written wait, and go into its
+    next write together: `await add(key, item)` returns once `write(key, items)` has written a
+    batch holding `item` (or raises what that write raised). Items of a key are written in the
+    order they were added, one batch at a time; other keys' meanwhile. A record of size N
+    updated once per item costs O(N) per item, O(N²) for N items arriving together (a gang's
+    endpoints or task events); in batches, it costs O(N) per batch."""
+
+    def __init__(self, write: Callable[[str, list[T]], Awaitable[None]]) -> None:
+        self.write = write
+        self._pending: dict[str, tuple[list[T], asyncio.Future[None]]] = {}
+        self._writers: dict[str, asyncio.Task[None]] = {}
+
+    async def add(self, key: str, item: T) -> None:
+        batch = self._pending.get(key)
+        if batch is None:
+            batch = self._pending[key] = ([], asyncio.get_running_loop().create_future())
+            if key not in self._writers:
+                self._writers[key] = asyncio.create_task(self._drain(key))
+        batch[0].append(item)
+        await asyncio.shield(batch[1])
+
+    async def _drain(self, key: str) -> None:
+        try:
+            while (batch := self._pending.pop(key, None)) is not None:
+                items, done = batch
+                try:
+                    await self.write(key, items)
+                    done.set_result(None)
+                except Exception as exc:
+                    done.set_exception(exc)
+                    done.exception()  # retrieved: each waiter raises it on its own
+        finally:
+            self._writers.pop(key, None)

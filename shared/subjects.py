@@ -73,6 +73,22 @@ def exec_reply(caller: str, sender: str = "*") -> str:
     return f"{EXEC_PREFIX}.out.{caller}.{sender}"
 
 
+# Liveness, on core NATS (never kept): each agent beats on its own node's subject every
+# heartbeat; the scheduler and the supervisor listen. The last token is the node, which only its
+# own agent may publish, so a beat names who sent it. `alive` asks a node's agent directly: the
+# supervisor's check on a node whose beats are late (see services/supervisor/service.py).
+BEAT_PREFIX = "muster.beat"
+ALIVE_PREFIX = "muster.alive"
+
+
+def beat(node: str = "*") -> str:
+    return f"{BEAT_PREFIX}.{node}"
+
+
+def alive(node: str = "*") -> str:
+    return f"{ALIVE_PREFIX}.{node}"
+
+
 # Facts
 EVENTS_PREFIX = "muster.events"
 

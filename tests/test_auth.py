@@ -308,7 +308,7 @@ async def test_users_see_and_kill_only_their_own_jobs(secured):
         listed = {j["job_id"]: j for j in (await client.ask(root, "jobs"))["jobs"]}
         by_name = (await client.ask(root, "job", {"ref": "private"}))["job"]
         assert listed[job.job_id]["job_id"] == by_name["job_id"] == job.job_id
-        assert JobRecord.model_validate(listed[job.job_id]).user == "alice"
+        assert listed[job.job_id]["user"] == JobRecord.model_validate(by_name).user == "alice"
         await alice.jetstream().publish(
             subjects.kill_request("alice"), kill.model_copy(update={"user": "alice"}).to_bytes()
         )

@@ -13,7 +13,7 @@ import pytest
 
 from shared import bus, client, subjects
 from shared.jobconfig import check_job
-from shared.messages import JobRecord, JobState
+from shared.messages import AttemptRecord, JobRecord, JobState, TaskStatus
 from shared.natsserver import free_port
 from tests.test_cli import VALID, muster, write
 
@@ -37,6 +37,10 @@ def _one_line(stderr: str) -> str:
         (("logs", "j", "--attempt", "0"), "--attempt"),
         (("submit", "x.json", "--timeout", "-5"), "--timeout"),
         (("status", "--connect-timeout", "0"), "--connect-timeout"),
+        (("status", "--since", "yesterday"), "--since"),
+        (("status", "--state", "running,dreaming"), "--state"),
+        (("status", "--user", "../alice"), "--user"),
+        (("status", "--limit", "0"), "--limit"),
         (("up", "--gpus", "4xV100,foo"), "--gpus"),
         (("up", "--ports", "9000-x"), "--ports"),
         (("up", "--cpus", "-2"), "--cpus"),
@@ -77,6 +81,10 @@ async def one_job(nats_url, procs):
         attempt=1,
     )
     await buckets[subjects.JOBS_BUCKET].put("j1", record.to_bytes())
+    tasks = [TaskStatus(role="worker", role_no=0, index=i, node="n1") for i in (0, 1)]
+    await buckets[subjects.ATTEMPTS_BUCKET].put(
+        "j1.1", AttemptRecord(job_id="j1", attempt=1, tasks=tasks).to_bytes()
+    )
     await js.publish(subjects.task_logs("j1", 1, "worker", 1, "n1"), b"hello from worker 1")
     for _ in range(100):  # the gateway answers once it has started
         try:

@@ -24,6 +24,7 @@ from services.agent.args import add_agent_arguments
 from services.agent.config import check_task_settings, make_runtime
 from services.agent.docker_runtime import TASK_CAPS, DockerRuntime, parse_caps
 from services.agent.launch import Where, build_launch, image_registry, read_auth_file
+from services.agent.output import OutputLimits
 from services.agent.runtime import LaunchError, TaskLaunch
 from services.agent.tasks import LocalTask, Tasks
 from shared.jobconfig import check_job
@@ -446,6 +447,9 @@ async def test_a_task_printing_its_secrets_shows_them_masked(runtime, engine, ro
         log=structlog.get_logger(),
         progress=types.SimpleNamespace(line=lambda key, line: seen.append(line), untrack=untrack),
         rsh=None,  # no MPI here
+        where=types.SimpleNamespace(work_root=str(roots)),
+        limits=OutputLimits(),
+        keep_output=False,  # its output file is not what this test looks at
     )
     tasks.report_ended = functools.partial(Tasks.report_ended, tasks)
     task = LocalTask(assignment=a, spec=a.gang[0], endpoint=None, ports=[5000])  # type: ignore[arg-type]
@@ -453,7 +457,7 @@ async def test_a_task_printing_its_secrets_shows_them_masked(runtime, engine, ro
     await asyncio.sleep(0.1)  # the publishes
     key = (a.job_id, 1, "w", 0)
     await Tasks._finish(tasks, key, task, TaskCause.EXITED, code, f"exited, {token}")
-    logs = [data.decode() for _, data in published]
+    logs = [line for _, data in published for line in data.decode().split("\n")]  # lines, batched
     assert code == 3 and logs == ["token=***", "db=*** epochs=3", "***"], logs
     assert seen == logs  # metrics are read from the masked lines too
     (event,) = events

@@ -51,8 +51,8 @@ async def test_replicas_taking_turns_on_one_gang_collect_every_endpoint_and_publ
     attempt = gang(6)
     try:
         for i in range(4):
-            await (a if i % 2 == 0 else b).collect(endpoint(i), attempt)
-        await asyncio.gather(a.collect(endpoint(4), attempt), b.collect(endpoint(5), attempt))
+            await (a if i % 2 == 0 else b).collect([endpoint(i)], attempt)
+        await asyncio.gather(a.collect([endpoint(4)], attempt), b.collect([endpoint(5)], attempt))
         entry = await a.kv.get(attempt.key)
         state = Rendezvous.from_bytes(entry.value)
         assert sorted(state.endpoints) == [f"worker.{i}" for i in range(6)]
@@ -61,7 +61,7 @@ async def test_replicas_taking_turns_on_one_gang_collect_every_endpoint_and_publ
         assert len(published) == 1
         assert [e.port for e in published[0].endpoints] == [5000 + i for i in range(6)]
         # A replayed endpoint (a redelivery) changes nothing and publishes nothing new.
-        await b.collect(endpoint(2), attempt)
+        await b.collect([endpoint(2)], attempt)
         assert len(await specs(nats_url, attempt)) == 1
     finally:
         await nca.close()
@@ -82,12 +82,12 @@ async def test_a_gang_of_one_is_published_without_a_read(nats_url):
     r.kv.get = counted  # type: ignore[method-assign]
     try:
         attempt = gang(1)
-        await r.collect(endpoint(0), attempt)
+        await r.collect([endpoint(0)], attempt)
         assert reads == 0
         assert len(await specs(nats_url, attempt)) == 1
         # A replica that has not seen it (a fresh one) guesses "absent", loses the create, reads.
         other, nco = await replica(nats_url)
-        await other.collect(endpoint(0), attempt)
+        await other.collect([endpoint(0)], attempt)
         state = Rendezvous.from_bytes((await r.kv.get(attempt.key)).value)
         assert list(state.endpoints) == ["worker.0"] and state.published
         assert len(await specs(nats_url, attempt)) == 1

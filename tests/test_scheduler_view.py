@@ -113,7 +113,26 @@ def test_only_the_nodes_that_stopped_beating_leave_however_many_beats_came_befor
         assert expired == (s in (6, 15)), s  # c's last beat is 5 s old at 6, b's (9 s) at 15
         assert "a" in v.cluster.nodes
     assert set(v.cluster.nodes) == {"a"}
-    assert len(v._beats) <= 6  # what is left is a's beats within the timeout, not every one seen
+    assert len(v.beats._heap) <= 3  # one entry per node at most, not every beat seen
+
+
+def test_beats_heard_on_the_bus_keep_a_node_without_writes_of_its_record():
+    """Issue 23.3: a node's record is written only when it changes; its beats (core NATS) keep it
+    schedulable, cost a dict write each and wake nothing; a beat after it went quiet brings it
+    back and wakes a plan."""
+    v = View(node_timeout=5)
+    put_node(v, node("a"))
+    for s in range(1, 30):  # its record stays as it was at T0; only beats come
+        at = T0 + timedelta(seconds=s)
+        assert not v.node_beat("a", at) and not v.expire(at)
+        assert "a" in v.cluster.nodes
+    assert v.last_beat("a") == T0 + timedelta(seconds=29)
+    assert v.expire(T0 + timedelta(seconds=35))  # then silence: it leaves
+    assert "a" not in v.cluster.nodes
+    assert v.node_beat("a", T0 + timedelta(seconds=36))  # and its next beat brings it back
+    assert "a" in v.cluster.nodes
+    assert not v.node_beat("unknown", T0)  # a beat of a node with no record places nothing
+    assert "unknown" not in v.cluster.nodes
 
 
 def test_tasks_hold_until_they_end_and_an_attempt_can_come_before_its_job():

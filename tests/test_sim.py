@@ -156,7 +156,8 @@ def test_nodes_are_named_from_a_prefix_and_sort_in_order():
 
 
 def test_heartbeats_are_spread_over_the_period_and_the_timeout_outlasts_them():
-    assert heartbeat_for(10, None) == 2.0 and heartbeat_for(10_000, None) == 40.0
+    # A real agent's period, whatever the number of nodes (issue 23.3: not N/250 s).
+    assert heartbeat_for(10, None) == 2.0 and heartbeat_for(10_000, None) == 2.0
     assert heartbeat_for(10_000, 0.5) == 0.5  # --heartbeat wins
     assert node_timeout_for(2.0) == 5.0 and node_timeout_for(40.0) == 100.0
     # n beats a period, evenly: in any tenth of it, a tenth of the nodes beat.

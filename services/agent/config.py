@@ -154,6 +154,7 @@ def options_from_args(args: argparse.Namespace, data_dir: str = "/tmp/muster") -
     check_task_settings(args)
     check_sim_flags(args)
     check_network(args)
+    check_output_limits()
     return AgentOptions(
         node=node,
         address=args.address or machine_address(),
@@ -172,6 +173,17 @@ def options_from_args(args: argparse.Namespace, data_dir: str = "/tmp/muster") -
         task_user=args.task_user,
         pids_limit=args.pids_limit,
     )
+
+
+def check_output_limits() -> None:
+    """MUSTER_TASK_LOG_* and MUSTER_TASK_OUTPUT_MAX_BYTES (services/agent/output.py), refused
+    when the agent starts rather than at a task's first line."""
+    from services.agent.output import OutputLimits
+
+    try:
+        OutputLimits.from_env()
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def check_task_settings(args: argparse.Namespace) -> None:

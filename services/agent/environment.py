@@ -97,21 +97,23 @@ def render_env(ctx: TaskContext) -> dict[str, str]:
     """Every variable the task (ctx.role, ctx.index) is started with; all values are strings."""
     if ctx.config.elastic:
         ctx = dataclasses.replace(ctx, config=for_spec(ctx.config, ctx.spec))
-    gang = _ordered(ctx.spec, ctx.config)
+    g = _gang(ctx.spec, ctx.config)
+    gang = g.order
     if (ctx.spec.job_id, ctx.spec.attempt) != (ctx.job_id, ctx.attempt):
         raise ValueError(
             f"spec is for {ctx.spec.job_id} attempt {ctx.spec.attempt}, "
             f"task is of {ctx.job_id} attempt {ctx.attempt}"
         )
-    me = next((ep for ep in gang if (ep.role, ep.index) == (ctx.role, ctx.index)), None)
-    if me is None:
+    at = g.position.get((ctx.role, ctx.index))
+    if at is None:
         raise ValueError(f"spec has no task {ctx.role}.{ctx.index}")
+    me = gang[at]
     env = _job_envs(ctx.config)  # first, so that every platform variable below wins
-    env.update(_openpai(ctx, gang, me))
-    env.update(_tf_config(ctx, gang, "TF_CONFIG"))
-    env.update(_tf_config(ctx, gang, "CLUSTER_SPEC"))
-    env.update(_modelarts(ctx, gang))
-    env.update(_pytorch(gang, me))
+    env.update(_openpai(ctx, g, me))
+    env.update(_tf_config(ctx, g, "TF_CONFIG"))
+    env.update(_tf_config(ctx, g, "CLUSTER_SPEC"))
+    env.update(_modelarts(ctx, g))
+    env.update(_pytorch(g, me, at))
     env.update(_mpi(ctx, gang, me))
     env.update(_gpus(ctx.gpus))
     env.update(_muster(ctx, gang, me))
@@ -137,18 +139,23 @@ def render_hostfile(spec: ClusterSpec, config: JobConfig) -> str:
     line, and muster-rsh has it run in that very task, so each task's ranks run in it (with its
     GPUs) even when several share a node, and so an address (docs/mpi.md)."""
     config = for_spec(config, spec)
+    gang = _gang(spec, config)  # one text for every task of the spec
+    if gang.hostfile is not None:
+        return gang.hostfile
     shape = mpi.shape(config)
     if shape is not None:
-        return "".join(
+        gang.hostfile = "".join(
             f"{mpi.host_alias(ep.role, ep.index)} slots={mpi.slots(config, ep.role)}\n"
-            for ep in _ordered(spec, config)
+            for ep in gang.order
             if ep.role == shape.workers
         )
+        return gang.hostfile
     slots: dict[str, int] = {}
-    for ep in _ordered(spec, config):
+    for ep in gang.order:
         gpus = config.taskRoles[ep.role_no].gpuNumber
         slots[ep.host] = slots.get(ep.host, 0) + (gpus if gpus > 0 else 1)
-    return "".join(f"{host} slots={n}\n" for host, n in slots.items())
+    gang.hostfile = "".join(f"{host} slots={n}\n" for host, n in slots.items())
+    return gang.hostfile
 
 
 # ------------------------------------------------------------------ the gang
@@ -189,8 +196,50 @@ def _ordered(spec: ClusterSpec, config: JobConfig) -> list[Endpoint]:
     return gang
 
 
-def _hosts(gang: list[Endpoint], role: str) -> str:
-    return ",".join(ep.address for ep in gang if ep.role == role)
+class Gang:
+    """A spec's gang in spec order and what each task's environment reads of all of it, worked
+    out once for every task of the spec: a task's variables list its whole gang, O(N) each,
+    and a process of many sim nodes holds all N tasks (O(N²) if each did it all again)."""
+
+    def __init__(self, spec: ClusterSpec, config: JobConfig) -> None:
+        self.order = _ordered(spec, config)
+        self.position = {(ep.role, ep.index): i for i, ep in enumerate(self.order)}
+        self.addresses: dict[str, list[str]] = {}  # role -> its tasks' addresses, in order
+        self.on_node: dict[str, list[Endpoint]] = {}  # node -> its tasks, in order
+        for ep in self.order:
+            self.addresses.setdefault(ep.role, []).append(ep.address)
+            self.on_node.setdefault(ep.node, []).append(ep)
+        self._hosts = {role: ",".join(addresses) for role, addresses in self.addresses.items()}
+        self._tf: dict[str, dict[str, list[str]]] = {}
+        self.hostfile: str | None = None  # render_hostfile's text, once made
+
+    def hosts(self, role: str) -> str:
+        return self._hosts.get(role, "")
+
+    def tf_cluster(self, var: str, config: JobConfig) -> dict[str, list[str]]:
+        if var not in self._tf:
+            types = _role_types(config, ROLE_TYPES[var])
+            self._tf[var] = {types[r.name]: self.addresses.get(r.name, []) for r in config.taskRoles}
+        return self._tf[var]
+
+
+_GANGS: dict[int, tuple[ClusterSpec, JobConfig, Gang]] = {}  # id(spec) -> the spec, its config, its gang
+_KEEP = 8
+
+
+def _gang(spec: ClusterSpec, config: JobConfig) -> Gang:
+    """The spec's `Gang`, shared by the tasks launched from the same spec object with equal
+    configs (each order is decoded apart; a few kept, holding their spec, so an id is never
+    reused while kept)."""
+    kept = _GANGS.get(id(spec))
+    if kept is not None and kept[0] is spec and (kept[1] is config or kept[1] == config):
+        return kept[2]
+    gang = Gang(spec, config)
+    _GANGS.pop(id(spec), None)
+    _GANGS[id(spec)] = (spec, config, gang)
+    while len(_GANGS) > _KEEP:
+        del _GANGS[next(iter(_GANGS))]
+    return gang
 
 
 # ------------------------------------------------------------------ variable families
@@ -200,7 +249,7 @@ def _job_envs(config: JobConfig) -> dict[str, str]:
     return {k: v if isinstance(v, str) else json.dumps(v) for k, v in config.jobEnvs.items()}
 
 
-def _openpai(ctx: TaskContext, gang: list[Endpoint], me: Endpoint) -> dict[str, str]:
+def _openpai(ctx: TaskContext, gang: Gang, me: Endpoint) -> dict[str, str]:
     config = ctx.config
     role = config.taskRoles[me.role_no]
     dirs = resolve_dirs(config, ctx.user, ctx.default_fs_uri, ctx.output_root)
@@ -228,8 +277,8 @@ def _openpai(ctx: TaskContext, gang: list[Endpoint], me: Endpoint) -> dict[str, 
         "PAI_CURRENT_TASK_ROLE_CURRENT_TASK_INDEX": str(me.index),
     }
     for i, r in enumerate(config.taskRoles):
-        env[f"PAI_TASK_ROLE_{i}_HOST_LIST"] = _hosts(gang, r.name)
-        env[f"PAI_TASK_ROLE_{r.name}_HOST_LIST"] = _hosts(gang, r.name)
+        env[f"PAI_TASK_ROLE_{i}_HOST_LIST"] = gang.hosts(r.name)
+        env[f"PAI_TASK_ROLE_{r.name}_HOST_LIST"] = gang.hosts(r.name)
     labels = [p.label for p in role.portList]
     for label in labels:
         env[f"PAI_CONTAINER_HOST_{label}_PORT_LIST"] = ",".join(map(str, me.ports[label]))
@@ -247,34 +296,35 @@ def _role_types(config: JobConfig, table: dict[str, str]) -> dict[str, str]:
     return {name: t if taken.count(t) == 1 else name for name, t in mapped.items()}
 
 
-def _tf_config(ctx: TaskContext, gang: list[Endpoint], var: str) -> dict[str, str]:
+def _tf_config(ctx: TaskContext, gang: Gang, var: str) -> dict[str, str]:
     types = _role_types(ctx.config, ROLE_TYPES[var])
-    cluster = {types[r.name]: [ep.address for ep in gang if ep.role == r.name] for r in ctx.config.taskRoles}
+    cluster = gang.tf_cluster(var, ctx.config)
     task = {"type": types[ctx.role], "index": ctx.index}
     return {var: json.dumps({"cluster": cluster, "task": task, "environment": "cloud"})}
 
 
-def _modelarts(ctx: TaskContext, gang: list[Endpoint]) -> dict[str, str]:
+def _modelarts(ctx: TaskContext, gang: Gang) -> dict[str, str]:
     tf_type = ROLE_TYPES["TF_CONFIG"]
     env = {"VC_TASK_INDEX": str(ctx.index)}
     for r in ctx.config.taskRoles:  # roles differing only in case: the first in config order wins
-        env.setdefault(f"VC_{r.name.upper()}_HOSTS", _hosts(gang, r.name))
+        env.setdefault(f"VC_{r.name.upper()}_HOSTS", gang.hosts(r.name))
         env.setdefault(f"VC_{r.name.upper()}_NUM", str(r.taskNumber))
     for kind in ("ps", "worker"):  # the first role of that type, in config order
         role = next((r.name for r in ctx.config.taskRoles if tf_type.get(r.name) == kind), None)
-        env[f"TF_{kind.upper()}_HOSTS"] = _hosts(gang, role) if role else ""
+        env[f"TF_{kind.upper()}_HOSTS"] = gang.hosts(role) if role else ""
     mine = tf_type.get(ctx.role)
     env["MA_TASK_NAME"] = mine if mine in ("ps", "worker") else ctx.role
     return env
 
 
-def _pytorch(gang: list[Endpoint], me: Endpoint) -> dict[str, str]:
-    local = [ep for ep in gang if ep.node == me.node]
+def _pytorch(gang: Gang, me: Endpoint, rank: int) -> dict[str, str]:
+    local = gang.on_node[me.node]
+    first = gang.order[0]
     return {
-        "MASTER_ADDR": gang[0].host,
-        "MASTER_PORT": str(gang[0].port),
-        "WORLD_SIZE": str(len(gang)),
-        "RANK": str(gang.index(me)),
+        "MASTER_ADDR": first.host,
+        "MASTER_PORT": str(first.port),
+        "WORLD_SIZE": str(len(gang.order)),
+        "RANK": str(rank),
         "LOCAL_RANK": str(local.index(me)),
         "LOCAL_WORLD_SIZE": str(len(local)),
     }

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import re
 import time
@@ -66,8 +67,12 @@ from shared.store import Store
 from shared.subjects import Headers
 
 HEARTBEATS_MISSED = Counter(
-    "muster_agent_heartbeats_missed_total", "Heartbeats this agent could not write to the bus", ["node"]
+    "muster_agent_heartbeats_missed_total", "Heartbeats this agent could not send to the bus", ["node"]
 )
+# Seconds between rewrites of a node record that has not changed (see shared/liveness.py): its
+# heartbeat_at is never older than that, for a service that has not heard a beat yet.
+REFRESH = float(os.environ.get("MUSTER_NODE_REFRESH", "60"))
+OBSOLETE_EVERY = 10.0  # seconds between checks that the live tasks' attempts have not ended
 
 log = structlog.get_logger(service="agent")
 
@@ -213,8 +218,10 @@ class Agent:
         self.handling = consume.Handling(
             subjects.agent_consumer(options.node), _order, self._on_order, self.log, key=lambda o: o.key
         )
-        self._last_beat = 0.0  # loop time of the last node record written
+        self._last_beat = 0.0  # loop time of the last beat sent
+        self._written = (-math.inf, -1)  # loop time and reconnect count of the last record written
         self._failing = False  # the last beat failed (logged once per outage)
+        self._checked = 0.0  # loop time of the last check for obsolete tasks
 
     @classmethod
     def builder(cls, options: AgentOptions, runtime: Runtime):
@@ -244,11 +251,24 @@ class Agent:
         )
 
     async def _write_node(self, restarting_until: datetime | None = None) -> None:
-        """(Re)write the node record: registration, heartbeat, drain, restart announcement."""
+        """(Re)write the node record: registration, drain, restart announcement, refresh."""
         await self.nodes.put(self.opts.node, self.info(restarting_until).to_bytes())
+        self._written = (asyncio.get_running_loop().time(), self.nc.stats["reconnects"])
+
+    async def answer_alive(self) -> None:
+        """Answer the supervisor asking whether this node is still there (its beats are late):
+        the subscription lives as long as the connection, so a node whose connection is gone
+        gets "no responders" at once (see services/supervisor/service.py, check_nodes)."""
+
+        async def answer(msg: Msg) -> None:
+            with contextlib.suppress(Exception):
+                await msg.respond(b"")
+
+        await self.nc.subscribe(subjects.alive(self.opts.node), cb=answer)
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.start()
+        await self.answer_alive()
         beat = asyncio.create_task(self._heartbeat(stop))
         try:
             await self._consume(stop)
@@ -324,24 +344,35 @@ class Agent:
             await self.beat()
 
     async def beat(self) -> None:
-        """Rewrite the node record. If the bus lost its state (a new server, a purged bucket),
-        set JetStream up again: the node registers again by itself. Never raises."""
+        """A beat on the node's liveness subject (core NATS: shared/liveness.py), and the node
+        record rewritten when due: after a reconnect, and every REFRESH seconds. If the bus lost
+        its state (a new server, a purged bucket), set JetStream up again: the node registers
+        again by itself. Never raises."""
         loop = asyncio.get_running_loop()
         try:
+            if not self.nc.is_connected:  # a beat now would only wait in the client's buffer
+                raise ConnectionError("not connected to the bus")
             if loop.time() - self._last_beat > bus.node_timeout():
                 # Silent for longer than a node may be (frozen, cut off): the attempts of our
                 # tasks may have been failed and placed elsewhere. Stop what is no longer ours
                 # before the node looks alive again and gets new work.
                 self.log.warning("agent.back_after_silence", seconds=round(loop.time() - self._last_beat, 1))
                 await self.reconciler.stop_obsolete(wait=True)
-            await self._write_node()
+            written_at, reconnects = self._written
+            if loop.time() - written_at >= REFRESH or reconnects != self.nc.stats["reconnects"]:
+                await self._write_node()
+            await self.nc.publish(subjects.beat(self.opts.node), b"")
             self._last_beat = loop.time()
             if self.runtime.can_adopt:
                 _note_read_through(self.opts.work_root)
             if self._failing:
                 self.log.info("agent.heartbeat_restored")
             self._failing = False
-            await self.reconciler.stop_obsolete()
+            if loop.time() - self._checked >= OBSOLETE_EVERY:
+                # A backstop for a kill order never received: each check reads the attempt record
+                # of every live task (O(gang) each), so not every 2 s beat.
+                self._checked = loop.time()
+                await self.reconciler.stop_obsolete()
         except Exception as exc:
             HEARTBEATS_MISSED.labels(self.opts.node).inc()
             if not self._failing:
@@ -412,7 +443,10 @@ class Agent:
                         a.job_id, a.attempt, spec.role, spec.index, "endpoint", self.opts.node
                     ),
                     EndpointReported(
-                        job_id=a.job_id, attempt=a.attempt, gang_size=len(a.gang), endpoint=endpoint
+                        job_id=a.job_id,
+                        attempt=a.attempt,
+                        gang_size=a.config.total_tasks,
+                        endpoint=endpoint,
                     ).to_bytes(),
                     headers={Headers.MSG_ID: f"endpoint:{a.job_id}.{a.attempt}.{spec.key}"},
                 )

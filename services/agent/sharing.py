@@ -46,7 +46,9 @@ class Specs:
 
     def __init__(self, nc: NATS, js: JetStreamContext) -> None:
         self.nc, self.js = nc, js
-        self._reads: dict[AttemptKey, asyncio.Task[ClusterSpec]] = {}
+        # A read and the keys of the spec it read, found once for all its waiters (a sim process
+        # holds a whole gang: a pass over the spec per task would be O(N²)).
+        self._reads: dict[AttemptKey, asyncio.Task[tuple[ClusterSpec, frozenset[str]]]] = {}
         self._waiting: dict[AttemptKey, int] = {}
         self._early: dict[AttemptKey, Any] = {}  # subscriptions made before the endpoint went out
 
@@ -70,17 +72,21 @@ class Specs:
         """The attempt's spec once the registry has published it (the rendezvous barrier); with
         `member` ("<role>.<index>"), one that lists it: a task that joined an elastic attempt
         waits for the version with itself in it (read on its own: that is rare)."""
-        spec = await self._shared(job_id, attempt)
-        if member is None or spec.has(member):
+        spec, members = await self._shared(job_id, attempt)
+        if member is None or member in members:
             return spec
         return await self._read(job_id, attempt, member)
 
-    async def _shared(self, job_id: str, attempt: int) -> ClusterSpec:
+    async def _keyed(self, job_id: str, attempt: int, early: Any) -> tuple[ClusterSpec, frozenset[str]]:
+        spec = await self._read(job_id, attempt, None, early)
+        return spec, frozenset(f"{e.role}.{e.index}" for e in spec.endpoints)
+
+    async def _shared(self, job_id: str, attempt: int) -> tuple[ClusterSpec, frozenset[str]]:
         key = (job_id, attempt)
         read = self._reads.get(key)
         if read is None:
             read = self._reads[key] = asyncio.create_task(
-                self._read(job_id, attempt, None, self._early.pop(key, None))
+                self._keyed(job_id, attempt, self._early.pop(key, None))
             )
         self._waiting[key] = self._waiting.get(key, 0) + 1
         try:

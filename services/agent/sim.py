@@ -17,10 +17,13 @@ agent runs. What 10,000 of them would each do on their own is done once for all:
   consumer have a subject). The server checks filters for overlap at creation, which grows
   with the square of the node count: about 5 s at 10,000 nodes, once at start;
 - heartbeats: one ring beats each node once a period, spread evenly over it, never all at
-  once. The period is --heartbeat, else N / BEATS_PER_SECOND seconds (at least 2), so the bus,
-  scheduler and supervisor see a steady BEATS_PER_SECOND node writes. Nodes are lost after
-  MUSTER_NODE_TIMEOUT without one, which must be longer than the period: `muster up` raises it
-  to `node_timeout_for(period)`; a sim process joining another bus warns.
+  once. The period is --heartbeat, else a real agent's 2 s, whatever N: 10,000 nodes send the
+  5,000 beats a second 10,000 agents would (each a core-NATS message; a node's record is
+  rewritten only when due, shared/liveness.py). Nodes are lost after MUSTER_NODE_TIMEOUT
+  without one, which must be longer than the period: `muster up` raises it to
+  `node_timeout_for(period)`; a sim process joining another bus warns;
+- whether a node is still there (the supervisor asks a quiet node's agent): one subscription
+  answers for every node of the process.
 
 Per-node logs below MUSTER_SIM_LOG_LEVEL (warning) are dropped: 10,000 nodes would each log
 their registration and every task. No GPU discovery, Docker check, fence or port file: sim
@@ -62,8 +65,7 @@ log = structlog.get_logger(service="sim")
 NODES = Gauge("muster_sim_nodes", "Simulated nodes this process has registered")
 
 DEFAULT_GPUS, DEFAULT_CPUS, DEFAULT_MEMORY_MB = "8xV100", 64, 262144
-BEATS_PER_SECOND = 250  # node writes a sim process makes, when --heartbeat does not say
-MIN_HEARTBEAT = 2.0
+HEARTBEAT = 2.0  # seconds: a real agent's period, each sim node's unless --heartbeat says
 CHUNK = 500  # nodes per order consumer
 CONSUMER_IDLE = 600.0  # seconds: the server drops a sim consumer nobody pulls from (a past run's)
 STARTING = 200  # nodes registering at once
@@ -105,9 +107,9 @@ def node_names(prefix: str, n: int) -> list[str]:
 
 
 def heartbeat_for(n: int, given: float | None) -> float:
-    """The heartbeat period of a process of `n` sim nodes: `given`, else one that keeps the
-    node writes at BEATS_PER_SECOND (and no shorter than a real agent's)."""
-    return given if given is not None else max(MIN_HEARTBEAT, n / BEATS_PER_SECOND)
+    """The heartbeat period of a process of `n` sim nodes: `given`, else a real agent's,
+    whatever `n` (each node beats as an agent of its own would)."""
+    return given if given is not None else HEARTBEAT
 
 
 def node_timeout_for(heartbeat: float) -> float:
@@ -211,6 +213,7 @@ class SimFleet:
         started: list[Agent] = []
         try:
             await self._start_all(started)
+            await self.nc.subscribe(subjects.alive("*"), cb=self._answer_alive)
             beats = asyncio.create_task(self._beat_all(stop))
             try:
                 await asyncio.gather(*(self._consume(k, names, stop) for k, names in enumerate(self.chunks)))
@@ -263,6 +266,12 @@ class SimFleet:
                     beating[i] = asyncio.create_task(agents[i].beat())
                     beating[i].add_done_callback(functools.partial(_forget, beating, i))
             done = due
+
+    async def _answer_alive(self, msg: Msg) -> None:
+        """The supervisor asks whether a node is there: its agent answers, as its own would."""
+        if msg.subject[len(subjects.alive("")) :] in self.agents:
+            with contextlib.suppress(Exception):
+                await msg.respond(b"")
 
     def consumer(self, k: int) -> str:
         return f"sim-{self.prefix}-{k}"

@@ -21,6 +21,7 @@ from prometheus_client import Counter, Gauge
 
 from services.agent.inventory import PortPool
 from services.agent.launch import Where, attempt_path, build_launch, resize_signal, task_env, task_name
+from services.agent.output import OutputLimits, Shipper, output_path
 from services.agent.prepare import (
     SYNCED_MARK,
     CodeSyncs,
@@ -80,6 +81,7 @@ class LocalTask:
     masker: Masker | None = None  # its job's secret values, cut out of its output
     version: int = 0  # the spec version its environment describes (elastic attempts have many)
     cluster: ClusterSpec | None = None  # the spec it was started with (None: adopted)
+    shipper: Shipper | None = None  # its output: to its file and, within limits, the stream
 
     def mask(self, text: str) -> str:
         if self.masker is None:
@@ -103,8 +105,11 @@ class Tasks:
         ports: PortPool,
         where: Where,
         specs: Specs | None = None,
+        limits: OutputLimits | None = None,
     ):
         self.nc, self.js, self.runtime, self.reporter = nc, js, runtime, reporter
+        self.limits = limits or OutputLimits.from_env()  # what a task's output may cost (output.py)
+        self.keep_output = runtime.name != "sim"  # a sim task's two lines need no file
         self.specs = specs or Specs(nc, js)  # cluster specs: one read per attempt
         self.attempts, self.ports, self.where = attempts, ports, where
         self.node = where.node
@@ -270,6 +275,8 @@ class Tasks:
         TASKS_ENDED.labels(self.node, outcome).inc()
         reason = task.mask(reason)
         self.log.info("agent.task_ended", task=task.name, exit_code=code, cause=cause, reason=reason)
+        if task.shipper is not None:  # its last lines (and what was cut) before its end is told
+            await task.shipper.close()
         self.report_ended(task.assignment, task.spec, cause, code, reason, list(task.lines))
         remove = getattr(task.handle, "remove", None)
         if remove is not None:
@@ -289,9 +296,13 @@ class Tasks:
         line = task.mask(line)  # a task printing its secrets: logs and last_lines show ***
         task.lines.append(line)
         self.progress.line((a.job_id, a.attempt, spec.role, spec.index), line)
-        subject = subjects.task_logs(a.job_id, a.attempt, spec.role, spec.index, self.node)
-        with contextlib.suppress(Exception):
-            asyncio.get_running_loop().create_task(self.nc.publish(subject, line.encode()))
+        if task.shipper is None:
+            subject = subjects.task_logs(a.job_id, a.attempt, spec.role, spec.index, self.node)
+            path = output_path(self.where.work_root, a.job_id, a.attempt, spec.role, spec.index)
+            task.shipper = Shipper(
+                self.nc.publish, subject, self.node, path if self.keep_output else None, self.limits
+            )
+        task.shipper.line(line)
 
     # ------------------------------------------------------------ elastic attempts: new gangs
 
@@ -372,6 +383,8 @@ class Tasks:
         for task in list(self.live.values()):
             if task.runner is not None:
                 task.runner.cancel()
+            if task.shipper is not None:
+                task.shipper.flush()
 
     # ------------------------------------------------------------ reports
 

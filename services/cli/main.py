@@ -285,8 +285,6 @@ async def follow(nc: NATS, job_id: str, quiet: bool = False, give_up: float = ma
 
 
 async def status(args: argparse.Namespace) -> int:
-    from shared.messages import JobRecord
-
     nc = await connect(args.connect_timeout)
     try:
         if args.job:
@@ -314,33 +312,78 @@ async def status(args: argparse.Namespace) -> int:
                     if not page["more"]:
                         break
             return EXIT_OK
-        records = [JobRecord.model_validate(r) for r in (await ask(nc, "jobs"))["jobs"]]
-        if args.json:
-            out(json.dumps([r.model_dump(mode="json") for r in records], indent=2))
-        else:
-            out(table(records))
-        return EXIT_OK
+        return await list_jobs(nc, args)
     finally:
         await nc.close()
 
 
-def table(records: list[JobRecord]) -> str:
-    if not records:
-        return "no jobs"
-    rows = [("JOB ID", "NAME", "STATE", "USER", "TASKS", "SUBMITTED", "REASON")]
-    for r in records:
-        rows.append(
-            (
-                r.job_id,
-                r.job_name,
-                str(r.state),
-                r.user,
-                str(r.config.total_tasks),
-                r.submitted_at.strftime("%Y-%m-%d %H:%M:%S"),
-                "" if r.state.final else r.reason,
-            )
-        )
-    return columns(rows)
+LIVE, FINISHED = ["WAITING", "RUNNING"], ["SUCCEEDED", "FAILED", "STOPPED"]
+STATES = LIVE + FINISHED
+RECENT = 20  # finished jobs `muster status` shows by default
+HEADER = ("JOB ID", "NAME", "STATE", "USER", "VC", "TASKS", "SUBMITTED", "REASON")
+
+
+async def list_jobs(nc: NATS, args: argparse.Namespace) -> int:
+    """Jobs newest first, as the gateway pages them: by default every live job, then the most
+    recent finished ones; `--all` or `--state` instead. Filtered, at most `--limit`; each page
+    printed as it comes (`--json`: as the gateway answered it, one line each)."""
+    filters = {"user": args.user, "vc": args.vc, "name": args.name, "since": args.since}
+    chosen = bool(args.all or args.state)
+    parts = [(args.state or STATES, args.limit)] if chosen else [(LIVE, None), (FINISHED, RECENT)]
+    widths: list[int] | None = None
+    counts: dict[str, int] = {}
+    shown = wanted = 0
+    for states, most in parts:
+        if args.limit is not None:
+            left = args.limit - shown
+            most = left if most is None else min(most, left)
+            if most <= 0:
+                break
+        async for page in client.job_pages(nc, most, state=states, **filters):
+            if "total" in page:  # the first page of a part
+                counts = counts or page["counts"]
+                wanted += page["total"]
+            shown += len(page["jobs"])
+            if args.json:
+                out(json.dumps(page))
+                continue
+            rows = [job_row(j) for j in page["jobs"]]
+            if rows and widths is None:
+                widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER) - 1)]
+                out(aligned(HEADER, widths))
+            for row in rows:
+                out(aligned(row, widths or []))
+    if args.json:
+        return EXIT_OK
+    if widths is None:
+        out("no jobs")
+    every = sum(counts.values()) if not chosen else wanted
+    if shown < every:
+        told = ", ".join(f"{n:,} {state.lower()}" for state, n in counts.items() if n)
+        if chosen:
+            err(f"muster: {told}; shown: the {shown:,} newest of {wanted:,} (--limit)")
+        else:
+            err(f"muster: {told}; shown: the live jobs and the newest finished (--all, --state, --limit)")
+    return EXIT_OK
+
+
+def job_row(j: dict[str, Any]) -> tuple[str, ...]:
+    final = j["state"] in FINISHED
+    return (
+        j["job_id"],
+        j["job_name"],
+        j["state"],
+        j["user"],
+        j["vc"],
+        str(j["tasks"]),
+        j["submitted_at"][:19].replace("T", " "),
+        "" if final else j["reason"],
+    )
+
+
+def aligned(row: tuple[str, ...], widths: list[int]) -> str:
+    """A row padded to `widths` (the last column is not padded; a wider cell pushes the rest)."""
+    return ("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]).rstrip()
 
 
 def columns(rows: list[tuple[str, ...]]) -> str:
@@ -528,16 +571,19 @@ async def drain(args: argparse.Namespace) -> int:
 
 
 async def show_logs(args: argparse.Namespace) -> int:
+    """A job's output, page by page as the gateway reads it from the stream (no model is
+    imported: its first lines come as soon as the first page does)."""
     nc = await connect(args.connect_timeout)
     try:
-        record = await resolve(nc, args.job)
-        attempt = _attempt_and_task(record, args)
+        job = (await ask(nc, "job", ref=args.job))["job"]
+        attempt = _attempt_and_task(job, args)
 
         def show(lines: list[Any]) -> None:
-            for name, text in lines:
-                out(f"[{name}] {text}")
+            if lines:
+                sys.stdout.write("".join(f"[{name}] {text}\n" for name, text in lines))
+                sys.stdout.flush()
 
-        await _pages(nc, "logs", "lines", record.job_id, attempt, args, show)
+        await _pages(nc, "logs", "lines", job["job_id"], attempt, args, show)
         return EXIT_OK
     finally:
         await nc.close()
@@ -549,10 +595,13 @@ async def show_metrics(args: argparse.Namespace) -> int:
 
     nc = await connect(args.connect_timeout)
     try:
-        record = await resolve(nc, args.job)
+        from shared.messages import JobRecord
+
+        job = (await ask(nc, "job", ref=args.job))["job"]
+        record = JobRecord.model_validate(job)
         if not record.config.metrics:
             raise CliError(f"job {record.job_id} declares no metrics (its config's `metrics`)", EXIT_INVALID)
-        attempt = _attempt_and_task(record, args)
+        attempt = _attempt_and_task(job, args)
         formats = {s.name: s.format for s in record.config.metric_specs}
         if not args.json:
             out(f"{'TIME':<23}  {'TASK':<12}  {'STEP':>8}  {'METRIC':<20}  VALUE")
@@ -593,19 +642,21 @@ async def _pages(
         await asyncio.sleep(0.5)
 
 
-def _attempt_and_task(record: JobRecord, args: argparse.Namespace) -> int:
-    """The attempt `--attempt` names (default: the current one), with `--task` checked."""
+def _attempt_and_task(job: dict[str, Any], args: argparse.Namespace) -> int:
+    """The attempt `--attempt` names (default: the current one) of a job (as the gateway
+    answers it), with `--task` checked."""
     role, _, index = (args.task or "*.*").partition(".")
-    sizes = {r.name: r.taskNumber for r in record.config.taskRoles}
+    sizes = {r["name"]: r["taskNumber"] for r in job["config"]["taskRoles"]}
+    job_id, current = job["job_id"], job["attempt"]
     if args.task and (role not in sizes or (index and int(index) >= sizes[role])):
         tasks = ", ".join(f"{r}.0-{n - 1}" if n > 1 else f"{r}.0" for r, n in sizes.items())
-        raise CliError(f"job {record.job_id} has no task {args.task}; its tasks: {tasks}", EXIT_INVALID)
-    if args.attempt and args.attempt > record.attempt:
-        has = f"its attempts: 1-{record.attempt}" if record.attempt else "it has not started yet"
-        raise CliError(f"job {record.job_id} has no attempt {args.attempt}; {has}", EXIT_INVALID)
-    attempt: int = args.attempt or record.attempt
+        raise CliError(f"job {job_id} has no task {args.task}; its tasks: {tasks}", EXIT_INVALID)
+    if args.attempt and args.attempt > current:
+        has = f"its attempts: 1-{current}" if current else "it has not started yet"
+        raise CliError(f"job {job_id} has no attempt {args.attempt}; {has}", EXIT_INVALID)
+    attempt: int = args.attempt or current
     if attempt == 0:
-        raise CliError(f"job {record.job_id} has not started yet: {record.reason}")
+        raise CliError(f"job {job_id} has not started yet: {job['reason']}")
     return attempt
 
 
@@ -1105,6 +1156,40 @@ COUNT = checked(int, lambda v: v >= 1, "must be a whole number ≥ 1")
 PORT = checked(int, lambda v: 1 <= v <= 65535, "must be a port, 1-65535")
 
 
+NAME = checked(str, lambda v: bool(auth.NAME_RE.match(v)), "letters, digits, '_' and '-'")
+AGO = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def job_states(text: str) -> list[str]:
+    """--state: states by name (any case), comma-separated; `live` and `finished` for their groups."""
+    out: list[str] = []
+    for word in (w.strip().upper() for w in text.split(",")):
+        named = {"LIVE": LIVE, "FINISHED": FINISHED}.get(word, [word] if word in STATES else None)
+        if not named:
+            raise argparse.ArgumentTypeError(
+                f"expected states from {', '.join(s.lower() for s in STATES)}, live, finished; got {text!r}"
+            )
+        out += [s for s in named if s not in out]
+    return out
+
+
+def since(text: str) -> str:
+    """--since: a time ago (30m, 12h, 7d, 2w) or a date/time (local unless it names its zone),
+    as an ISO time with its zone."""
+    from datetime import UTC, datetime, timedelta
+
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([mhdw])", text.strip())
+    try:
+        if m:
+            at = datetime.now(UTC) - timedelta(seconds=float(m[1]) * AGO[m[2]])
+        else:
+            at = datetime.fromisoformat(text.strip())
+            at = at if at.tzinfo else at.astimezone()
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"expected 30m, 12h, 7d, 2w or a date/time, got {text!r}") from None
+    return at.isoformat()
+
+
 def task_ref(text: str) -> str:
     """--task: ROLE or ROLE.INDEX (never a subject wildcard)."""
     m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9_-]*)(?:\.(\d+))?", text)
@@ -1150,10 +1235,28 @@ def parser() -> argparse.ArgumentParser:
     )
     s.set_defaults(func=lambda a: asyncio.run(submit(a)))
 
-    s = sub.add_parser("status", help="list jobs, or show one job by id or name")
+    s = sub.add_parser(
+        "status",
+        help="list jobs, newest first (by default the live ones and the newest finished), "
+        "or show one job by id or name",
+    )
     s.add_argument("job", nargs="?")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="a list: one line per page, as the gateway answers")
     s.add_argument("--events", action="store_true", help="with JOB: its history, event by event")
+    s.add_argument(
+        "--state",
+        type=job_states,
+        help="only jobs in these states, comma-separated (waiting, running, succeeded, failed, stopped; "
+        "live, finished)",
+    )
+    s.add_argument("--all", action="store_true", help="every job still kept, whatever its state")
+    s.add_argument("--user", type=NAME, help="only this user's jobs (an admin's view)")
+    s.add_argument("--vc", type=NAME, help="only jobs of this virtual cluster")
+    s.add_argument("--name", help="only jobs whose name holds this text (any case)")
+    s.add_argument(
+        "--since", type=since, help="only jobs submitted since: 30m, 12h, 7d, or a date/time (2024-05-01)"
+    )
+    s.add_argument("--limit", type=COUNT, help="at most this many jobs")
     s.set_defaults(func=lambda a: asyncio.run(status(a)))
 
     s = sub.add_parser(

@@ -8,17 +8,26 @@ a job that does not exist. Records are stored with secret jobEnvs values already
 
 Verbs (JSON in, JSON out; every answer is `{"error": ..., "code": ...}` or the result):
 - `ping`: who the gateway takes the asker to be.
-- `jobs`: the asker's jobs (every job for an admin).
+- `jobs` `{"state", "user", "vc", "name", "since", "until", "cursor", "limit"}`: a page of the
+  asker's jobs (every job for an admin), newest first, filtered (listing.py): `{"jobs", "next"}`,
+  and on the first page (no cursor) `counts` per state and `total`. At most 1000 (default 100)
+  jobs and 512 KiB a page; pass `next` back as `cursor` for the page after.
 - `job` `{"ref"}`: one job by id or name, with every attempt.
 - `verdict` `{"sid"}`: the stored verdict on one of the asker's submissions.
 - `logs` `{"job_id", "attempt", "task", "after", "limit"}`: output lines after stream sequence
-  `after`, at most `limit` (and 512 KiB) per answer, with `more` when there are others.
+  `after`, about `limit` (and at most 512 KiB) per answer, with `more` when there are others;
+  only lines the task's own node published, for a task the attempt has, count.
 - `metrics` `{"job_id", "attempt", "task", "after", "limit"}`: the training metric batches its
   tasks published (MUSTER_METRICS), paged the same way; only batches from the node each task ran
   on count. `job` also answers each task's latest values of its current attempt.
 - `events` `{"job_id", "after", "limit"}`: the job's history, paged the same way.
 - `vcs`: every virtual cluster: its quota, what it holds (and of that, borrowed beyond the quota),
   its jobs running and waiting. Totals only: anyone may ask.
+
+Streams are read a page at a time by one batched direct get (no consumer): nothing beyond the
+page reaches the gateway, however large the stream. No answer is sent above the server's
+payload limit: one that would be, or that fails to go, is logged, counted and answered with an
+error instead.
 """
 
 from __future__ import annotations
@@ -27,22 +36,18 @@ import asyncio
 import contextlib
 import json
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, ClassVar
 
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter
 from pydantic import ValidationError
 
+from services.gateway.listing import Listing, Query, Summary, cursor_key, micros
 from services.scheduler import placement, quota
 from shared import bus, subjects
 from shared.auth import NAME_RE
@@ -66,7 +71,19 @@ REQUESTS = Counter("muster_gateway_requests_total", "Questions answered by the g
 BAD_BATCHES = Counter(
     "muster_gateway_bad_metric_batches_total", "Metric batches skipped: not decoded or not believed"
 )
+BAD_LOGS = Counter(
+    "muster_gateway_bad_log_messages_total",
+    "Output messages skipped: not from the node their task was placed on, or for a task the attempt has not",
+)
+UNSENT = Counter(
+    "muster_gateway_answers_unsent_total",
+    "Answers not sent as they were: above the server's payload limit, or the send failed",
+    ["verb", "why"],
+)
 MAX_REPLY = 512 * 1024
+JOBS_PAGE, JOBS_PAGE_MAX = 100, 1000  # jobs in a page: by default, at most
+SYNC_WAIT = 10.0  # seconds a question waits for the gateway's first read of the job list
+DIRECT_WAIT = 5.0  # seconds for a page of a stream
 LATEST_TASKS = 64  # `job` answers the latest metrics of at most this many tasks
 KEY_RE = re.compile(r"^[-/_=.a-zA-Z0-9]{1,128}$")
 TASK_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.\d+)?$")
@@ -78,21 +95,7 @@ class Refused(Exception):
         self.code = code
 
 
-@dataclass(frozen=True, slots=True)
-class Listed:
-    """What the gateway keeps of each job for listing and finding by name: the record as its JSON
-    (about a quarter of the decoded record's size, kept for every job of the retention period) and the
-    fields it filters and sorts on."""
-
-    job_id: str
-    user: str
-    job_name: str
-    submitted_at: datetime
-    data: bytes
-
-    @classmethod
-    def of(cls, record: JobRecord) -> Listed:
-        return cls(record.job_id, record.user, record.job_name, record.submitted_at, record.to_bytes())
+Stored = tuple[str, int, bytes]  # a stream message: its subject, sequence and data
 
 
 class Gateway:
@@ -101,7 +104,7 @@ class Gateway:
         self.jobs = Store(buckets[subjects.JOBS_BUCKET], JobRecord)
         self.names = buckets[subjects.JOB_NAMES_BUCKET]
         self.attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
-        self.view: dict[str, Listed] = {}
+        self.listing = Listing()  # every retained job, summarised and indexed
         self.synced = asyncio.Event()
         self.kv_vcs = Store(buckets[subjects.VCS_BUCKET], VirtualCluster, check=vc_refusal)
         self.kv_nodes = Store(buckets[subjects.NODES_BUCKET], NodeInfo, check=node_refusal)
@@ -115,7 +118,7 @@ class Gateway:
         return cls(nc, js, buckets)
 
     async def run(self, stop: asyncio.Event) -> None:
-        mirror = asyncio.create_task(self.jobs.mirror(self.view, self.synced, keep=Listed.of))
+        mirror = asyncio.create_task(self.jobs.mirror(self.listing, self.synced, keep=Summary.of))
         vcs = asyncio.create_task(self.kv_vcs.mirror(self.vcs, self.vcs_synced))
         # A queue group: replicas share the questions.
         sub = await self.nc.subscribe(subjects.api("*", "*"), queue="gateway", cb=self._take)
@@ -161,8 +164,41 @@ class Gateway:
             REQUESTS.labels(verb if verb in self.VERBS else "?", "failed").inc()
             log.warning("gateway.failed", subject=msg.subject[:200], error=str(exc) or type(exc).__name__)
             answer = {"error": f"the gateway could not answer: {type(exc).__name__}", "code": 1}
-        with contextlib.suppress(Exception):
-            await msg.respond(json.dumps(answer, default=str).encode())
+        await self._respond(msg, verb if verb in self.VERBS else "?", answer)
+
+    async def _respond(self, msg: Msg, verb: str, answer: dict[str, Any]) -> None:
+        """Send `answer`; one above the server's payload limit, or that fails to go, is logged,
+        counted and replaced by an error (which may still be lost if the asker went away)."""
+        data = json.dumps(answer, default=str, separators=(",", ":")).encode()
+        if len(data) > self.nc.max_payload:
+            UNSENT.labels(verb, "too_large").inc()
+            log.warning("gateway.answer_too_large", subject=msg.subject[:200], bytes=len(data))
+            error = f"the answer ({len(data)} bytes) is above the server's limit of {self.nc.max_payload}"
+            data = json.dumps({"error": error, "code": 1}).encode()
+        try:
+            await msg.respond(data)
+        except Exception as exc:
+            why = str(exc) or type(exc).__name__
+            UNSENT.labels(verb, "send").inc()
+            log.warning("gateway.answer_unsent", subject=msg.subject[:200], error=why)
+            error = {"error": f"the answer could not be sent: {why}", "code": 1}
+            with contextlib.suppress(Exception):
+                await msg.respond(json.dumps(error).encode())
+
+    @property
+    def budget(self) -> int:
+        """Bytes a page's items may take: MAX_REPLY, within the server's payload limit."""
+        return max(1024, min(MAX_REPLY, self.nc.max_payload - 4096))
+
+    async def listed(self) -> Listing:
+        """The job list, once the gateway has read the bucket through."""
+        try:
+            await asyncio.wait_for(self.synced.wait(), SYNC_WAIT)
+        except TimeoutError:
+            read = len(self.listing)
+            why = f"the gateway is still reading the job list ({read} jobs so far); ask again"
+            raise Refused(why, 1) from None
+        return self.listing
 
     # ------------------------------------------------------------ questions
 
@@ -170,10 +206,27 @@ class Gateway:
         return {"user": who, "admin": who == subjects.ALL}
 
     async def list_jobs(self, who: str, request: Question) -> dict[str, Any]:
-        await asyncio.wait_for(self.synced.wait(), 10)
-        listed = [x for x in self.view.values() if who == subjects.ALL or x.user == who]
-        listed.sort(key=lambda x: x.submitted_at)
-        return {"jobs": [json.loads(x.data) for x in listed]}
+        """A page of the asker's jobs (an admin's: everyone's, or one user's), newest first."""
+        scope = who
+        if request.user is not None and request.user != who:
+            if who != subjects.ALL:
+                raise Refused(f"user {request.user!r}: you may list only your own jobs")
+            scope = request.user
+        try:
+            after = cursor_key(request.cursor) if request.cursor is not None else None
+        except ValueError as exc:
+            raise Refused(str(exc)) from None
+        query = Query(
+            scope=scope,
+            states=tuple(dict.fromkeys(request.state)) if request.state else Query.states,
+            vc=request.vc,
+            name=request.name,
+            since=micros(request.since) if request.since else None,
+            until=micros(request.until) if request.until else None,
+            after=after,
+        )
+        limit = min(request.limit, JOBS_PAGE_MAX) if "limit" in request.model_fields_set else JOBS_PAGE
+        return (await self.listed()).page(query, limit, self.budget)
 
     async def job(self, who: str, request: Question) -> dict[str, Any]:
         record = await self.resolve(who, request.ref)
@@ -255,15 +308,38 @@ class Gateway:
         return record, attempt, role or "*", index or "*"
 
     async def logs(self, who: str, request: Question) -> dict[str, Any]:
+        """A page of output lines (`[task, line]`): only messages on the subject of the node
+        each task was placed on, for tasks the attempt has, are believed; others are skipped
+        and counted (any agent may publish output under its own node's name)."""
         record, attempt, role, index = await self.tasks_asked(who, request)
-        subject = subjects.task_logs(record.job_id, attempt, role, index)
-        after, limit = request.after, request.limit
-
-        def line(m: Msg) -> list[Any]:
-            token = m.subject.split(".")
-            return [f"{token[-3]}.{token[-2]}", m.data.decode("utf-8", "replace")]
-
-        lines, last, more = await self.page(subjects.LOGS_STREAM, subject, after, limit, line)
+        placed = await self.attempts.get(attempt_key(record.job_id, attempt))
+        nodes = {t.key: t.node for t in placed.tasks} if placed is not None else {}
+        task = f"{role}.{index}"
+        node = nodes.get(task, "*") if "*" not in task else "*"  # one task: its own node's subject
+        subject = subjects.task_logs(record.job_id, attempt, role, index, node)
+        msgs, last, more = await self.read(subjects.LOGS_STREAM, subject, request.after, request.limit)
+        lines: list[list[str]] = []
+        size, budget = 0, self.budget
+        for n, (subj, seq, data) in enumerate(msgs):
+            token = subj.split(".")
+            key = f"{token[-3]}.{token[-2]}" if len(token) == 7 else ""
+            if not key or nodes.get(key) != token[-1]:
+                BAD_LOGS.inc()
+                last = seq
+                continue
+            text = data.decode("utf-8", "replace")
+            page = [[key, line] for line in text.split("\n")]
+            cost = len(json.dumps(page, separators=(",", ":")))
+            if lines and (size + cost > budget or len(lines) >= request.limit):
+                more, last = True, msgs[n - 1][1]
+                break
+            if cost > budget:  # one message above a page (not an agent's): as much as fits
+                page = page[: max(1, len(page) * budget // cost)]
+                page[-1] = [key, page[-1][1][: budget // 8]]
+                page.append([key, "[muster: the rest of this message is too large for one answer]"])
+            lines.extend(page)
+            size += cost
+            last = seq
         return {"lines": lines, "last": last, "more": more, "final": record.state.final}
 
     async def metrics(self, who: str, request: Question) -> dict[str, Any]:
@@ -271,37 +347,38 @@ class Gateway:
         `{"task", "points": [{"t", "step", "name", "value"}], "dropped"}`."""
         record, attempt, role, index = await self.tasks_asked(who, request)
         subject = subjects.task_metrics(record.job_id, attempt, role, index)
-        after, limit = request.after, request.limit
         placed = await self.attempts.get(attempt_key(record.job_id, attempt))
         nodes = {t.key: t.node for t in placed.tasks} if placed is not None else {}
-
-        def render(m: Msg) -> dict[str, Any] | None:
-            batch = self.believed(m.subject, m.data, nodes)
-            if batch is None:
-                return None
-            return {
-                "task": f"{batch.role}.{batch.index}",
-                "points": [p.model_dump(mode="json") for p in batch.points],
-                "dropped": batch.dropped,
-            }
-
-        batches, last, more = await self.page(subjects.METRICS_STREAM, subject, after, limit, render)
-        metrics = [b for b in batches if b is not None and (b["points"] or b["dropped"])]
-        return {"batches": metrics, "last": last, "more": more, "final": record.state.final}
+        msgs, last, more = await self.read(subjects.METRICS_STREAM, subject, request.after, request.limit)
+        out = []
+        for subj, _, data in msgs:
+            batch = self.believed(subj, data, nodes)
+            if batch is not None and (batch.points or batch.dropped):
+                out.append(
+                    {
+                        "task": f"{batch.role}.{batch.index}",
+                        "points": [p.model_dump(mode="json") for p in batch.points],
+                        "dropped": batch.dropped,
+                    }
+                )
+        return {"batches": out, "last": last, "more": more, "final": record.state.final}
 
     async def events(self, who: str, request: Question) -> dict[str, Any]:
         """The job's history (submitted, accepted, placed, running, retrying, ended...)."""
         record = await self.resolve(who, request.job_id or request.ref)
         subject = subjects.job_events(record.job_id)
-        events, last, more = await self.page(
-            subjects.EVENTS_STREAM, subject, request.after, request.limit, lambda m: json.loads(m.data)
-        )
+        msgs, last, more = await self.read(subjects.EVENTS_STREAM, subject, request.after, request.limit)
+        events = []
+        for _, _, data in msgs:
+            with contextlib.suppress(ValueError):
+                events.append(json.loads(data))
         return {"events": events, "last": last, "more": more, "final": record.state.final}
 
     async def virtual_clusters(self, who: str, request: Question) -> dict[str, Any]:
         """Per VC: quota (`default`'s is what the others leave of the registered nodes), used
         and borrowed (by live tasks' GPU models), jobs running and waiting."""
-        await asyncio.wait_for(asyncio.gather(self.synced.wait(), self.vcs_synced.wait()), 10)
+        listing = await self.listed()
+        await asyncio.wait_for(self.vcs_synced.wait(), SYNC_WAIT)
         nodes = {name: info async for name, info in self.kv_nodes.items()}
         capacity = quota.capacity_of(placement.NodeState.from_info(n) for n in nodes.values())
         limits = quota.limits(self.vcs, capacity)
@@ -319,21 +396,31 @@ class Gateway:
 
         for name in limits:
             row(name)
-        for listed in list(self.view.values()):
-            record = self.jobs.decode(listed.job_id, listed.data)
-            if record is None or record.state.final:
+        placed: list[Summary] = []
+        for state in (JobState.WAITING, JobState.RUNNING):
+            for s in list(listing.of_state(subjects.ALL, state)):
+                row(s.vc)["waiting" if state == JobState.WAITING else "running"] += 1
+                if s.attempt:
+                    placed.append(s)
+
+        async def holding(s: Summary) -> tuple[JobRecord, AttemptRecord] | None:
+            """A placed job's record and current attempt (the list keeps neither)."""
+            record = await self.jobs.get(s.job_id)
+            if record is None or record.state.final or not record.attempt:
+                return None
+            attempt = await self.attempts.get(attempt_key(record.job_id, record.attempt))
+            return None if attempt is None else (record, attempt)
+
+        held = []
+        for i in range(0, len(placed), 64):
+            held += await asyncio.gather(*(holding(s) for s in placed[i : i + 64]))
+        for pair in held:  # what they hold
+            if pair is None:
                 continue
-            r = row(record.config.virtualCluster)
-            r["waiting" if record.state == JobState.WAITING else "running"] += 1
-            attempt = (
-                await self.attempts.get(attempt_key(record.job_id, record.attempt))
-                if record.attempt
-                else None
-            )
-            if attempt is None:
-                continue
+            record, attempt = pair
             live = [t.spec() for t in attempt.tasks if not t.state.ended]
             use = quota.held(record.config, live, model_of)
+            r = row(record.config.virtualCluster)
             r["used"].add(use)
             if attempt.borrowed:
                 r["borrowed"].add(use)
@@ -356,37 +443,39 @@ class Gateway:
             )
         return {"vcs": out}
 
-    async def page(
-        self, stream: str, subject: str, after: int, limit: int, render: Callable[[Msg], Any]
-    ) -> tuple[list[Any], int, bool]:
-        """Up to `limit` (and MAX_REPLY bytes) messages on `subject` after stream sequence
-        `after`, rendered; the last sequence read; whether there are more."""
-        out: list[Any] = []
-        last, size = after, 0
-        start = (
-            ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after + 1)
-            if after
-            else ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+    async def read(self, stream: str, subject: str, after: int, limit: int) -> tuple[list[Stored], int, bool]:
+        """Up to `limit` messages on `subject` (a filter) after stream sequence `after`, and
+        about `self.budget` bytes of them, by one batched direct get: the server sends the batch
+        and an end-of-batch mark saying how many remain, so nothing beyond the page ever reaches
+        the gateway (no consumer, nothing pushed ahead). Returns the messages, the last
+        sequence read and whether more remain."""
+        budget = self.budget
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(
+            inbox, pending_msgs_limit=limit + 16, pending_bytes_limit=budget + 4 * self.nc.max_payload
         )
-        sub = await self.js.subscribe(subject, stream=stream, ordered_consumer=True, config=start)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DIRECT_WAIT
+        out: list[Stored] = []
+        last = after
         try:
-            # Each message says how many remain after it; the consumer's info, whether there
-            # are any at all (what the server has already pushed counts as delivered).
-            info = await sub.consumer_info()
-            more = info.num_pending > 0 or (info.delivered.consumer_seq or 0) > 0
-            while more and len(out) < limit and size < MAX_REPLY:
-                try:
-                    m = await sub.next_msg(timeout=5)
-                except NatsTimeout:
-                    break
-                out.append(render(m))
-                size += len(m.data) + 64
-                last = m.metadata.sequence.stream
-                more = m.metadata.num_pending > 0
+            request = {"seq": after + 1, "next_by_subj": subject, "batch": limit, "max_bytes": budget}
+            await self.nc.publish(f"$JS.API.DIRECT.GET.{stream}", json.dumps(request).encode(), reply=inbox)
+            while True:
+                m = await sub.next_msg(timeout=max(0.01, deadline - loop.time()))
+                headers = m.headers or {}
+                status = headers.get("Status")
+                if status == "404":  # nothing after `after`
+                    return out, last, False
+                if status == "204":  # the end of the batch
+                    return out, last, int(headers.get("Nats-Num-Pending") or 0) > 0
+                if status:
+                    raise RuntimeError(f"{stream}: {status} {headers.get('Description', '')}".strip())
+                last = int(headers.get("Nats-Sequence") or last)
+                out.append((headers.get("Nats-Subject", ""), last, m.data or b""))
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-        return out, last, more
 
     async def resolve(self, who: str, ref: Any) -> JobRecord:
         """A job the asker may see, by id or else by name; anything else is "no such job"."""
@@ -402,10 +491,9 @@ class Gateway:
                 if record is not None and record.user == who:
                     return record
         else:
-            await asyncio.wait_for(self.synced.wait(), 10)
-            named = [x for x in self.view.values() if x.job_name == ref]
+            named = [x for x in (await self.listed()).values() if x.job_name == ref]
             if named:
-                record = await self.jobs.get(max(named, key=lambda x: x.submitted_at).job_id)
+                record = await self.jobs.get(max(named, key=lambda x: (x.submitted, x.job_id)).job_id)
                 if record is not None:
                     return record
         raise Refused(f"no job with id or name {ref!r}")

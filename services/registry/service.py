@@ -15,6 +15,7 @@ last one; torchrun-style jobs rendezvous by themselves and only need the first m
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
@@ -22,17 +23,24 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
 from shared import bus, consume, subjects
-from shared.messages import AttemptRecord, Endpoint, EndpointReported, Rendezvous, attempt_key
-from shared.store import Store
+from shared.messages import AttemptRecord, Endpoint, EndpointReported, Rendezvous, TaskStatus, attempt_key
+from shared.store import GroupCommit, Store
 from shared.subjects import Headers
 
 log = structlog.get_logger(service="registry")
 SPECS = Counter("muster_registry_specs_total", "Cluster specs published")
 MEMBERS_CONSUMER = "registry-members"
 RECENT = 4096  # rendezvous this replica wrote last, kept as (revision, bytes): writes start there
+IN_FLIGHT = 2048  # endpoints handled at once: a gang this big is collected in one write
+FETCH = 256  # endpoints asked of the server at once
+BATCHED = Histogram(
+    "muster_registry_batch_endpoints",
+    "Endpoints of one attempt collected by one write of its rendezvous",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
+)
 
 
 class Registry:
@@ -41,6 +49,7 @@ class Registry:
         self.kv = buckets[subjects.RENDEZVOUS_BUCKET]
         self.store = Store(self.kv, Rendezvous, cache=RECENT)
         self.attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
+        self.batches = GroupCommit(self._write_batch)  # endpoints of one attempt, written together
 
     @classmethod
     async def build(cls, nc: NATS) -> Registry:
@@ -51,43 +60,63 @@ class Registry:
         sub = await bus.durable(
             self.js, subjects.ENDPOINTS, subjects.REGISTRY_CONSUMER, subjects.EVENTS_STREAM
         )
+        # No order per attempt: the endpoints of one attempt are handled together (`on_endpoint`),
+        # as many in flight as a big gang has, so each write of its rendezvous takes them all.
         handling = consume.Handling(
             subjects.REGISTRY_CONSUMER,
             consume.sent(EndpointReported),
             self.on_endpoint,
             log,
-            key=lambda r: attempt_key(r.message.job_id, r.message.attempt),
+            parallel=IN_FLIGHT,
         )
         changes = await bus.durable(
             self.js, subjects.attempt_members("*", "*"), MEMBERS_CONSUMER, subjects.EVENTS_STREAM
         )
         on_change = consume.Handling(MEMBERS_CONSUMER, _named_attempt, self.on_members, log, key=lambda k: k)
-        await asyncio.gather(consume.serve(sub, handling, stop), consume.serve(changes, on_change, stop))
+        await asyncio.gather(
+            consume.serve(sub, handling, stop, FETCH), consume.serve(changes, on_change, stop)
+        )
 
     async def on_members(self, key: str) -> None:
         """An elastic attempt's members changed without a new endpoint: publish its next spec."""
         attempt = await self.attempts.get(key)
         if attempt is not None and attempt.elastic and not attempt.ended:
-            await self.collect(None, attempt)
+            await self.collect([], attempt)
 
     async def on_endpoint(self, sent: consume.Sent[EndpointReported]) -> None:
         """Collect an endpoint only from the node its task was placed on, for an attempt that
-        exists and has not ended: a spec is only ever published for a real gang."""
-        report = sent.message
-        attempt = await self.attempts.get(attempt_key(report.job_id, report.attempt))
-        why = (
-            "no such attempt" if attempt is None else endpoint_refusal(report, sent.subject, sent.by, attempt)
-        )
-        if why is not None:
-            consume.REFUSED.labels("endpoint").inc()
-            log.warning("registry.endpoint_refused", subject=sent.subject[:200], why=why)
-            return
-        assert attempt is not None
-        await self.collect(report.endpoint, attempt)
+        exists and has not ended: a spec is only ever published for a real gang.
 
-    async def collect(self, ep: Endpoint | None, attempt: AttemptRecord) -> None:
-        """Add `ep` (if any) to the attempt's rendezvous; publish the spec once every member's
-        endpoint is in (for an elastic attempt, again whenever its members change)."""
+        The endpoints of one attempt that arrive while its rendezvous is being written wait and
+        go into the next write together (group commit): one read of the attempt record and one
+        read-modify-write of the rendezvous per batch, not per endpoint, so a gang of N costs
+        O(N) however its endpoints come. Each handler returns (and its message is acked) only
+        once the write that holds its endpoint is done; a failed write fails them all
+        (redelivered)."""
+        await self.batches.add(attempt_key(sent.message.job_id, sent.message.attempt), sent)
+
+    async def _write_batch(self, key: str, items: list[consume.Sent[EndpointReported]]) -> None:
+        attempt = await self.attempts.get(key)
+        tasks = {t.key: t for t in attempt.tasks} if attempt is not None else {}
+        accepted = []
+        for sent in items:
+            why = (
+                "no such attempt"
+                if attempt is None
+                else endpoint_refusal(sent.message, sent.subject, sent.by, attempt, tasks)
+            )
+            if why is not None:
+                consume.REFUSED.labels("endpoint").inc()
+                log.warning("registry.endpoint_refused", subject=sent.subject[:200], why=why)
+            else:
+                accepted.append(sent.message.endpoint)
+        if attempt is not None and accepted:
+            BATCHED.observe(len(accepted))
+            await self.collect(accepted, attempt)
+
+    async def collect(self, eps: Sequence[Endpoint], attempt: AttemptRecord) -> None:
+        """Add `eps` to the attempt's rendezvous in one write; publish the spec once every
+        member's endpoint is in (for an elastic attempt, again whenever its members change)."""
         key = attempt.key
         members = sorted(t.key for t in attempt.members())
         # First try on what this replica last wrote (or, for an attempt it has not seen, on no
@@ -105,7 +134,7 @@ class Registry:
                     revision, data = None, None
             fresh = Rendezvous(job_id=attempt.job_id, attempt=attempt.attempt, gang_size=len(members))
             state = (self.store.decode(key, data) if data else None) or fresh  # garbage is replaced
-            if ep is not None:
+            for ep in eps:
                 state.endpoints[f"{ep.role}.{ep.index}"] = ep
             if attempt.elastic:  # the gang is its members now: a removed or ended task leaves it
                 state.gang_size = len(members)
@@ -157,16 +186,23 @@ def _named_attempt(msg: Any) -> str:
 
 
 def endpoint_refusal(
-    report: EndpointReported, subject: str, sender: str, attempt: AttemptRecord
+    report: EndpointReported,
+    subject: str,
+    sender: str,
+    attempt: AttemptRecord,
+    tasks: dict[str, TaskStatus] | None = None,
 ) -> str | None:
-    """Why an endpoint report may not be collected, or None."""
+    """Why an endpoint report may not be collected, or None. `tasks`: the attempt's tasks by
+    key, when the caller has them (a batch checks each endpoint without a pass over the gang)."""
     ep = report.endpoint
     expected = subjects.task_event(report.job_id, report.attempt, ep.role, ep.index, "endpoint", sender)
     if subject != expected:
         return f"payload does not match its subject (expected {expected})"
     if attempt.ended:
         return f"attempt {attempt.key} has ended"
-    task = next((t for t in attempt.tasks if t.role == ep.role and t.index == ep.index), None)
+    if tasks is None:
+        tasks = {t.key: t for t in attempt.tasks}
+    task = tasks.get(f"{ep.role}.{ep.index}")
     if task is None:
         return f"attempt {attempt.key} has no task {ep.role}.{ep.index}"
     if sender != task.node or ep.node != task.node:

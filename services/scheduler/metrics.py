@@ -62,7 +62,7 @@ def snapshot(view: View, at: datetime) -> Snapshot:
     for status in ("alive", "lost", "drained", "restarting"):
         snap.nodes[status] += 0
     for name, info in view.nodes.items():
-        age = max(0.0, (at - info.heartbeat_at).total_seconds())
+        age = max(0.0, (at - (view.last_beat(name) or info.heartbeat_at)).total_seconds())
         snap.heartbeat_age[name] = age
         if info.drained:
             snap.nodes["drained"] += 1

@@ -26,6 +26,7 @@ from services.scheduler import placement, quota
 from services.scheduler.avoid import AVOID_WINDOW
 from services.supervisor.policy import attempt_to_place
 from shared.jobconfig import JobConfig, rank
+from shared.liveness import Beats
 from shared.messages import (
     AttemptRecord,
     FailureKind,
@@ -109,9 +110,9 @@ class View:
         self._queued: dict[str, tuple[datetime, str]] = {}  # job id -> its entry in _waiting
         self._policy: dict[str, tuple[Any, ...]] = {}  # waiting job -> what attempt_to_place reads
         self._due: list[tuple[datetime, str]] = []  # heap: (not_before, job id) of backoffs
-        # heap: (heartbeat_at, node) of every beat seen from a schedulable node; an entry older
-        # than the node's latest beat is stale and skipped when it comes out
-        self._beats: list[tuple[datetime, str]] = []
+        # Each node's last sign of life (its record's heartbeat_at, or a beat heard on the bus),
+        # and which have gone quiet (shared/liveness.py).
+        self.beats = Beats(node_timeout)
         self.ranked: set[str] = set()  # jobs not ended whose priority is not normal
         self.elastic: set[str] = set()  # attempts not ended with elastic roles
 
@@ -120,16 +121,17 @@ class View:
     def _schedulable(self, info: NodeInfo | None, at: datetime) -> bool:
         return (
             info is not None
-            and info.heartbeat_at >= at - self.node_timeout
+            and self.beats.alive(info.node, at)
             and info.restarting_until is None
             and not info.drained
         )
 
     def node_changed(self, name: str, at: datetime) -> bool:
         info = self.nodes.get(name)
+        if info is not None:
+            self.beats.saw(name, info.heartbeat_at)
         if info is None or not self._schedulable(info, at):
             return self._drop(name)
-        heapq.heappush(self._beats, (info.heartbeat_at, name))
         shape = (info.cpus, info.memory_mb, tuple((d.index, d.model) for d in info.gpus))
         if self._shape.get(name) == shape:
             return False  # a heartbeat: nothing a plan reads has changed
@@ -137,6 +139,17 @@ class View:
         self.capacity.add(placement.NodeState.from_info(info))
         self._rebuild(name)
         return True
+
+    def node_beat(self, name: str, at: datetime) -> bool:
+        """A beat heard from `name` at `at`: whether it brought a quiet node back (a plan may
+        change). A beat of a node already schedulable costs a dict write."""
+        if not self.beats.saw(name, at) or name not in self.nodes:
+            return False
+        return self.node_changed(name, at)
+
+    def last_beat(self, name: str) -> datetime | None:
+        """The node's last sign of life: its last beat, or its record's heartbeat_at."""
+        return self.beats.last.get(name)
 
     def _drop(self, name: str) -> bool:
         if name not in self._shape:
@@ -168,12 +181,8 @@ class View:
         Costs what has expired since the last call, not a pass over the nodes (it runs before
         every cycle)."""
         changed = False
-        cutoff = at - self.node_timeout
-        while self._beats and self._beats[0][0] < cutoff:
-            _, name = heapq.heappop(self._beats)
-            info = self.nodes.get(name)
-            if info is None or info.heartbeat_at < cutoff:  # else a newer beat is in the heap
-                changed |= self._drop(name)
+        for name in self.beats.quiet(at):
+            changed |= self._drop(name)
         while self._due and self._due[0][0] <= at:
             _, job_id = heapq.heappop(self._due)
             changed |= job_id in self._queued

@@ -25,7 +25,7 @@ them (EDL's fault tolerance).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import NamedTuple, Protocol
@@ -58,52 +58,93 @@ GOES_ON = Decision(outcome=None)
 
 
 def decide(config: JobConfig, tasks: list[TaskStatus]) -> Decision:
-    tasks = [t for t in tasks if not t.removed]
-    succeeded = [t for t in tasks if t.state == TaskState.SUCCEEDED]
-    failed = [t for t in tasks if t.state in (TaskState.FAILED, TaskState.STOPPED)]
+    return Tally(config, tasks).decide()
 
-    n = config.killAllOnCompletedTaskNumber or 0
-    if n > 0 and len(succeeded) >= n:
-        return Decision(
-            JobState.SUCCEEDED, f"killAllOnCompletedTaskNumber: {len(succeeded)} of {n} tasks completed", True
-        )
 
-    for role in config.taskRoles:
-        threshold = role.minFailedTaskCount or 1
-        count = sum(1 for t in failed if t.role == role.name)
-        if role.elastic and role.minTaskNumber:
-            going = sum(
-                1
-                for t in tasks
-                if t.role == role.name and t.state not in (TaskState.FAILED, TaskState.STOPPED)
-            )
-            if going >= role.minTaskNumber:
-                continue  # enough left: the attempt goes on, the scheduler replaces what failed
-        if count >= threshold:
-            first = next(t for t in failed if t.role == role.name)
-            why = f"exit code {first.exit_code}" if first.exit_code not in (None, -1) else first.reason
-            rule = (
-                f"minTaskNumber: {count} of role {role.name} failed, fewer than {role.minTaskNumber} left"
-                if role.elastic
-                else f"minFailedTaskCount: {count} of role {role.name} failed (≥ {threshold})"
-            )
-            return Decision(JobState.FAILED, f"{rule}; {role.name}[{first.index}]: {why}", True)
+FAILED_STATES = (TaskState.FAILED, TaskState.STOPPED)
 
-    shape = mpi.shape(config)
-    if shape is not None and any(shape.is_launcher(t.role, t.index) for t in succeeded):
-        return Decision(JobState.SUCCEEDED, f"MPI launcher {shape.launcher}[0] succeeded", True)
 
-    for role in config.taskRoles:
-        wanted = role.minSucceededTaskCount
-        count = sum(1 for t in succeeded if t.role == role.name)
-        if wanted and count >= wanted:
+class Tally:
+    """What `decide` reads of an attempt's tasks, counted once (O(tasks)) and then kept up to date
+    task by task (`change`, O(1)), so that deciding after each of a gang's N events costs O(N)
+    in all, not O(N) each."""
+
+    def __init__(self, config: JobConfig, tasks: list[TaskStatus]) -> None:
+        self.config, self.tasks = config, tasks
+        self.shape = mpi.shape(config)
+        self.succeeded: dict[str, int] = {}  # per role
+        self.failed: dict[str, list[int]] = {}  # per role: positions in `tasks` of failed ones
+        self.going: dict[str, int] = {}  # per role: neither failed nor stopped
+        self.ended = self.counted = self.launchers = 0
+        for i, t in enumerate(tasks):
+            self._count(t, i, 1)
+
+    def _count(self, t: TaskStatus, i: int, sign: int) -> None:
+        if t.removed:
+            return
+        self.counted += sign
+        if t.state.ended:
+            self.ended += sign
+        if t.state == TaskState.SUCCEEDED:
+            self.succeeded[t.role] = self.succeeded.get(t.role, 0) + sign
+            if self.shape is not None and self.shape.is_launcher(t.role, t.index):
+                self.launchers += sign
+        if t.state in FAILED_STATES:
+            positions = self.failed.setdefault(t.role, [])
+            if sign > 0:
+                positions.append(i)
+            else:
+                positions.remove(i)
+        else:
+            self.going[t.role] = self.going.get(t.role, 0) + sign
+
+    def change(self, i: int, update: dict[str, object]) -> None:
+        """Apply `update` (fields) to task `i`, keeping the counts."""
+        t = self.tasks[i]
+        self._count(t, i, -1)
+        for name, value in update.items():
+            setattr(t, name, value)
+        self._count(t, i, 1)
+
+    def decide(self) -> Decision:
+        config = self.config
+        n = config.killAllOnCompletedTaskNumber or 0
+        done = sum(self.succeeded.values())
+        if n > 0 and done >= n:
             return Decision(
-                JobState.SUCCEEDED, f"minSucceededTaskCount: {count} of role {role.name} succeeded", True
+                JobState.SUCCEEDED, f"killAllOnCompletedTaskNumber: {done} of {n} tasks completed", True
             )
 
-    if all(t.state.ended for t in tasks):
-        return Decision(JobState.SUCCEEDED, "all tasks ended", False)
-    return GOES_ON
+        for role in config.taskRoles:
+            threshold = role.minFailedTaskCount or 1
+            failed = self.failed.get(role.name, [])
+            if role.elastic and role.minTaskNumber and self.going.get(role.name, 0) >= role.minTaskNumber:
+                continue  # enough left: the attempt goes on, the scheduler replaces what failed
+            if len(failed) >= threshold:
+                first = self.tasks[min(failed)]
+                why = f"exit code {first.exit_code}" if first.exit_code not in (None, -1) else first.reason
+                left = role.minTaskNumber
+                rule = (
+                    f"minTaskNumber: {len(failed)} of role {role.name} failed, fewer than {left} left"
+                    if role.elastic
+                    else f"minFailedTaskCount: {len(failed)} of role {role.name} failed (≥ {threshold})"
+                )
+                return Decision(JobState.FAILED, f"{rule}; {role.name}[{first.index}]: {why}", True)
+
+        if self.shape is not None and self.launchers:
+            return Decision(JobState.SUCCEEDED, f"MPI launcher {self.shape.launcher}[0] succeeded", True)
+
+        for role in config.taskRoles:
+            wanted = role.minSucceededTaskCount
+            count = self.succeeded.get(role.name, 0)
+            if wanted and count >= wanted:
+                return Decision(
+                    JobState.SUCCEEDED, f"minSucceededTaskCount: {count} of role {role.name} succeeded", True
+                )
+
+        if self.ended == self.counted:
+            return Decision(JobState.SUCCEEDED, "all tasks ended", False)
+        return GOES_ON
 
 
 def task_state_for(cause: TaskCause | None, exit_code: int | None) -> TaskState:
@@ -262,14 +303,23 @@ def attempt_to_place(job: Placeable, current: AttemptRecord | None, at: datetime
 # ------------------------------------------------------------------ applying facts to records
 
 
-def event_refusal(ev: TaskEvent, subject: str, sender: str, attempt: AttemptRecord) -> str | None:
+def event_refusal(
+    ev: TaskEvent,
+    subject: str,
+    sender: str,
+    attempt: AttemptRecord,
+    tasks: dict[str, TaskStatus] | None = None,
+) -> str | None:
     """Why a task event may not be applied, or None: it must name the task its subject names,
     and come from the node that task was placed on (or from the platform, PLATFORM, which only
-    the supervisor may send as) — so no identity can end, or start, another node's task."""
+    the supervisor may send as) — so no identity can end, or start, another node's task.
+    `tasks`: the attempt's tasks by key, when the caller has them (no pass over the gang)."""
     expected = subjects.task_event(ev.job_id, ev.attempt, ev.role, ev.index, ev.kind, sender)
     if subject != expected:
         return f"payload does not match its subject (expected {expected})"
-    task = next((t for t in attempt.tasks if t.role == ev.role and t.index == ev.index), None)
+    if tasks is None:
+        tasks = {t.key: t for t in attempt.tasks}
+    task = tasks.get(f"{ev.role}.{ev.index}")
     if task is None:
         return f"attempt {attempt.key} has no task {ev.role}.{ev.index}"
     if sender != subjects.PLATFORM and sender != task.node:
@@ -280,26 +330,56 @@ def event_refusal(ev: TaskEvent, subject: str, sender: str, attempt: AttemptReco
 def apply_task_event(config: JobConfig, attempt: AttemptRecord, ev: TaskEvent, at: datetime) -> bool:
     """Record a task's start or end on its attempt (in place) and end the attempt when `decide`
     says so. Returns whether anything changed: a replayed or late event changes nothing."""
-    task = next((t for t in attempt.tasks if t.role == ev.role and t.index == ev.index), None)
-    if task is None:
-        return False
-    if ev.kind == TaskEventKind.RUNNING:
-        if task.state != TaskState.PLACED:
-            return False
-        task.state, task.started_at = TaskState.RUNNING, ev.at
-    else:
-        if task.state.ended:
-            return False
-        task.state = task_state_for(ev.cause, ev.exit_code)
-        task.cause, task.exit_code, task.reason = ev.cause, ev.exit_code, ev.reason
-        task.last_lines, task.ended_at = ev.last_lines, ev.at
-    if not attempt.ended:
-        decision = decide(config, attempt.tasks)
+    return apply_task_events(config, attempt, [ev], at)[0]
+
+
+def apply_task_events(
+    config: JobConfig, attempt: AttemptRecord, events: list[TaskEvent], at: datetime
+) -> list[bool]:
+    """`apply_task_event` for each of `events` in turn (the events of one attempt that came
+    together), deciding after each as if alone, in O(tasks + events) for all of them. Returns,
+    for each event, whether it changed anything."""
+    position = {(t.role, t.index): i for i, t in enumerate(attempt.tasks)}
+    tally: Tally | None = None
+    out = []
+    for ev in events:
+        i = position.get((ev.role, ev.index))
+        task = attempt.tasks[i] if i is not None else None
+        update: dict[str, object]
+        if task is None:
+            update = {}
+        elif ev.kind == TaskEventKind.RUNNING:
+            update = (
+                {"state": TaskState.RUNNING, "started_at": ev.at} if task.state == TaskState.PLACED else {}
+            )
+        elif task.state.ended:
+            update = {}
+        else:
+            update = {
+                "state": task_state_for(ev.cause, ev.exit_code),
+                "cause": ev.cause,
+                "exit_code": ev.exit_code,
+                "reason": ev.reason,
+                "last_lines": ev.last_lines,
+                "ended_at": ev.at,
+            }
+        out.append(bool(update))
+        if not update:
+            continue
+        assert i is not None
+        if attempt.ended:  # the decision is made: the tally is not needed any more
+            for name, value in update.items():
+                setattr(attempt.tasks[i], name, value)
+            continue
+        if tally is None:
+            tally = Tally(config, attempt.tasks)
+        tally.change(i, update)
+        decision = tally.decide()
         if decision.outcome is not None:
             attempt.ended_at, attempt.outcome, attempt.rule = at, decision.outcome, decision.rule
             if decision.outcome == JobState.FAILED:
                 attempt.failure = classify(attempt.tasks)
-    return True
+    return out
 
 
 def settle(
@@ -327,14 +407,19 @@ def settle(
     return job.model_copy(update=update), step
 
 
-def lost_nodes(nodes: Iterable[NodeInfo], at: datetime, timeout: float) -> dict[str, NodeInfo]:
-    """Nodes whose agent has been silent for longer than `timeout` seconds, or, when it said it
+def lost_nodes(
+    nodes: Iterable[NodeInfo], at: datetime, timeout: float, seen: Mapping[str, datetime] | None = None
+) -> dict[str, NodeInfo]:
+    """Nodes whose agent has been silent for longer than `timeout` seconds (its record's
+    heartbeat_at, or `seen`: a later sign of life, a beat heard on the bus), or, when it said it
     was restarting, past the restart grace it announced."""
     cutoff = at - timedelta(seconds=timeout)
+    seen = seen or {}
     return {
         n.node: n
         for n in nodes
-        if n.heartbeat_at < cutoff and (n.restarting_until is None or n.restarting_until < at)
+        if max(n.heartbeat_at, seen.get(n.node, n.heartbeat_at)) < cutoff
+        and (n.restarting_until is None or n.restarting_until < at)
     }
 
 

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
+import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
@@ -33,7 +34,8 @@ from prometheus_client import Counter, Histogram
 
 from services.supervisor import policy
 from services.supervisor.policy import Finished, NextStep, RetryLimits
-from shared import bus, consume, service, subjects
+from shared import bus, consume, liveness, service, subjects
+from shared.liveness import Beats
 from shared.messages import (
     AttemptRecord,
     JobEvent,
@@ -53,7 +55,7 @@ from shared.messages import (
     node_refusal,
     now,
 )
-from shared.store import Store
+from shared.store import GroupCommit, Store
 from shared.subjects import Headers
 
 log = structlog.get_logger(service="supervisor")
@@ -84,6 +86,14 @@ TO_RUNNING = Histogram(
 )
 
 DAY = 24 * 3600.0
+ALIVE_WAIT = 1.0  # seconds a quiet node's agent has to answer whether it is there
+IN_FLIGHT = 2048  # task events handled at once: a gang this big is recorded in one write
+FETCH = 256  # task events asked of the server at once
+BATCHED = Histogram(
+    "muster_supervisor_batch_events",
+    "Task events of one attempt applied by one write of its record",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
+)
 
 
 def _seconds(name: str, default: float) -> float:
@@ -146,6 +156,16 @@ class Supervisor:
         self.declared: set[str] = set()  # "<attempt>/<task>" this replica already declared ended
         self.lost: set[str] = set()  # nodes seen lost, counted once until they beat again
         self.prunes = 0
+        self.batches = GroupCommit(self.apply_events)  # events of one attempt, written together
+        # Liveness (shared/liveness.py): each node's last sign of life, the nodes found quiet
+        # (no sign for the node timeout) and not heard since, and, for the nodes with tasks
+        # not ended, where those tasks are: a lost node costs its own tasks, not a pass over
+        # every task of every attempt.
+        self.beats = Beats(self.node_timeout)
+        self.quiet: set[str] = set()
+        self.stall_grace = _seconds("MUSTER_NODE_STALL_GRACE", 3 * self.node_timeout)
+        self.tasks_on: dict[str, dict[str, list[int]]] = {}  # node -> attempt key -> task positions
+        self._nodes_of: dict[str, set[str]] = {}  # attempt key -> nodes in tasks_on
 
     @classmethod
     async def build(cls, nc: NATS) -> Supervisor:
@@ -163,12 +183,10 @@ class Supervisor:
         kills = await bus.durable(
             self.js, subjects.KILL, subjects.SUPERVISOR_KILL_CONSUMER, subjects.SUBMISSIONS_STREAM
         )
+        # No order per key here: `on_task_event` keeps each attempt's events in order itself,
+        # and handles as many at once as a big gang sends.
         on_event = consume.Handling(
-            subjects.SUPERVISOR_CONSUMER,
-            consume.sent(TaskEvent),
-            self.on_task_event,
-            log,
-            key=lambda e: e.message.job_id,
+            subjects.SUPERVISOR_CONSUMER, consume.sent(TaskEvent), self.on_task_event, log, parallel=IN_FLIGHT
         )
         on_kill = consume.Handling(
             subjects.SUPERVISOR_KILL_CONSUMER,
@@ -177,17 +195,20 @@ class Supervisor:
             log,
             key=lambda r: r.message.job_id,
         )
+        await liveness.listen(self.nc, self.heard)  # before the nodes' records: no beat is missed
         mirrors = [
-            asyncio.create_task(self.nodes.mirror(self.view_nodes, self.synced["nodes"])),
+            asyncio.create_task(self.nodes.mirror(self.view_nodes, self.synced["nodes"], self.node_changed)),
             asyncio.create_task(self.jobs.mirror(self.view_jobs, self.synced["jobs"], keep=Finished.held)),
             asyncio.create_task(
-                self.attempts.mirror(self.view_attempts, self.synced["attempts"], keep=policy.unsettled)
+                self.attempts.mirror(
+                    self.view_attempts, self.synced["attempts"], self.attempt_changed, keep=policy.unsettled
+                )
             ),
         ]
         service.ROUTES["/sd/agents"] = lambda: json.dumps(agent_targets(self.view_nodes.values())).encode()
         try:
             await asyncio.gather(
-                consume.serve(events, on_event, stop),
+                consume.serve(events, on_event, stop, FETCH),
                 consume.serve(kills, on_kill, stop, 16),
                 self.watch(stop),
             )
@@ -199,43 +220,72 @@ class Supervisor:
     # ------------------------------------------------------------ task events
 
     async def on_task_event(self, sent: consume.Sent[TaskEvent]) -> None:
-        ev = sent.message
+        """Queue the event for its attempt's next write and return once that write is done.
+
+        The events of one attempt that arrive while its record is being written go into the next
+        write together, in the order they came (group commit): one read-modify-write of the
+        attempt record per batch, not per event, so a gang of N starting (N running events) or
+        lost (N declared ends) costs O(N), not N writes of an O(N) record. A failed batch fails
+        each of its handlers (their messages are redelivered)."""
+        await self.batches.add(attempt_key(sent.message.job_id, sent.message.attempt), sent)
+
+    async def apply_events(self, key: str, items: list[consume.Sent[TaskEvent]]) -> None:
+        """Apply task events of the attempt `key`, in order, in one write of its record."""
+        first = items[0].message
         # Read for what never changes (the job's config; where the attempt's tasks were placed):
         # the mirrored copy serves; the stored record when the mirror has none yet, or holds
         # the job only as finished (a late event).
-        held = self.view_jobs.get(ev.job_id)
-        job = held if isinstance(held, JobRecord) else await self.jobs.get(ev.job_id)
+        held = self.view_jobs.get(first.job_id)
+        job = held if isinstance(held, JobRecord) else await self.jobs.get(first.job_id)
         if job is None:
-            log.warning("supervisor.unknown_job", job_id=ev.job_id)
+            log.warning("supervisor.unknown_job", job_id=first.job_id, events=len(items))
             return
-        key = attempt_key(ev.job_id, ev.attempt)
         known = self.view_attempts.get(key) or await self.attempts.get(key)
-        why = "no such attempt" if known is None else policy.event_refusal(ev, sent.subject, sent.by, known)
-        if why is not None:
-            consume.REFUSED.labels("task_event").inc()
-            log.warning("supervisor.event_refused", subject=sent.subject[:200], why=why)
+        tasks = {t.key: t for t in known.tasks} if known is not None else {}
+        events = []
+        for sent in items:
+            why = (
+                "no such attempt"
+                if known is None
+                else policy.event_refusal(sent.message, sent.subject, sent.by, known, tasks)
+            )
+            if why is not None:
+                consume.REFUSED.labels("task_event").inc()
+                log.warning("supervisor.event_refused", subject=sent.subject[:200], why=why)
+            else:
+                events.append(sent.message)
+        if not events:
             return
         at = now()
-        attempt = await self.attempts.update(
-            key, lambda a: a if policy.apply_task_event(job.config, a, ev, at) else None
-        )
-        if attempt is None:  # a replayed event: nothing new, but finish what may be unfinished
+        applied: list[bool] = []
+
+        def change(a: AttemptRecord) -> AttemptRecord | None:
+            applied[:] = policy.apply_task_events(job.config, a, events, at)
+            return a if any(applied) else None
+
+        attempt = await self.attempts.update(key, change)
+        if attempt is None:  # replayed events: nothing new, but finish what may be unfinished
+            applied = [False] * len(events)
             attempt = await self.attempts.get(key)
             if attempt is None:
                 log.warning("supervisor.unknown_attempt", attempt=key)
                 return
-        elif ev.kind == TaskEventKind.RUNNING:
-            TASK_STARTS.inc()
-        elif ev.kind == TaskEventKind.EXITED and failed(ev):
-            TASK_FAILURES.labels(ev.cause or "unknown").inc()
-        if ev.kind == TaskEventKind.RUNNING and not attempt.ended:
-            await self.set_running(ev.job_id, ev.attempt)
+        BATCHED.observe(len(events))
+        for ev, did in zip(events, applied, strict=True):
+            if not did:
+                continue
+            if ev.kind == TaskEventKind.RUNNING:
+                TASK_STARTS.inc()
+            elif failed(ev):
+                TASK_FAILURES.labels(ev.cause or "unknown").inc()
+        if any(ev.kind == TaskEventKind.RUNNING for ev in events) and not attempt.ended:
+            await self.set_running(attempt.job_id, attempt.attempt)
         if attempt.ended:
             await self.end_attempt(attempt)
-        elif ev.kind == TaskEventKind.EXITED and ev.role in attempt.elastic:
+        elif any(ev.kind == TaskEventKind.EXITED and ev.role in attempt.elastic for ev in events):
             # An elastic role goes on without it: the registry publishes the smaller gang.
             await self.js.publish(
-                subjects.attempt_members(ev.job_id, ev.attempt), MembersChanged().to_bytes()
+                subjects.attempt_members(attempt.job_id, attempt.attempt), MembersChanged().to_bytes()
             )
 
     async def set_running(self, job_id: str, attempt: int) -> None:
@@ -370,29 +420,94 @@ class Supervisor:
             except Exception as exc:
                 log.warning("supervisor.check_failed", error=str(exc) or type(exc).__name__)
 
+    def heard(self, node: str, at: datetime) -> None:
+        """A beat on the bus: a dict write, unless the node had gone quiet."""
+        if self.beats.saw(node, at):
+            self.quiet.discard(node)
+
+    def node_changed(self, node: str) -> None:
+        info = self.view_nodes.get(node)
+        if info is not None and self.beats.saw(node, info.heartbeat_at):
+            self.quiet.discard(node)
+
+    def attempt_changed(self, key: str) -> None:
+        """Keep `tasks_on` (node -> the attempt's tasks there not yet ended) for this attempt:
+        O(its tasks) per write of its record, which the group commit keeps few."""
+        for node in self._nodes_of.pop(key, ()):
+            on = self.tasks_on.get(node)
+            if on is not None:
+                on.pop(key, None)
+                if not on:
+                    del self.tasks_on[node]
+        attempt = self.view_attempts.get(key)
+        if attempt is None:
+            return
+        nodes = set()
+        for i, t in enumerate(attempt.tasks):
+            if not t.state.ended:
+                self.tasks_on.setdefault(t.node, {}).setdefault(key, []).append(i)
+                nodes.add(t.node)
+        if nodes:
+            self._nodes_of[key] = nodes
+
     async def check_nodes(self) -> None:
         """Every task not ended on a lost node, in any attempt (an ended attempt's leftovers too),
-        is reported ended with cause `node_lost`, through the same path as any other exit."""
+        is reported ended with cause `node_lost`, through the same path as any other exit.
+
+        A node is lost when nothing was heard of it (beat or record) for the node timeout, unless
+        it announced a restart whose grace has not passed, or its agent is still connected: a
+        node found quiet is asked directly (`subjects.alive`, core NATS). The server answers "no
+        responders" at once when the agent's connection is gone (its process died, or the
+        server dropped it): lost. An answer is a sign of life. No answer in ALIVE_WAIT means the
+        agent is connected but not answering (a stalled process, a busy sim process, a frozen
+        machine whose connection the server has not dropped yet): it is given up to
+        MUSTER_NODE_STALL_GRACE seconds more (default 3 node timeouts), then lost anyway."""
         at = now()
+        self.quiet.update(self.beats.quiet(at))
+        candidates = [self.view_nodes[n] for n in self.quiet if n in self.view_nodes]
+        silent = policy.lost_nodes(candidates, at, self.node_timeout, self.beats.last)
+        stalled = [
+            n
+            for n in silent
+            if (at - self.beats.last[n]).total_seconds() <= self.node_timeout + self.stall_grace
+        ]
+        answers = await asyncio.gather(*(self.ask_alive(n) for n in stalled)) if stalled else []
+        for name, answer in zip(stalled, answers, strict=True):
+            if answer is True:
+                self.heard(name, now())
+            if answer is not False:  # it answered, or is connected and stalled: not lost (yet)
+                del silent[name]
         lost = {
-            name: f"node {name} lost (no heartbeat for {(at - info.heartbeat_at).total_seconds():.0f}s)"
-            for name, info in policy.lost_nodes(self.view_nodes.values(), at, self.node_timeout).items()
+            name: f"node {name} lost (no heartbeat for {(at - self.beats.last[name]).total_seconds():.0f}s)"
+            for name in silent
         }
         NODES_LOST.inc(len(set(lost) - self.lost))
         self.lost = set(lost)
         # A node with tasks but no record to believe (deleted, or refused: from the future, beyond
         # belief) is as silent as one that stopped beating.
-        placed = {t.node for a in self.view_attempts.values() for t in a.tasks if not t.state.ended}
-        self.absent = {n: self.absent.get(n, at) for n in placed if n not in self.view_nodes}
+        self.absent = {n: self.absent.get(n, at) for n in self.tasks_on if n not in self.view_nodes}
         for name, since in self.absent.items():
             if (at - since).total_seconds() > self.node_timeout:
                 lost[name] = f"node {name} lost (no believable node record for {self.node_timeout:g}s)"
-        if not lost:
-            return
-        for attempt in list(self.view_attempts.values()):
-            for task in attempt.tasks:
-                if task.node in lost and not task.state.ended:
-                    await self.declare_ended(attempt, task, TaskCause.NODE_LOST, lost[task.node], "lost")
+        for name, why in lost.items():
+            for key, positions in list(self.tasks_on.get(name, {}).items()):
+                attempt = self.view_attempts.get(key)
+                for i in positions if attempt is not None else ():
+                    assert attempt is not None
+                    task = attempt.tasks[i]
+                    if task.node == name and not task.state.ended:
+                        await self.declare_ended(attempt, task, TaskCause.NODE_LOST, why, "lost")
+
+    async def ask_alive(self, node: str) -> bool | None:
+        """Whether the node's agent answers (True), is gone from the bus (False: no responders),
+        or is connected but did not answer in time (None)."""
+        try:
+            await self.nc.request(subjects.alive(node), b"", timeout=ALIVE_WAIT)
+            return True
+        except nats.errors.NoRespondersError:
+            return False
+        except Exception:  # a timeout, or the bus away (then the reconnect resets listening)
+            return None
 
     async def check_starts(self) -> None:
         """Tasks still not started long after their attempt was placed fail as platform faults."""
@@ -445,7 +560,7 @@ class Supervisor:
                 await self.forget_job(job)
         cutoff = at - timedelta(seconds=self.node_retention)
         for node in list(self.view_nodes.values()):
-            if node.heartbeat_at < cutoff:
+            if self.beats.last.get(node.node, node.heartbeat_at) < cutoff:
                 await self.forget_node(node)
         self.declared = {m for m in self.declared if m.split("/")[0] in self.view_attempts}
         self.prunes += 1
@@ -472,6 +587,8 @@ class Supervisor:
 
     async def forget_node(self, node: NodeInfo) -> None:
         await self.nodes.delete(node.node)
+        self.beats.forget(node.node)
+        self.quiet.discard(node.node)
         with contextlib.suppress(NotFoundError):
             await self.js.delete_consumer(subjects.COMMANDS_STREAM, subjects.agent_consumer(node.node))
         PRUNED.labels("node").inc()

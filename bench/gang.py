@@ -1,0 +1,192 @@
+"""Big gangs: time from placement to every task running, for one gang of N tasks on M sim nodes.
+
+    python -m bench.gang [--tasks 1000,2000] [--nodes 2000] [--task-seconds 30]
+
+For each size: a fresh mesh (`bench.cluster`: nats-server with authentication, each service its
+own process, one process of M sim nodes beating every 2 s as real agents do, default settings:
+MUSTER_NODE_TIMEOUT as shipped), then one job of one role of N tasks, each a whole node (8 GPUs),
+submitted as a user would. Measured from the scheduler's `placed` event:
+
+  * reported: the last task's `running` event as its agent published it;
+  * recorded: the attempt record shows every task RUNNING (the supervisor wrote it);
+  * per-process CPU over the gang's start, as a percentage of one core and in seconds;
+  * writes of the attempt and rendezvous records (KV revisions) while it started;
+  * nodes declared lost and tasks ended by the platform (there should be none), and the job's
+    attempt number at the end (1: it was never retried).
+
+The gang runs `--task-seconds` (long enough to be all running) and is then killed. Prints a
+table, then one JSON line. The services, the sim nodes and nats-server share this machine's
+cores: the figures are the whole system's."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.cluster import Mesh
+from shared import client, subjects
+from shared.messages import AttemptRecord, JobRecord, TaskState, attempt_key
+
+BUCKETS = {"attempts": subjects.ATTEMPTS_BUCKET, "rendezvous": subjects.RENDEZVOUS_BUCKET}
+
+IMAGE = "muster/bench:sim"  # never pulled: the sim runtime starts nothing
+
+
+def gang(name: str, tasks: int, task_seconds: float) -> bytes:
+    return json.dumps(
+        {
+            "jobName": name,
+            "image": IMAGE,
+            "gpuType": "V100",
+            "retryCount": 0,
+            "taskRoles": [
+                {
+                    "name": "worker",
+                    "taskNumber": tasks,
+                    "cpuNumber": 8,
+                    "memoryMB": 8192,
+                    "gpuNumber": 8,
+                    "command": "python train.py",
+                }
+            ],
+            "extras": {"sim": {"seconds": task_seconds, "exitCode": 0}},
+        }
+    ).encode()
+
+
+async def last_seq(js: Any, name: str) -> int:
+    """How many writes the bucket has taken so far (its stream's last sequence)."""
+    return int((await js.stream_info(f"KV_{BUCKETS[name]}")).state.last_seq)
+
+
+class Watch:
+    """What happens to the gang, as the bus says it."""
+
+    def __init__(self, tasks: int) -> None:
+        self.tasks = tasks
+        self.job_id = ""
+        self.placed: float | None = None
+        self.running: set[str] = set()
+        self.reported: float | None = None
+        self.lost = 0  # tasks the platform declared ended (node lost, start timeout)
+        self.all_reported = asyncio.Event()
+        self.was_placed = asyncio.Event()
+
+    async def on_job_event(self, msg: Any) -> None:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            event = json.loads(msg.data)
+            if event["job_id"] == self.job_id and event["kind"] == "placed" and self.placed is None:
+                self.placed = time.monotonic()
+                self.was_placed.set()
+
+    async def on_task_event(self, msg: Any) -> None:
+        token = msg.subject.split(".")
+        if token[3] != self.job_id:
+            return
+        if token[-1] == subjects.PLATFORM:
+            self.lost += 1
+        elif token[-2] == "running":
+            self.running.add(f"{token[5]}.{token[6]}")
+            if len(self.running) == self.tasks and self.reported is None:
+                self.reported = time.monotonic()
+                self.all_reported.set()
+
+
+async def measure(
+    tasks: int, nodes: int, task_seconds: float, timeout: float, workdir: Path
+) -> dict[str, Any]:
+    env = {"MUSTER_MAX_TASKS_PER_JOB": str(max(1000, tasks)), "MUSTER_MAX_TASKS_PER_USER": str(10 * tasks)}
+    with Mesh(workdir, nodes, env=env) as mesh:
+        ready_s = await mesh.wait_ready()
+        await asyncio.sleep(2)  # every node beaten once more: all schedulable
+        nc = await mesh.connect()
+        try:
+            js = nc.jetstream()
+            attempts = await js.key_value(subjects.ATTEMPTS_BUCKET)
+            watch = Watch(tasks)
+            await nc.subscribe(subjects.job_event("*", "placed"), cb=watch.on_job_event)
+            await nc.subscribe(
+                subjects.task_event("*", "*", "*", "*", "running", "*"), cb=watch.on_task_event
+            )
+            await nc.subscribe(subjects.task_event("*", "*", "*", "*", "exited", "*"), cb=watch.on_task_event)
+            writes0 = {name: await last_seq(js, name) for name in BUCKETS}
+            cpu0, t0 = mesh.cpu(), time.monotonic()
+            _, verdict = await client.submit(nc, gang(f"gang-{tasks}", tasks, task_seconds))
+            if verdict is None or not verdict.accepted:
+                raise RuntimeError(f"the gang was not accepted: {verdict}")
+            watch.job_id = verdict.job_id
+            key = attempt_key(verdict.job_id, 1)
+            await asyncio.wait_for(watch.was_placed.wait(), timeout)
+            assert watch.placed is not None
+            recorded = None
+            end = watch.placed + timeout
+            while time.monotonic() < end and recorded is None:
+                mesh.check()
+                with contextlib.suppress(Exception):
+                    record = AttemptRecord.from_bytes((await attempts.get(key)).value)
+                    if all(t.state == TaskState.RUNNING for t in record.tasks):
+                        recorded = time.monotonic()
+                        break
+                await asyncio.sleep(0.05)
+            cpu1, elapsed = mesh.cpu(), time.monotonic() - t0
+            # The KV streams' message counts: every write of either record while the gang started.
+            writes = {name: await last_seq(js, name) - writes0[name] for name in BUCKETS}
+            jobs = await js.key_value(subjects.JOBS_BUCKET)
+            job = JobRecord.from_bytes((await jobs.get(verdict.job_id)).value)
+            return {
+                "tasks": tasks,
+                "nodes": nodes,
+                "ready_s": round(ready_s, 1),
+                "submit_to_placed_s": round(watch.placed - t0, 2),
+                "placed_to_reported_s": None
+                if watch.reported is None
+                else round(watch.reported - watch.placed, 2),
+                "placed_to_recorded_s": None if recorded is None else round(recorded - watch.placed, 2),
+                "running_reported": len(watch.running),
+                "declared_ended_by_platform": watch.lost,
+                "attempt": job.attempt,
+                "kv_writes": writes,
+                "cpu_seconds": {k: round(cpu1[k] - cpu0[k], 2) for k in sorted(cpu1)},
+                "cpu_percent": {k: round(100 * (cpu1[k] - cpu0[k]) / elapsed, 1) for k in sorted(cpu1)},
+            }
+        finally:
+            await nc.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tasks", default="1000,2000", help="comma-separated gang sizes")
+    p.add_argument("--nodes", type=int, default=None, help="sim nodes (default: the largest gang)")
+    p.add_argument("--task-seconds", type=float, default=60.0, help="how long each task runs")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for all running")
+    p.add_argument("--workdir", type=Path, default=None, help="keep logs and data here (default: a temp dir)")
+    args = p.parse_args(argv)
+    sizes = [int(s) for s in args.tasks.split(",") if s.strip()]
+    nodes = args.nodes or max(sizes)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="muster-gang-") as tmp:
+        root = args.workdir or Path(tmp)
+        for n in sizes:
+            rows.append(asyncio.run(measure(n, nodes, args.task_seconds, args.timeout, root / f"t{n}")))
+    print("One gang, placement to every task running (s), on sim nodes beating every 2 s")
+    print(f"{'tasks':>6} {'nodes':>6} {'reported':>9} {'recorded':>9} {'lost':>5} {'writes a/r':>11}  CPU s")
+    for r in rows:
+        cpu = " ".join(f"{k}={v}" for k, v in r["cpu_seconds"].items())
+        writes = f"{r['kv_writes']['attempts']}/{r['kv_writes']['rendezvous']}"
+        reported, recorded = r["placed_to_reported_s"], r["placed_to_recorded_s"]
+        lost = r["declared_ended_by_platform"]
+        print(
+            f"{r['tasks']:>6} {r['nodes']:>6} {reported!s:>9} {recorded!s:>9} {lost:>5} {writes:>11}  {cpu}"
+        )
+    print(json.dumps({"bench": "gang", "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,243 @@
+"""The gateway's job list: what it keeps of every retained job (a `Summary`, a few hundred bytes,
+not the record) and an index that answers "newest first, filtered, after this cursor" a page at
+a time without sorting anything per question. Pure: no bus (the gateway feeds it from the jobs
+bucket's watcher, which treats it as the dict it mirrors into).
+
+The index is one list per (scope, state), scope being a user or everyone (`subjects.ALL`), each
+sorted by (submitted, job id): a job is in two of them. A page merges the lists of the states
+asked for from the cursor down, newest first; a time window is two bisections; the other
+filters (VC, part of the name) are checked on the way. Counts per state are the lists' lengths
+when only the scope narrows the list, else counted once, on the first page."""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import json
+import re
+from collections.abc import Iterator, MutableMapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, NamedTuple
+
+from shared import subjects
+from shared.messages import JobRecord, JobState
+
+REASON_CHARS = 160  # of a job's reason, kept and shown in lists
+CURSOR_RE = re.compile(r"^(\d{1,19})\.([-/_=.a-zA-Z0-9]{1,128})$")
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def micros(at: datetime) -> int:
+    """Microseconds since the epoch (a naive time is taken as UTC)."""
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=UTC)
+    delta = at - EPOCH
+    return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+
+
+def shown_time(us: int) -> str:
+    return datetime.fromtimestamp(us / 1_000_000, UTC).isoformat()
+
+
+class Summary(NamedTuple):
+    """What a list shows of one job."""
+
+    job_id: str
+    job_name: str
+    user: str
+    vc: str
+    priority: str
+    state: JobState
+    submitted: int  # microseconds since the epoch: with job_id, the list's order
+    updated: int
+    tasks: int
+    gpus: int
+    attempt: int
+    reason: str
+
+    @classmethod
+    def of(cls, r: JobRecord) -> Summary:
+        c = r.config
+        return cls(
+            r.job_id,
+            r.job_name,
+            r.user,
+            c.virtualCluster,
+            c.priority,
+            r.state,
+            micros(r.submitted_at),
+            micros(r.updated_at),
+            c.total_tasks,
+            sum(role.gpuNumber * role.taskNumber for role in c.taskRoles),
+            r.attempt,
+            r.reason[:REASON_CHARS],
+        )
+
+    def shown(self) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id,
+            "job_name": self.job_name,
+            "user": self.user,
+            "vc": self.vc,
+            "priority": self.priority,
+            "state": self.state.value,
+            "tasks": self.tasks,
+            "gpus": self.gpus,
+            "attempt": self.attempt,
+            "submitted_at": shown_time(self.submitted),
+            "updated_at": shown_time(self.updated),
+            "reason": self.reason,
+        }
+
+    @property
+    def cursor(self) -> str:
+        return f"{self.submitted}.{self.job_id}"
+
+
+Key = tuple[int, str]
+
+
+def order(s: Summary) -> Key:
+    return (s.submitted, s.job_id)
+
+
+def cursor_key(cursor: str) -> Key:
+    """The position a page's `next` names; ValueError for anything else."""
+    m = CURSOR_RE.match(cursor)
+    if not m:
+        raise ValueError(f"bad cursor {cursor[:64]!r}: pass back a page's `next` as it came")
+    return int(m[1]), m[2]
+
+
+@dataclass(frozen=True)
+class Query:
+    """Which jobs, newest first: of `scope` (a user, or subjects.ALL), in `states`, of VC `vc`,
+    whose name holds `name` (any case), submitted in [since, until), older than `after`."""
+
+    scope: str
+    states: tuple[JobState, ...] = tuple(JobState)
+    vc: str | None = None
+    name: str | None = None
+    since: int | None = None
+    until: int | None = None
+    after: Key | None = None
+
+    @property
+    def narrowed(self) -> bool:
+        """Whether anything but the scope and the states narrows it."""
+        return any(v is not None for v in (self.vc, self.name, self.since, self.until))
+
+    def admits(self, s: Summary) -> bool:
+        return (self.vc is None or s.vc == self.vc) and (
+            self.name is None or self.name.casefold() in s.job_name.casefold()
+        )
+
+
+class Listing(MutableMapping[str, Summary]):
+    """Every retained job's summary by key, and the index. `Store.mirror` writes into it."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, Summary] = {}
+        self.lists: dict[tuple[str, JobState], list[Summary]] = {}
+
+    # ------------------------------------------------------------ the mapping
+
+    def __getitem__(self, key: str) -> Summary:
+        return self.jobs[key]
+
+    def __setitem__(self, key: str, s: Summary) -> None:
+        old = self.jobs.get(key)
+        if old is not None:
+            self._drop(old)
+        self.jobs[key] = s
+        for scope in (subjects.ALL, s.user):
+            bisect.insort(self.lists.setdefault((scope, s.state), []), s, key=order)
+
+    def __delitem__(self, key: str) -> None:
+        self._drop(self.jobs.pop(key))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.jobs)
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def _drop(self, s: Summary) -> None:
+        for scope in (subjects.ALL, s.user):
+            held = self.lists.get((scope, s.state))
+            if not held:
+                continue
+            i = bisect.bisect_left(held, order(s), key=order)
+            while i < len(held) and held[i] is not s and order(held[i]) == order(s):
+                i += 1
+            if i < len(held) and held[i] is s:
+                del held[i]
+            if not held:
+                del self.lists[(scope, s.state)]
+
+    # ------------------------------------------------------------ pages
+
+    def of_state(self, scope: str, state: JobState) -> list[Summary]:
+        """The scope's jobs in `state`, oldest first (do not change it)."""
+        return self.lists.get((scope, state), [])
+
+    def _span(self, held: list[Summary], q: Query) -> tuple[int, int]:
+        lo = bisect.bisect_left(held, (q.since, ""), key=order) if q.since is not None else 0
+        hi = len(held)
+        if q.until is not None:
+            hi = bisect.bisect_left(held, (q.until, ""), key=order)
+        if q.after is not None:
+            hi = min(hi, bisect.bisect_left(held, q.after, key=order))
+        return lo, hi
+
+    def _newest_first(self, q: Query) -> Iterator[Summary]:
+        def down(held: list[Summary]) -> Iterator[Summary]:
+            lo, hi = self._span(held, q)
+            for i in range(hi - 1, lo - 1, -1):
+                yield held[i]
+
+        runs = [down(self.of_state(q.scope, state)) for state in q.states]
+        merged = runs[0] if len(runs) == 1 else heapq.merge(*runs, key=order, reverse=True)
+        return (s for s in merged if q.admits(s))
+
+    def counts(self, q: Query) -> dict[str, int]:
+        """Per state, the scope's jobs that every filter but the states and the cursor admits."""
+        out = {}
+        whole = Query(q.scope, q.states, q.vc, q.name, q.since, q.until)
+        for state in JobState:
+            held = self.of_state(q.scope, state)
+            if not whole.narrowed:
+                out[state.value] = len(held)
+                continue
+            lo, hi = self._span(held, whole)
+            if whole.vc is None and whole.name is None:
+                out[state.value] = hi - lo
+            else:
+                out[state.value] = sum(1 for i in range(lo, hi) if whole.admits(held[i]))
+        return out
+
+    def page(self, q: Query, limit: int, budget: int) -> dict[str, Any]:
+        """Up to `limit` jobs (and `budget` bytes of their JSON), newest first, with `next` (the
+        cursor of the page after, None at the end); the first page (no cursor) also has
+        `counts` per state and `total` (every page's jobs together)."""
+        jobs: list[dict[str, Any]] = []
+        size, last, more = 0, None, False
+        for s in self._newest_first(q):
+            if len(jobs) >= limit:
+                more = True
+                break
+            item = s.shown()
+            cost = len(json.dumps(item, separators=(",", ":"))) + 1
+            if jobs and size + cost > budget:
+                more = True
+                break
+            jobs.append(item)
+            size += cost
+            last = s
+        answer: dict[str, Any] = {"jobs": jobs, "next": last.cursor if more and last else None}
+        if q.after is None:
+            counts = self.counts(q)
+            answer["counts"] = counts
+            answer["total"] = sum(counts[state.value] for state in q.states)
+        return answer

@@ -1,0 +1,302 @@
+"""Issue 23.1: the job list a page at a time. The index alone (services/gateway/listing.py), then
+the gateway and `muster status` over a bucket whose whole list is far above the server's payload
+limit: every job is listed, in pages that each fit, and an answer too large to send is said, not
+swallowed."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from services.gateway.listing import Listing, Query, Summary, cursor_key, micros
+from shared import bus, client, subjects
+from shared.jobconfig import JobConfig
+from shared.messages import AttemptRecord, JobRecord, JobState, TaskStatus
+from tests.test_cli import muster
+
+T0 = datetime(2024, 5, 1, tzinfo=UTC)
+STATES = list(JobState)
+
+
+def record(
+    i: int,
+    state: JobState = JobState.SUCCEEDED,
+    *,
+    user: str = "alice",
+    vc: str = "default",
+    command: str = "true",
+    name: str | None = None,
+    at: datetime | None = None,
+) -> JobRecord:
+    config = JobConfig.model_validate(
+        {
+            "jobName": name or f"job-{i}",
+            "image": "img",
+            "virtualCluster": vc,
+            "taskRoles": [
+                {
+                    "name": "w",
+                    "taskNumber": 2,
+                    "cpuNumber": 1,
+                    "memoryMB": 128,
+                    "gpuNumber": 1,
+                    "command": command,
+                }
+            ],
+        }
+    )
+    return JobRecord(
+        job_id=f"j{i:012x}",
+        job_name=name or f"job-{i}",
+        state=state,
+        submission_id=f"s{i}",
+        user=user,
+        config=config,
+        submitted_at=at or T0 + timedelta(seconds=i),
+    )
+
+
+def every_page(listing: Listing, query: Query, limit: int, budget: int = 1 << 20) -> list[list[str]]:
+    pages, after = [], None
+    while True:
+        q = Query(query.scope, query.states, query.vc, query.name, query.since, query.until, after)
+        page = listing.page(q, limit, budget)
+        pages.append([j["job_id"] for j in page["jobs"]])
+        if page["next"] is None:
+            return pages
+        after = cursor_key(page["next"])
+
+
+# ---------------------------------------------------------------- the index, alone
+
+
+def test_pages_give_every_job_once_newest_first_whatever_the_filters():
+    rng = random.Random(7)
+    listing, records = Listing(), {}
+    # Out of order, some at the same instant (the job id breaks the tie), some updated later.
+    for i in rng.sample(range(600), 600):
+        r = record(
+            i,
+            rng.choice(STATES),
+            user=rng.choice(["alice", "bob", "carol"]),
+            vc=rng.choice(["default", "vision"]),
+            at=T0 + timedelta(seconds=i // 3),
+        )
+        listing[r.job_id] = Summary.of(r)
+        records[r.job_id] = r
+    for job_id in rng.sample(sorted(records), 200):  # a change of state moves it between lists
+        r = records[job_id] = records[job_id].model_copy(update={"state": rng.choice(STATES)})
+        listing[job_id] = Summary.of(r)
+    for job_id in rng.sample(sorted(records), 50):  # pruned
+        del listing[job_id]
+        del records[job_id]
+    assert len(listing) == len(records) == 550
+
+    since = T0 + timedelta(seconds=40)
+    for query in (
+        Query(subjects.ALL),
+        Query("bob"),
+        Query(subjects.ALL, (JobState.WAITING, JobState.RUNNING)),
+        Query("carol", (JobState.FAILED,), vc="vision"),
+        Query(subjects.ALL, name="JOB-1"),
+        Query("alice", since=micros(since), until=micros(since + timedelta(seconds=60))),
+    ):
+
+        def admits(r: JobRecord, q: Query = query) -> bool:
+            return (
+                (q.scope == subjects.ALL or r.user == q.scope)
+                and r.state in q.states
+                and (q.vc is None or r.config.virtualCluster == q.vc)
+                and (q.name is None or q.name.lower() in r.job_name.lower())
+                and (q.since is None or micros(r.submitted_at) >= q.since)
+                and (q.until is None or micros(r.submitted_at) < q.until)
+            )
+
+        expected = [
+            r.job_id
+            for r in sorted(records.values(), key=lambda r: (r.submitted_at, r.job_id), reverse=True)
+            if admits(r)
+        ]
+        assert expected, query
+        for limit in (1, 7, 1000):
+            pages = every_page(listing, query, limit)
+            assert [j for p in pages for j in p] == expected, (query, limit)
+            assert all(len(p) <= limit for p in pages)
+        first = listing.page(query, 5, 1 << 20)
+        counts = {
+            s.value: sum(admits(r, dataclasses.replace(query, states=(s,))) for r in records.values())
+            for s in STATES
+        }
+        assert first["counts"] == counts and first["total"] == len(expected), query
+
+
+def test_a_page_stops_at_its_byte_budget_and_the_next_goes_on_from_there():
+    listing = Listing()
+    for i in range(50):
+        r = record(i, name=f"{'n' * 50}-{i}")
+        listing[r.job_id] = Summary.of(r)
+    one = len(json.dumps(listing.page(Query(subjects.ALL), 1, 1 << 20)["jobs"][0]))
+    page = listing.page(Query(subjects.ALL), 1000, budget=one * 10 + 5)
+    assert len(page["jobs"]) == 10 and page["next"] == Summary.of(record(40, name=f"{'n' * 50}-40")).cursor
+    pages = every_page(listing, Query(subjects.ALL), 1000, budget=one * 10 + 5)
+    assert [len(p) for p in pages] == [10] * 5
+
+
+def test_a_summary_is_what_the_list_shows_and_a_bad_cursor_is_refused():
+    r = record(3, JobState.WAITING, vc="vision", command="x" * 5000)
+    shown = Summary.of(r).shown()
+    assert shown == {
+        "job_id": r.job_id,
+        "job_name": "job-3",
+        "user": "alice",
+        "vc": "vision",
+        "priority": "normal",
+        "state": "WAITING",
+        "tasks": 2,
+        "gpus": 2,
+        "attempt": 0,
+        "submitted_at": "2024-05-01T00:00:03+00:00",
+        "updated_at": r.updated_at.isoformat(),
+        "reason": "waiting for a scheduler",
+    }
+    assert len(json.dumps(shown)) < 400  # not the 5 KB command
+    for bad in ("", "12", "x.j1", "12.j 1", "1" * 20 + ".j1"):
+        with pytest.raises(ValueError, match="cursor"):
+            cursor_key(bad)
+
+
+# ---------------------------------------------------------------- the gateway and `muster status`
+
+
+async def _records(nats_url, procs, records: list[JobRecord], attempts: list[AttemptRecord] = ()):
+    nc = await bus.connect("test", nats_url)
+    _, buckets = await bus.ensure_jetstream(nc)
+    kv = buckets[subjects.JOBS_BUCKET]
+    for i in range(0, len(records), 200):
+        await asyncio.gather(*(kv.put(r.job_id, r.to_bytes()) for r in records[i : i + 200]))
+    for a in attempts:
+        await buckets[subjects.ATTEMPTS_BUCKET].put(a.key, a.to_bytes())
+    gateway = procs.start("services.gateway")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while loop.time() < deadline:  # until it answers, with the whole list read
+        try:
+            first = await client.ask(nc, "jobs", {"limit": 1}, timeout=2)
+            if len(records) in (first.get("total"), len(first["jobs"])):
+                break
+        except (TimeoutError, client.Refused):
+            pass
+        await asyncio.sleep(0.2)
+    return nc, gateway
+
+
+async def test_status_lists_a_week_of_jobs_whose_whole_list_is_far_above_the_payload_limit(nats_url, procs):
+    """1,300 jobs with 3.5 KB commands: 4.6 MB of records, above the server's 4 MB limit as one
+    reply (it failed every time). Every job is listed, a page at a time, each page well within."""
+    records = [
+        record(i, JobState.RUNNING if i % 100 == 0 else JobState.SUCCEEDED, command="x" * 3500)
+        for i in range(1300)
+    ]
+    assert sum(len(r.to_bytes()) for r in records) > 4 * 1024 * 1024
+    nc, _ = await _records(nats_url, procs, records)
+    try:
+        env = procs.env()
+        r = muster("status", env=env)
+        assert r.returncode == 0, r.stderr
+        rows = [line.split() for line in r.stdout.splitlines()[1:]]
+        live = [f"job-{i}" for i in range(1200, -1, -100)]
+        newest_finished = [f"job-{i}" for i in range(1299, 1200, -1) if i % 100][:20]
+        assert [row[1] for row in rows] == live + newest_finished
+        assert "13 running, 1,287 succeeded" in r.stderr
+
+        r = muster("status", "--all", "--json", env=env)
+        assert r.returncode == 0, r.stderr
+        pages = [json.loads(line) for line in r.stdout.splitlines()]
+        listed = [j["job_name"] for p in pages for j in p["jobs"]]
+        assert listed == [f"job-{i}" for i in range(1299, -1, -1)]
+        assert len(pages) == 13 and max(len(line) for line in r.stdout.splitlines()) < nc.max_payload // 4
+        assert (
+            pages[0]["total"] == 1300
+            and pages[0]["counts"]["SUCCEEDED"] == 1287
+            and pages[-1]["next"] is None
+        )
+
+        r = muster("status", "--state", "live", "--name", "JOB-1", "--limit", "5", env=env)
+        assert r.returncode == 0, r.stderr
+        assert [row.split()[1] for row in r.stdout.splitlines()[1:]] == [
+            "job-1200",
+            "job-1100",
+            "job-1000",
+            "job-100",
+        ]
+        since = (T0 + timedelta(seconds=1295)).isoformat()
+        r = muster("status", "--all", "--since", since, env=env)
+        assert [row.split()[1] for row in r.stdout.splitlines()[1:]] == [
+            f"job-{i}" for i in range(1299, 1294, -1)
+        ]
+        r = muster("status", "--state", "dreaming", env=env)
+        assert r.returncode == 2 and "--state" in r.stderr
+    finally:
+        await nc.close()
+
+
+async def test_a_user_pages_only_their_own_jobs(nats_url, procs):
+    records = [record(i, user=("alice", "bob")[i % 2]) for i in range(30)]
+    nc, _ = await _records(nats_url, procs, records)
+    try:
+        pages = [p async for p in client.job_pages(nc, page=4, who="bob")]
+        assert [j["job_name"] for p in pages for j in p["jobs"]] == [f"job-{i}" for i in range(29, 0, -2)]
+        assert pages[0]["counts"]["SUCCEEDED"] == 15 and all(len(p["jobs"]) <= 4 for p in pages)
+        with pytest.raises(client.Refused, match="only your own"):
+            await client.ask(nc, "jobs", {"user": "alice"}, who="bob")
+        with pytest.raises(client.Refused, match="cursor"):
+            await client.ask(nc, "jobs", {"cursor": "not-one"}, who="bob")
+        with pytest.raises(client.Refused, match="state"):
+            await client.ask(nc, "jobs", {"state": ["DREAMING"]}, who="bob")
+        admin = [p async for p in client.job_pages(nc, user="alice", state=["SUCCEEDED"], limit=3)]
+        assert [j["job_name"] for p in admin for j in p["jobs"]] == ["job-28", "job-26", "job-24"]
+    finally:
+        await nc.close()
+
+
+async def test_an_answer_above_the_payload_limit_is_refused_logged_and_counted(nats_url, procs):
+    """A job whose attempts together pass the server's 4 MB limit: the answer used to be dropped
+    without a word (the asker waited 10 s for nothing); now the asker is told at once."""
+    job = record(1, JobState.FAILED).model_copy(update={"attempt": 5})
+    chatty = [f"{'y' * 1000} {n}" for n in range(30)]
+    attempts = [
+        AttemptRecord(
+            job_id=job.job_id,
+            attempt=n,
+            tasks=[
+                TaskStatus(role="w", role_no=0, index=i, node="n1", reason="z" * 1000, last_lines=chatty)
+                for i in range(28)
+            ],
+        )
+        for n in range(1, 6)
+    ]
+    assert all(len(a.to_bytes()) < 1024 * 1024 for a in attempts)
+    assert sum(len(a.to_bytes()) for a in attempts) > 4.3e6
+    nc, gateway = await _records(nats_url, procs, [job], attempts)
+    try:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(client.Refused, match="above the server's limit"):
+            await client.ask(nc, "job", {"ref": job.job_id}, timeout=10)
+        assert asyncio.get_running_loop().time() - started < 5
+        assert (await client.ask(nc, "jobs"))["total"] == 1  # the gateway goes on
+
+        async def said() -> bool:
+            return "gateway.answer_too_large" in gateway.log_path.read_text()
+
+        for _ in range(50):
+            if await said():
+                break
+            await asyncio.sleep(0.1)
+        assert await said()
+    finally:
+        await nc.close()
