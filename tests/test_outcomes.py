@@ -20,8 +20,11 @@ from pathlib import Path
 import docker
 import pytest
 
-from shared import client
-from shared.messages import JobRecord, JobState, TaskCause, TaskState
+from services.agent.process_runtime import ProcessRuntime, task_pids
+from services.agent.reporting import OUTBOX, keep
+from services.agent.runtime import LABEL_ATTEMPT, LABEL_INDEX, LABEL_JOB, LABEL_NODE, LABEL_ROLE, TaskLaunch
+from shared import bus, client, subjects
+from shared.messages import JobRecord, JobState, TaskCause, TaskEvent, TaskEventKind, TaskState
 from tests.test_jobs import attempt, nc, role, wait_final  # noqa: F401 - nc is a fixture
 
 NODE_TIMEOUT = 5.0
@@ -157,3 +160,94 @@ async def test_docker_tasks_that_exit_as_their_agent_is_killed_are_not_run_again
     args = ("--runtime", "docker", "--overcommit", *AGENT)
     record = await _run(cluster, nc, shared, config, args, ended, True, away)
     await _check(nc, record, shared, cluster)
+
+
+# ------------------------------------------------------------------ the pieces, one by one
+
+
+def _launch(name: str, command: str, node: str = "n1") -> TaskLaunch:
+    job, attempt, role_name, index = name.split("-")[1:]
+    labels = {
+        LABEL_JOB: job,
+        LABEL_ATTEMPT: attempt,
+        LABEL_ROLE: role_name,
+        LABEL_INDEX: index,
+        LABEL_NODE: node,
+    }
+    return TaskLaunch(name=name, image="img", command=command, env={}, cpus=1, memory_mb=64, labels=labels)
+
+
+async def test_a_process_task_records_its_own_exit_and_a_stop_is_never_taken_for_one(tmp_path):
+    """The shell a task runs under writes its exit code before it exits (so before its agent
+    can see the exit); a task stopped by its agent is recorded as killed first; what the task
+    prints is its own (no word of the shell's)."""
+    runtime = ProcessRuntime(tmp_path / "tasks")
+    lines: list[str] = []
+    done = await runtime.start(_launch("muster-j1-1-w-0", "echo hi; exit 3"), lines.append)
+    assert await done.wait() == 3
+    stopped = await runtime.start(_launch("muster-j1-1-w-1", "sleep 60"), lines.append)
+    await asyncio.sleep(0.2)
+    await stopped.stop(5)
+    assert await stopped.wait() == 143
+    found = {f.name: f for f in await runtime.find({LABEL_JOB: "j1"})}
+    assert found["muster-j1-1-w-0"].exit_code == 3 and found["muster-j1-1-w-0"].ended_at is not None
+    assert found["muster-j1-1-w-1"].exit_code is None  # stopped: not an exit of its own
+    assert lines == ["hi"]
+    await done.remove()  # reported: forgotten
+    assert [f.name for f in await runtime.find({LABEL_JOB: "j1"})] == ["muster-j1-1-w-1"]
+    assert await runtime.reap(found["muster-j1-1-w-1"]) is None
+
+
+async def test_the_fence_of_a_dead_agent_reports_what_ended_and_kills_what_runs(tmp_path, nats_url):
+    """The agent (here, this test) dies having seen nothing: one task had ended by itself,
+    one still runs, and a report waits in its outbox. Its fence kills the running one (recorded
+    as killed, left for the next agent to report lost) and sends, as the agent, the end of the
+    one that ended with its own exit code and the report the agent left."""
+    conn = await bus.connect("test", nats_url)
+    try:
+        await bus.ensure_jetstream(conn)
+        home, state = tmp_path / "work", tmp_path / "work" / "tasks"
+        runtime = ProcessRuntime(state)
+        await runtime.start(_launch("muster-j2-1-w-0", "exit 0"), lambda _: None)
+        await runtime.start(_launch("muster-j2-1-ps-0", "sleep 600"), lambda _: None)
+        left = TaskEvent(
+            job_id="j2", attempt=1, role="w", index=1, node="n1", kind=TaskEventKind.EXITED, exit_code=5
+        )
+        (home / OUTBOX).mkdir()
+        keep(home / OUTBOX, left)
+        deadline = time.monotonic() + 10
+        while not (state / "muster-j2-1-w-0.exit").exists():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        runtime.start_fence(str(home), "", 0, bus_url=nats_url)
+        await runtime.close()  # the pipe closes without a word: the agent died
+
+        async def told(task: str):
+            role_name, index = task.split(".")
+            try:
+                msg = await conn.jetstream().get_last_msg(
+                    subjects.EVENTS_STREAM,
+                    subjects.task_event("j2", 1, role_name, int(index), "exited", "n1"),
+                    direct=True,
+                )
+            except Exception:
+                return None
+            return TaskEvent.from_bytes(msg.data)
+
+        deadline = time.monotonic() + 30
+        while (await told("w.0")) is None or (await told("w.1")) is None:
+            assert time.monotonic() < deadline, "the fence never reported"
+            await asyncio.sleep(0.1)
+        ended = await told("w.0")
+        assert (ended.cause, ended.exit_code) == (TaskCause.EXITED, 0), ended
+        assert (await told("w.1")).exit_code == 5
+        assert await told("ps.0") is None  # killed: the next agent reports it lost
+        assert not task_pids("muster-j2-1-ps-0")
+        assert (state / "muster-j2-1-ps-0.exit").read_text().strip() == "killed"
+        deadline = time.monotonic() + 10
+        while (state / "muster-j2-1-w-0.json").exists():  # told: nothing left to say of it
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        assert not list((home / OUTBOX).glob("*.json"))
+    finally:
+        await conn.close()

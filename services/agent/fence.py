@@ -243,6 +243,23 @@ def report(home: Path, events: list[TaskEvent], timeout: float) -> bool:
     return asyncio.run(_send(home, timeout))
 
 
+def _fence_docker(home: str, pidfile: Path, wait: float, agent: int, died: float, timeout: float) -> None:
+    """Report the dead agent's containers that had ended at once; then, if no new agent has
+    come within `wait` seconds, stop and remove them all. A new agent writes its pid file before
+    it adopts or starts anything: once there is one, everything is its to do."""
+    import docker
+
+    client = docker.from_env(timeout=10)
+    try:
+        told = {} if _new_agent(pidfile, agent) else _exited_containers(client, home, died)
+        report(Path(home), list(told.values()), timeout)
+        time.sleep(max(0.0, died + wait - time.time()))
+        if not _new_agent(pidfile, agent):
+            _remove_containers(client, home, died, set(told))
+    finally:
+        client.close()
+
+
 def main(argv: list[str]) -> None:
     mode, agent, args = argv[0], int(argv[1]), argv[2:]
     said = b""
@@ -260,20 +277,11 @@ def main(argv: list[str]) -> None:
                 record.with_suffix(".exit").unlink(missing_ok=True)
                 record.unlink(missing_ok=True)
     elif mode == "docker":
-        import docker
-
         home, pidfile, wait = args[0], Path(args[1]), float(args[2])
-        client = docker.from_env(timeout=10)
         try:
-            told = _exited_containers(client, home, died)
-            report(Path(home), list(told.values()), timeout)
-            time.sleep(max(0.0, died + wait - time.time()))
-            # A new agent writes its pid file before it adopts or starts anything.
-            if not _new_agent(pidfile, agent):
-                _remove_containers(client, home, died, set(told))
-                asyncio.run(_send(Path(home), timeout))
-        finally:
-            client.close()
+            _fence_docker(home, pidfile, wait, agent, died, timeout)
+        finally:  # whatever the engine did, what the agent left unsent goes
+            asyncio.run(_send(Path(home), timeout))
 
 
 if __name__ == "__main__":
