@@ -197,7 +197,7 @@ async def _chaos(nats_url: str, tmp_path: Path, image: str, n: int, runtime: tup
         assert not wrong, (wrong, kills)
         assert len(set(kills)) >= 5, kills  # every kind of service was killed at least once
 
-        attempts = await _attempts(nc, records)
+        attempts = await _all_ended(nc, records)
         _exact_retries(records, plan, attempts)
         _no_gpu_held_twice(attempts)
         _no_gpu_held_twice_by_the_tasks((shared / "gpu-ledger").read_text().splitlines(), attempts)
@@ -245,6 +245,19 @@ def _runs_that_ended_are_recorded_as_ended(
             wrong.append(f"{job}.{n} {task} exited 0 and ran again in attempt {again}: {a.rule}")
     said = [line for line in logs.splitlines() if any(w.split()[0].split(".")[0] in line for w in wrong)]
     assert not wrong, "\n".join(wrong + said[-50:])
+
+
+async def _all_ended(nc, records: list[JobRecord], timeout: float = 60) -> list[AttemptRecord]:
+    """The jobs' attempts once every task of them has ended: a job is final as soon as its
+    policy says so, and the rest of its gang is stopped after (a kill order, then a report)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        attempts = await _attempts(nc, records)
+        running = [f"{a.key}/{t.key}" for a in attempts for t in a.tasks if not t.state.ended]
+        if not running:
+            return attempts
+        assert time.monotonic() < deadline, f"tasks of finished jobs never ended: {running}"
+        await asyncio.sleep(0.5)
 
 
 async def _attempts(nc, records: list[JobRecord]) -> list[AttemptRecord]:
