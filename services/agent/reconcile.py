@@ -18,6 +18,7 @@ from nats.js.errors import NotFoundError
 
 from services.agent.runtime import (
     LABEL_ATTEMPT,
+    LABEL_HOME,
     LABEL_INDEX,
     LABEL_JOB,
     LABEL_NODE,
@@ -116,7 +117,10 @@ class Reconciler:
         settled: set[TaskKey] = set()
         exits: list[tuple[float, TaskKey, AttemptRecord, TaskStatus, int]] = []
         others: list[tuple[TaskKey, AttemptRecord, TaskStatus, TaskCause, str]] = []
-        for found in await self.runtime.find({LABEL_NODE: self.node}):
+        # This agent installation's tasks only (its work root): another one on the same engine
+        # under the same node name (a second checkout, a test beside it) keeps its own.
+        mine = {LABEL_NODE: self.node, LABEL_HOME: self.tasks.where.work_root}
+        for found in await self.runtime.find(mine):
             key = key_of(found)
             if key is None:
                 continue
