@@ -42,6 +42,7 @@ from typing import Any
 
 from bench.replay_policies import POLICIES, Need, Policy, fits, needs
 from bench.replay_trace import Trace, TraceError, TraceTask, adjustments, load, uniform_nodes
+from bench.replay_vcs import ORDERS, Sharing, facts_for, vcs_for
 from services.scheduler.placement import NodeState, PendingJob, allocate, plan, release
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,6 +178,7 @@ class Run:
     wall_s: float
     decide_s: float
     bucket_s: float
+    order: dict[str, float] | None = None  # a sharing policy's order (bench/replay_vcs.py)
 
     def report(self) -> dict[str, Any]:
         m = self.meter
@@ -210,6 +212,7 @@ class Run:
             "gpu_alloc_by_tenth": [round(x, 4) for x in m.series(active, active / 10)] if active else [],
             "bucket_s": bucket_s,
             "gpu_alloc_by_bucket": [round(x, 4) for x in series],
+            **({"order": self.order} if self.order is not None else {}),
         }
 
 
@@ -303,7 +306,17 @@ def replay(
         gpu_waits = any(need.gpus for need in waiting)
         stranded = stranded_gpus((nodes[n] for n in with_free), waiting) if gpu_waits else 0
         state = (used, gpu_waits, stranded)
+    order = None
+    if isinstance(policy, Sharing):
+        order = {
+            "order_s": round(policy.order_s, 3),
+            "plan_s": round(decide_s - policy.order_s, 3),
+            "order_share_of_plan": round(policy.order_s / max(1e-9, decide_s - policy.order_s), 4),
+            "given_per_replan": round(policy.given / max(1, replans), 1),
+            "keyed_per_replan": round(policy.keyed / max(1, replans), 1),
+        }
     return Run(
+        order=order,
         policy=policy.name,
         jobs=len(trace.tasks),
         started=started,
@@ -374,25 +387,25 @@ def print_table(about: dict[str, Any], runs: list[dict[str, Any]], setup_s: floa
     print(f"setup    {setup_s:.2f} s (reading the trace, asking Muster's core which jobs can never fit)")
     print()
     print(
-        f"{'policy':<9} {'wall s':>7} {'decide s':>8} {'replans':>7} {'placed':>6} {'never':>5}"
+        f"{'policy':<14} {'wall s':>7} {'decide s':>8} {'replans':>7} {'placed':>6} {'never':>5}"
         f" | {'delay mean':>10} {'p50':>9} {'p99':>10} {'max':>10} | {'JCT mean':>10} {'p50':>10} {'p99':>10}"
     )
     for r in runs:
         d, j = r["queue_delay_s"], r["jct_s"]
         print(
-            f"{r['policy']:<9} {r['wall_s']:>7.2f} {r['decide_s']:>8.2f} {r['replans']:>7} {r['placed']:>6}"
+            f"{r['policy']:<14} {r['wall_s']:>7.2f} {r['decide_s']:>8.2f} {r['replans']:>7} {r['placed']:>6}"
             f" {r['never_placed']:>5} | {_s(d['mean']):>10} {_s(d['p50']):>9} {_s(d['p99']):>10}"
             f" {_s(d['max']):>10} | {_s(j['mean']):>10} {_s(j['p50']):>10} {_s(j['p99']):>10}"
         )
     print("(delays and JCT in simulated seconds)")
     print()
     print(
-        f"{'policy':<9} {'alloc active':>12} {'run':>6} {'peak':>6} {'peak bkt':>8} | {'saturated s':>11}"
+        f"{'policy':<14} {'alloc active':>12} {'run':>6} {'peak':>6} {'peak bkt':>8} | {'saturated s':>11}"
         f" {'share':>6} {'alloc@sat':>9} {'stranded@sat':>12} {'free@sat':>8}"
     )
     for r in runs:
         print(
-            f"{r['policy']:<9} {_share(r['gpu_alloc_active']):>12} {_share(r['gpu_alloc_run']):>6}"
+            f"{r['policy']:<14} {_share(r['gpu_alloc_active']):>12} {_share(r['gpu_alloc_run']):>6}"
             f" {_share(r['gpu_alloc_peak']):>6} {_share(r['gpu_alloc_peak_bucket']):>8} |"
             f" {_s(r['saturated_s']):>11} {_share(r['saturated_share_active']):>6}"
             f" {_share(r['gpu_alloc_saturated']):>9} {_s2(r['stranded_gpus_saturated']):>12}"
@@ -406,7 +419,25 @@ def print_table(about: dict[str, Any], runs: list[dict[str, Any]], setup_s: floa
     print()
     print("GPU allocation by tenth of the active period:")
     for r in runs:
-        print(f"{r['policy']:<9} " + " ".join(f"{x * 100:5.1f}%" for x in r["gpu_alloc_by_tenth"]))
+        print(f"{r['policy']:<14} " + " ".join(f"{x * 100:5.1f}%" for x in r["gpu_alloc_by_tenth"]))
+    shared = [r for r in runs if "order" in r]
+    if shared:
+        print()
+        print(
+            f"sharing order: {a['vcs']} VCs, {a['users_per_vc']} users each (priority from QoS), "
+            f"{'borrowing' if a['borrow'] else 'not borrowing'} beyond their quotas"
+        )
+        print(
+            f"{'policy':<15} {'order s':>8} {'plan s':>8} {'order/plan':>10} {'given/replan':>12}"
+            f" {'keyed/replan':>12}"
+        )
+        for r in shared:
+            o = r["order"]
+            print(
+                f"{r['policy']:<15} {o['order_s']:>8.2f} {o['plan_s']:>8.2f}"
+                f" {o['order_share_of_plan']:>10.1%} {o['given_per_replan']:>12,.0f}"
+                f" {o['keyed_per_replan']:>12,.0f}"
+            )
     for r in runs:
         if r["never_reasons"]:
             print(f"never placed under {r['policy']}: {r['never_placed']}")
@@ -438,7 +469,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cpus-per-node", type=int, default=64)
     p.add_argument("--memory-per-node", type=int, default=512 * 1024, help="MB")
     p.add_argument(
-        "--policies", default="muster,fifo,firstfit", help=f"comma-separated, of: {', '.join(POLICIES)}"
+        "--policies",
+        default=None,
+        help=f"comma-separated, of: {', '.join([*POLICIES, *ORDERS])} (default: muster,fifo,firstfit; "
+        "with --vcs: muster-vc)",
+    )
+    p.add_argument(
+        "--vcs",
+        type=int,
+        default=0,
+        help="K > 0: tasks drawn into K virtual clusters (1/K of the GPUs each), priority from QoS, "
+        "behind the scheduler's sharing order (bench/replay_vcs.py)",
+    )
+    p.add_argument("--users", type=int, default=4, help="with --vcs: users per virtual cluster")
+    p.add_argument(
+        "--no-borrow", action="store_true", help="with --vcs: no VC runs beyond its quota (the rest waits)"
     )
     p.add_argument("--limit", type=int, default=None, help="replay only the first N tasks (by arrival)")
     p.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by K (durations kept)")
@@ -455,10 +500,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICIES]
+    chosen = args.policies or ("muster-vc" if args.vcs else "muster,fifo,firstfit")
+    policies = [p.strip() for p in chosen.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES and p not in ORDERS]
     if unknown or not policies:
-        print(f"unknown policy {', '.join(unknown)}; known: {', '.join(POLICIES)}", file=sys.stderr)
+        known = ", ".join([*POLICIES, *ORDERS])
+        print(f"unknown policy {', '.join(unknown)}; known: {known}", file=sys.stderr)
+        return 2
+    if args.vcs < 0 or args.users < 1 or (any(p in ORDERS for p in policies) and not args.vcs):
+        print("--vcs K (K >= 1) goes with muster-vc and muster-vc-sort, and --users >= 1", file=sys.stderr)
         return 2
     if args.speedup <= 0 or (args.bucket is not None and args.bucket <= 0):
         print("--speedup and --bucket must be > 0", file=sys.stderr)
@@ -486,8 +536,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     never = never_fits(trace.nodes, trace.tasks)
     setup_s = time.perf_counter() - clock
-    runs = [replay(trace, POLICIES[name](), args.speedup, args.bucket, never).report() for name in policies]
+
+    def policy(name: str) -> Policy:
+        if name in ORDERS:
+            facts = facts_for(trace, args.vcs, args.users, args.speedup)
+            return Sharing(name, facts, vcs_for(trace.nodes, args.vcs, not args.no_borrow), trace.nodes)
+        return POLICIES[name]()
+
+    runs = [replay(trace, policy(name), args.speedup, args.bucket, never).report() for name in policies]
     about = describe(trace, args.speedup)
+    if args.vcs:
+        about.update(vcs=args.vcs, users_per_vc=args.users, borrow=not args.no_borrow)
     if not args.json:
         print_table(about, runs, setup_s)
     print(json.dumps({"bench": "replay", **about, "setup_s": round(setup_s, 3), "policies": runs}))

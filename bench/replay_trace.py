@@ -77,6 +77,7 @@ class TraceTask:
     memory_mb: int = MIN_MEMORY_MB  # the trace's memory, before JobConfig's floor
     timing: str = "trace"  # trace | pending (never scheduled there) | borrowed | drawn
     clamped: bool = False  # its duration came out negative and was set to 0
+    qos: str = ""  # the trace's QoS class (Alibaba: LS, BE, Burstable, Guaranteed), if it has one
 
     @property
     def gpus(self) -> int:
@@ -341,7 +342,18 @@ def read_alibaba_tasks(path: Path, nodes: list[NodeState], seed: int, skipped: l
         duration = deleted - (created if scheduled is None else scheduled)
         share = milli if gpus == 1 and 0 < milli < 1000 else 1000
         tasks.append(
-            TraceTask(name, created, max(0.0, duration), config, share, spec, memory_mb, timing, duration < 0)
+            TraceTask(
+                name,
+                created,
+                max(0.0, duration),
+                config,
+                share,
+                spec,
+                memory_mb,
+                timing,
+                duration < 0,
+                row.get("qos", ""),
+            )
         )
     return tasks
 

@@ -38,12 +38,17 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
-from shared import auth, subjects
+from shared import auth, settings, subjects
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
+# The longest subject (or reply subject) sent. The server reads at most 4096 bytes of a control
+# line (`PUB <subject> <reply> <size>`), and closes the connection over a longer one; Muster's own
+# subjects, built of 64-character tokens, stay under 400.
+MAX_SUBJECT = 1024
+_SUBJECT = re.compile(r"[^\x00-\x20\x7f]{1," + str(MAX_SUBJECT) + "}")  # no space or control character
 LEASE_TTL = 4.0  # seconds a leader's lease lives without renewal
-LOGS_MAX_BYTES = int(os.environ.get("MUSTER_LOGS_MAX_BYTES", str(1 << 30)))
-METRICS_MAX_BYTES = int(os.environ.get("MUSTER_METRICS_MAX_BYTES", str(256 << 20)))
+LOGS_MAX_BYTES = settings.number("MUSTER_LOGS_MAX_BYTES", 1 << 30, int, low=1)
+METRICS_MAX_BYTES = settings.number("MUSTER_METRICS_MAX_BYTES", 256 << 20, int, low=1)
 log = structlog.get_logger()
 
 
@@ -59,12 +64,42 @@ def shown(url: str) -> str:
 
 def node_timeout() -> float:
     """Seconds without a heartbeat after which a node is lost (supervisor) and gets no work (scheduler)."""
-    return float(os.environ.get("MUSTER_NODE_TIMEOUT", "5"))
+    return settings.number("MUSTER_NODE_TIMEOUT", 5.0, float, low=0.1)
 
 
 def replicas() -> int:
     """JetStream replicas for every stream and bucket: 1 on one machine, 3 on a NATS cluster."""
-    return int(os.environ.get("MUSTER_JS_REPLICAS", "1"))
+    return settings.number("MUSTER_JS_REPLICAS", 1, int, low=1, high=5)
+
+
+class Client(NATS):
+    """nats-py's client, refusing (with `nats.errors.BadSubjectError`, before anything is sent) a
+    subject the server would close the connection over or read as something else: longer than
+    MAX_SUBJECT, or holding a space or control character. nats-py sends what it is given, and a
+    connection the server closes is closed for good (see `closed`): one subject built from a
+    forged id stopped a whole service. Messages are checked where they are decoded
+    (`shared.shapes`); this is the net under that.
+
+    `closed_on_purpose`: whether `close()` closed it (else the server did, or nothing has)."""
+
+    closed_on_purpose = False
+
+    async def close(self) -> None:
+        if not self.is_closed:
+            self.closed_on_purpose = True
+        await super().close()
+
+    async def publish(
+        self, subject: str, payload: bytes = b"", reply: str = "", headers: dict[str, str] | None = None
+    ) -> None:
+        if not _SUBJECT.fullmatch(subject) or (reply and not _SUBJECT.fullmatch(reply)):
+            raise nats.errors.BadSubjectError
+        await super().publish(subject, payload, reply, headers)
+
+    async def subscribe(self, subject: str, *args: Any, **kwargs: Any) -> Any:
+        if not _SUBJECT.fullmatch(subject):
+            raise nats.errors.BadSubjectError
+        return await super().subscribe(subject, *args, **kwargs)
 
 
 async def connect(
@@ -83,7 +118,9 @@ async def connect(
     `credentials` (default: the file MUSTER_CREDENTIALS names, if set) authenticate as an nkey
     identity, whose replies come to its own inbox prefix; TLS is used when MUSTER_TLS_CA is set
     (see `tls_context`). A server's refusals (permission violations) are logged and kept in
-    `refusals(nc)`."""
+    `refusals(nc)`. A connection the server closes (nats-py does not reconnect after a server
+    error other than a stale connection or a permissions violation) is logged as an error and
+    `closed(nc)` is set: a service then exits, to be restarted (see `shared.service`)."""
     url = url or nats_url()
     if credentials is None:
         try:
@@ -92,10 +129,10 @@ async def connect(
             raise ConnectionError(str(exc)) from None
     servers = [s.strip() for s in url.split(",") if s.strip()]
     if connect_timeout is None:
-        connect_timeout = float(os.environ.get("MUSTER_CONNECT_TIMEOUT", "30"))
+        connect_timeout = settings.number("MUSTER_CONNECT_TIMEOUT", 30.0, float, low=0.1)
     logger = log.bind(component=name, url=shown(url))
 
-    client: list[NATS] = []
+    client: list[Client] = []
 
     async def disconnected() -> None:
         closing = client and (client[0].is_closed or client[0].is_draining)
@@ -107,6 +144,13 @@ async def connect(
             logger.info("nats.reconnected")
 
     refused: list[str] = []
+    gone = asyncio.Event()
+
+    async def closed_for_good() -> None:
+        gone.set()
+        if client and not client[0].closed_on_purpose:
+            why = client[0].last_error
+            logger.error("nats.closed", error=(str(why) or type(why).__name__) if why else None)
 
     async def error(exc: Exception) -> None:
         text = str(exc) or type(exc).__name__
@@ -116,32 +160,30 @@ async def connect(
         if not quiet:
             logger.warning("nats.error", error=text)
 
-    secure: dict[str, Any] = {}
+    options: dict[str, Any] = dict(
+        servers=servers,
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        connect_timeout=min(2.0, connect_timeout / max(1, len(servers))),  # each server gets a turn
+        ping_interval=5,
+        max_outstanding_pings=3,
+        disconnected_cb=disconnected,
+        reconnected_cb=reconnected,
+        closed_cb=closed_for_good,
+        error_cb=error,
+        allow_reconnect=True,
+    )
     if credentials is not None:
-        secure.update(nkeys_seed_str=credentials.seed, inbox_prefix=credentials.inbox)
+        options.update(nkeys_seed_str=credentials.seed, inbox_prefix=credentials.inbox)
     tls = tls_context()
     if tls is not None:
-        secure["tls"] = tls
+        options["tls"] = tls
 
     # With unlimited reconnects nats-py retries the first connection forever: bound it here.
+    nc = Client()
     try:
-        nc = await asyncio.wait_for(
-            nats.connect(
-                servers=servers,
-                name=name,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                connect_timeout=min(2.0, connect_timeout / max(1, len(servers))),  # each server gets a turn
-                ping_interval=5,
-                max_outstanding_pings=3,
-                disconnected_cb=disconnected,
-                reconnected_cb=reconnected,
-                error_cb=error,
-                allow_reconnect=True,
-                **secure,
-            ),
-            connect_timeout,
-        )
+        await asyncio.wait_for(nc.connect(**options), connect_timeout)
     except TimeoutError:
         why = f"; refused: {refused[-1]}" if refused else ""
         raise ConnectionError(f"cannot reach NATS at {shown(url)} within {connect_timeout:g}s{why}") from None
@@ -150,12 +192,31 @@ async def connect(
         raise ConnectionError(f"cannot use NATS URL {shown(url)!r}: {why}") from None
     client.append(nc)
     _IDENTITY[nc] = (credentials, refused)
+    _CLOSED[nc] = gone
     return nc
 
 
 _IDENTITY: weakref.WeakKeyDictionary[NATS, tuple[auth.Credentials | None, list[str]]] = (
     weakref.WeakKeyDictionary()
 )
+_CLOSED: weakref.WeakKeyDictionary[NATS, asyncio.Event] = weakref.WeakKeyDictionary()
+
+
+def closed(nc: NATS) -> asyncio.Event:
+    """Set once `nc` (made by `connect`) is closed for good: by `close()`, or by the server
+    (after an error it closes connections over, nats-py never reconnects). A service watches it
+    (shared/service.py) and exits when it is set and `lost(nc)`."""
+    event = _CLOSED.get(nc)
+    if event is None:
+        event = _CLOSED[nc] = asyncio.Event()
+        if nc.is_closed:
+            event.set()
+    return event
+
+
+def lost(nc: NATS) -> bool:
+    """Whether `nc` is closed for good without anyone here closing it."""
+    return nc.is_closed and not getattr(nc, "closed_on_purpose", False)
 
 
 def identity(nc: NATS) -> auth.Credentials | None:
@@ -434,7 +495,7 @@ async def setup(nc: NATS, wait: float | None = None) -> tuple[JetStreamContext, 
     if ident is None or ident.role == "admin":
         return await ensure_jetstream(nc)
     if wait is None:
-        wait = float(os.environ.get("MUSTER_SETUP_WAIT", "300"))
+        wait = settings.seconds("MUSTER_SETUP_WAIT", 300.0)
     return await open_jetstream(nc, wait=wait)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -15,7 +14,7 @@ from typing import Any, Generic, TypeVar
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge
 
-from shared import subjects
+from shared import settings, shapes, subjects
 from shared.bus import consume
 
 M = TypeVar("M")
@@ -26,7 +25,7 @@ REJECTED = Counter(
     "Messages terminated without being handled: undecodable, or failing on every delivery",
     ["consumer", "why"],
 )
-MAX_DELIVERIES = int(os.environ.get("MUSTER_MAX_DELIVERIES", "10"))
+MAX_DELIVERIES = settings.number("MUSTER_MAX_DELIVERIES", 10, int, low=1)
 REFUSED = Counter(
     "muster_claims_refused_total",
     "Messages that decoded but claimed what their sender may not: another node's task, another "
@@ -53,7 +52,7 @@ REDELIVERING = Gauge(
     "Messages delivered more than once and not acked yet",
     ["consumer"],
 )
-LAG_EVERY = float(os.environ.get("MUSTER_LAG_EVERY", "10"))
+LAG_EVERY = settings.seconds("MUSTER_LAG_EVERY", 10.0, low=0.1)
 LAG_WAIT = 3.0  # seconds one consumer-info request may take
 
 
@@ -99,7 +98,7 @@ class Handling(Generic[M]):
         try:
             decoded = self.decode(msg)
         except Exception as exc:
-            self._reject(msg, "undecodable", str(exc)[:200])
+            self._reject(msg, "undecodable", shapes.refusal(exc))
             with contextlib.suppress(Exception):
                 await msg.term()
             return

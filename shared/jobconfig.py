@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, TypeGuard
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StringConstraints,
@@ -347,13 +348,23 @@ class JobConfig(_Model):
         return list(dict.fromkeys([self.image, *(r.image for r in self.taskRoles if r.image)]))
 
 
+def _cut(limit: int) -> Any:
+    """A validator cutting a string to `limit` characters (a path naming a user's 10,000-character
+    key, a reason quoting a value): errors stay small enough to send."""
+
+    def cut(value: Any) -> Any:
+        return value[: limit - 1] + "…" if isinstance(value, str) and len(value) > limit else value
+
+    return BeforeValidator(cut)
+
+
 class FieldError(BaseModel):
     """One reason a config was rejected: `path` as users write it (`taskRoles[1].memoryMB`)."""
 
     model_config = ConfigDict(frozen=True)
 
-    path: str
-    reason: str
+    path: Annotated[str, _cut(300)]
+    reason: Annotated[str, _cut(2000)]
 
     def __str__(self) -> str:
         return f"{self.path}: {self.reason}" if self.path else self.reason
@@ -652,10 +663,48 @@ def _is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def unicode_errors(data: Any) -> list[FieldError]:
+    """Every key or string in `data` that is not valid Unicode text (JSON's `\\ud800` escape
+    decodes to a lone surrogate, which no UTF-8 encoder takes): the config could be neither
+    stored nor sent. Iterative, so any depth json.loads accepts is fine."""
+    errors: list[FieldError] = []
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack and len(errors) < 20:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not _encodes(value):
+                errors.append(FieldError(path=path, reason="must be valid Unicode text (a lone surrogate?)"))
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                key = str(k)
+                if not _encodes(key):
+                    key = key.encode("utf-8", "backslashreplace").decode()
+                    errors.append(FieldError(path=f"{path}.{key}" if path else key, reason=_BAD_KEY))
+                stack.append((v, f"{path}.{key}" if path else key))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(value))
+    return sorted(errors, key=lambda e: e.path)
+
+
+_BAD_KEY = "the field name must be valid Unicode text (a lone surrogate?)"
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 def check_job(data: Any) -> tuple[JobConfig | None, list[FieldError]]:
     """Validate a decoded job config. Never raises on user input."""
     if not isinstance(data, dict):
         return None, [FieldError(path="", reason=f"a job config must be a JSON object, got {_kind(data)}")]
+    # Text that cannot be encoded is named at once: nothing else is checked, nothing quotes it.
+    bad_text = unicode_errors(data)
+    if bad_text:
+        return None, bad_text
     errors: list[FieldError] = []
     config: JobConfig | None = None
     try:

@@ -12,9 +12,42 @@ from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+)
 
-from shared.jobconfig import FieldError, JobConfig, Priority
+from shared.jobconfig import MAX_ROLES, FieldError, JobConfig, Priority
+from shared.shapes import (
+    MAX_GANG,
+    MAX_NODE_GPU_ENTRIES,
+    Address,
+    Attempt,
+    AttemptOrNone,
+    Count,
+    ExitCode,
+    GpuIndex,
+    GpuModel,
+    Grace,
+    Index,
+    JobId,
+    Lines,
+    MetricName,
+    Name,
+    Port,
+    Reason,
+    Role,
+    RoleNo,
+    ShortId,
+    Step,
+    SubmissionId,
+    TaskKey,
+)
 
 
 def now() -> datetime:
@@ -22,6 +55,11 @@ def now() -> datetime:
 
 
 class Message(BaseModel):
+    """A fact or a record (an event, a KV record): unknown fields are ignored, so a record or
+    event written by a newer version of Muster still decodes in an older replica during a
+    rolling upgrade (nothing it does not know is acted on). Every field has a shape
+    (`shared.shapes`), checked on decode."""
+
     model_config = ConfigDict(extra="ignore")
 
     def to_bytes(self) -> bytes:
@@ -30,6 +68,14 @@ class Message(BaseModel):
     @classmethod
     def from_bytes(cls, data: bytes | None) -> Self:
         return cls.model_validate_json(data or b"")
+
+
+class Command(Message):
+    """An order or request that makes a service act (kill, drain, assign, exec): a payload with
+    a field it does not define is refused, not taken for what it is not (any JSON object with a
+    `node` field once drained a node)."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class JobState(StrEnum):
@@ -46,6 +92,21 @@ class JobState(StrEnum):
         return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED)
 
 
+MAX_ERRORS = 100  # errors (and warnings) a verdict lists; the rest are counted in a last one
+
+
+def _at_most(n: int) -> Any:
+    """A list of FieldErrors cut to its first `n - 1` and one that counts the rest."""
+
+    def cut(value: Any) -> Any:
+        if not isinstance(value, list) or len(value) <= n:
+            return value
+        rest = FieldError(path="", reason=f"... and {len(value) - n + 1} more")
+        return [*value[: n - 1], rest]
+
+    return cut
+
+
 def job_id_for(user: str, submission_id: str) -> str:
     """Job ids are derived from the submitter and the submission id, so a redelivered submission
     maps to the same job, and one user's submission id never names another user's job."""
@@ -55,16 +116,16 @@ def job_id_for(user: str, submission_id: str) -> str:
 class Verdict(Message):
     """The validator's answer to one submission, on `muster.events.submission.<sid>`."""
 
-    submission_id: str
+    submission_id: SubmissionId
     accepted: bool
-    user: str = ""  # who submitted it (the verdict's subject names them too)
-    job_id: str | None = None
-    job_name: str | None = None
-    errors: list[FieldError] = Field(default_factory=list)
+    user: Name | Literal[""] = ""  # who submitted it (the verdict's subject names them too)
+    job_id: JobId | None = None
+    job_name: Name | None = None
+    errors: Annotated[list[FieldError], BeforeValidator(_at_most(MAX_ERRORS))] = Field(default_factory=list)
     # An accepted config's forms OpenPAI took that are not the contract's own (a port's beginAt
     # as a string, PAI_ names in jobEnvs), each naming its field and why.
-    warnings: list[FieldError] = Field(default_factory=list)
-    at: datetime = Field(default_factory=now)
+    warnings: Annotated[list[FieldError], BeforeValidator(_at_most(MAX_ERRORS))] = Field(default_factory=list)
+    at: AwareDatetime = Field(default_factory=now)
 
 
 WAITING_FOR_SCHEDULER = "waiting for a scheduler"  # a new job's reason, until a scheduler looks at it
@@ -73,22 +134,23 @@ WAITING_FOR_SCHEDULER = "waiting for a scheduler"  # a new job's reason, until a
 class JobRecord(Message):
     """The current state of a job: KV bucket `muster_jobs`, key = job id."""
 
-    job_id: str
-    job_name: str
+    job_id: JobId
+    job_name: Name
     state: JobState = JobState.WAITING
-    submission_id: str
-    user: str
+    submission_id: SubmissionId
+    user: Name
     config: JobConfig
-    digest: str = ""  # sha256 of the accepted config's canonical JSON (to spot a reused submission id)
-    submitted_at: datetime
-    updated_at: datetime = Field(default_factory=now)
+    # sha256 of the accepted config's canonical JSON (to spot a reused submission id)
+    digest: Annotated[str, StringConstraints(pattern=r"^([0-9a-f]{64})?$")] = ""
+    submitted_at: AwareDatetime
+    updated_at: AwareDatetime = Field(default_factory=now)
     reason: str = WAITING_FOR_SCHEDULER
     unschedulable: bool = False  # the scheduler found no node that could ever fit it
-    attempt: int = 0  # the current attempt's number; 0 until first placed
-    retries: int = 0  # retries charged to the config's retryCount (user failures, or -2 restarts)
-    platform_retries: int = 0  # retries after platform failures: not charged to retryCount
-    not_before: datetime | None = None  # the next attempt waits until then (backoff)
-    settled: int = 0  # the last attempt whose end the supervisor has applied to this record
+    attempt: AttemptOrNone = 0  # the current attempt's number; 0 until first placed
+    retries: Count = 0  # retries charged to the config's retryCount (user failures, or -2 restarts)
+    platform_retries: Count = 0  # retries after platform failures: not charged to retryCount
+    not_before: AwareDatetime | None = None  # the next attempt waits until then (backoff)
+    settled: AttemptOrNone = 0  # the last attempt whose end the supervisor has applied to this record
 
     @property
     def unseen(self) -> bool:
@@ -111,42 +173,42 @@ class JobEventKind(StrEnum):
 class JobEvent(Message):
     """One fact in a job's history, on `muster.events.job.<job_id>.<kind>` (stream MUSTER_EVENTS)."""
 
-    job_id: str
-    job_name: str
+    job_id: JobId
+    job_name: Name
     kind: JobEventKind
     state: JobState
-    attempt: int = 0
-    submission_id: str | None = None
-    user: str | None = None
+    attempt: AttemptOrNone = 0
+    submission_id: SubmissionId | None = None
+    user: Name | None = None
     detail: str = ""
-    at: datetime = Field(default_factory=now)
+    at: AwareDatetime = Field(default_factory=now)
 
 
 # ------------------------------------------------------------------ nodes, placement, rendezvous
 
 
 class GpuDevice(BaseModel):
-    index: int
-    model: str
-    memory_mb: int = 0
+    index: GpuIndex
+    model: GpuModel
+    memory_mb: Count = 0
 
 
 class NodeInfo(Message):
     """A node as its agent registered it: KV bucket `muster_nodes`, key = node name. The agent
     rewrites it every heartbeat; `agent_id` changes when the agent restarts."""
 
-    node: str
-    address: str
-    cpus: int
-    memory_mb: int
-    gpus: list[GpuDevice] = Field(default_factory=list)
-    runtime: str
-    agent_id: str
-    started_at: datetime = Field(default_factory=now)
-    heartbeat_at: datetime = Field(default_factory=now)
+    node: Name
+    address: Address
+    cpus: Count
+    memory_mb: Count
+    gpus: list[GpuDevice] = Field(default_factory=list, max_length=MAX_NODE_GPU_ENTRIES)
+    runtime: ShortId
+    agent_id: ShortId
+    started_at: AwareDatetime = Field(default_factory=now)
+    heartbeat_at: AwareDatetime = Field(default_factory=now)
     # Set by an agent stopping for a restart (SIGTERM): its tasks keep running, and the node is
     # not lost before this time even without heartbeats.
-    restarting_until: datetime | None = None
+    restarting_until: AwareDatetime | None = None
     drained: bool = False  # an operator drained it: its tasks were stopped, it takes no new work
     # Where the agent serves /metrics (at `address`): Prometheus finds agents through the
     # supervisor's /sd/agents (HTTP service discovery). None: it serves none (a sim node).
@@ -181,26 +243,29 @@ def node_refusal(key: str, info: NodeInfo, at: datetime | None = None) -> str | 
 class TaskSpec(BaseModel):
     """One task of an attempt placed on a node, with the exact GPU device indexes it owns."""
 
-    role: str
-    role_no: int
-    index: int
-    node: str
-    gpus: list[int] = Field(default_factory=list)
+    model_config = ConfigDict(extra="forbid")  # a part of a command (Assignment)
+
+    role: Role
+    role_no: RoleNo
+    index: Index
+    node: Name
+    gpus: list[GpuIndex] = Field(default_factory=list, max_length=MAX_NODE_GPUS)
 
     @property
     def key(self) -> str:
         return f"{self.role}.{self.index}"
 
 
-class Assignment(Message):
+class Assignment(Command):
     """Scheduler -> agent, on `muster.node.<node>.assign`: run these tasks of this attempt."""
 
-    job_id: str
-    attempt: int
-    user: str
+    job_id: JobId
+    attempt: Attempt
+    user: Name
     config: JobConfig
-    gang: list[TaskSpec]  # the attempt's tasks on `node` (its peers are in the cluster spec)
-    node: str
+    # the attempt's tasks on `node` (its peers are in the cluster spec)
+    gang: list[TaskSpec] = Field(max_length=MAX_GANG)
+    node: Name
 
     @property
     def mine(self) -> list[TaskSpec]:
@@ -227,13 +292,16 @@ class Assignment(Message):
 class Endpoint(BaseModel):
     """Where one task can be reached: its node's address, its default port, its portList ports."""
 
-    role: str
-    role_no: int
-    index: int
-    node: str
-    host: str
-    port: int
-    ports: dict[str, list[int]] = Field(default_factory=dict)
+    role: Role
+    role_no: RoleNo
+    index: Index
+    node: Name
+    host: Address
+    port: Port
+    # portList label -> its ports (at most 32 labels of at most 100 ports, as the config allows)
+    ports: dict[Role, Annotated[list[Port], Field(max_length=100)]] = Field(
+        default_factory=dict, max_length=32
+    )
 
     @property
     def address(self) -> str:
@@ -262,9 +330,9 @@ class Endpoint(BaseModel):
 class EndpointReported(Message):
     """Agent -> registry, on `muster.events.task.<job>.<attempt>.<role>.<index>.endpoint`."""
 
-    job_id: str
-    attempt: int
-    gang_size: int
+    job_id: JobId
+    attempt: Attempt
+    gang_size: Annotated[int, Field(ge=1, le=MAX_GANG)]
     endpoint: Endpoint
 
 
@@ -273,10 +341,10 @@ class ClusterSpec(Message):
     gang, ordered by role (config order) then index. Once per attempt, or for an elastic one once
     per membership (`version` 1, 2, ...: the last one is the gang now)."""
 
-    job_id: str
-    attempt: int
-    endpoints: list[Endpoint]
-    version: int = 1
+    job_id: JobId
+    attempt: Attempt
+    endpoints: list[Endpoint] = Field(max_length=MAX_GANG)
+    version: Count = 1
 
     def has(self, key: str) -> bool:
         return any(f"{e.role}.{e.index}" == key for e in self.endpoints)
@@ -286,13 +354,13 @@ class Rendezvous(Message):
     """What the registry has collected for one attempt: KV bucket `muster_rendezvous`, key
     `<job_id>.<attempt>`."""
 
-    job_id: str
-    attempt: int
-    gang_size: int
-    endpoints: dict[str, Endpoint] = Field(default_factory=dict)  # "<role>.<index>" -> endpoint
+    job_id: JobId
+    attempt: Attempt
+    gang_size: Count
+    endpoints: dict[TaskKey, Endpoint] = Field(default_factory=dict)  # "<role>.<index>" -> endpoint
     published: bool = False
-    version: int = 0  # the last spec published (elastic attempts publish one per membership)
-    members: list[str] = Field(default_factory=list)  # the tasks of that spec
+    version: Count = 0  # the last spec published (elastic attempts publish one per membership)
+    members: list[TaskKey] = Field(default_factory=list)  # the tasks of that spec
 
     def spec(self) -> ClusterSpec:
         ordered = sorted(self.endpoints.values(), key=lambda e: (e.role_no, e.index))
@@ -320,26 +388,26 @@ class TaskCause(StrEnum):
 class TaskEvent(Message):
     """Agent -> everyone, on `muster.events.task.<job>.<attempt>.<role>.<index>.<kind>`."""
 
-    job_id: str
-    attempt: int
-    role: str
-    index: int
-    node: str
+    job_id: JobId
+    attempt: Attempt
+    role: Role
+    index: Index
+    node: Name
     kind: TaskEventKind
     cause: TaskCause | None = None  # set when kind is EXITED
-    exit_code: int | None = None
-    reason: str = ""
-    last_lines: list[str] = Field(default_factory=list)
-    at: datetime = Field(default_factory=now)
+    exit_code: ExitCode | None = None
+    reason: Reason = ""  # cut to shapes.REASON characters
+    last_lines: Lines = Field(default_factory=list)  # the last shapes.LINES, each cut to shapes.LINE
+    at: AwareDatetime = Field(default_factory=now)
 
 
 class MetricPoint(BaseModel):
     """One value of a training metric a task printed: when the agent read it, the step printed
     on the same line (if any), the metric's name and its value."""
 
-    t: datetime
-    step: int | None = None
-    name: str = Field(max_length=64)
+    t: AwareDatetime
+    step: Step | None = None
+    name: MetricName
     value: float = Field(allow_inf_nan=False)
 
 
@@ -349,16 +417,16 @@ class MetricBatch(Message):
     out because it printed faster than kept), the latest point of every metric so far, and when
     it last printed anything (hang detection's clock)."""
 
-    job_id: str
-    attempt: int
-    role: str
-    index: int
-    node: str
+    job_id: JobId
+    attempt: Attempt
+    role: Role
+    index: Index
+    node: Name
     points: list[MetricPoint] = Field(default_factory=list, max_length=4000)
     latest: list[MetricPoint] = Field(default_factory=list, max_length=64)
-    dropped: int = Field(default=0, ge=0)
-    last_output_at: datetime | None = None
-    at: datetime = Field(default_factory=now)
+    dropped: Count = 0
+    last_output_at: AwareDatetime | None = None
+    at: AwareDatetime = Field(default_factory=now)
 
 
 class TaskState(StrEnum):
@@ -374,25 +442,25 @@ class TaskState(StrEnum):
 
 
 class TaskStatus(BaseModel):
-    role: str
-    role_no: int
-    index: int
-    node: str
-    gpus: list[int] = Field(default_factory=list)
+    role: Role
+    role_no: RoleNo
+    index: Index
+    node: Name
+    gpus: list[GpuIndex] = Field(default_factory=list, max_length=MAX_NODE_GPUS)
     state: TaskState = TaskState.PLACED
     # An elastic role's task: when it joined a running attempt (else the attempt's placed_at),
     # and whether the scheduler removed it (shrinking the role): it holds its node until its
     # agent reports it stopped, but is no longer part of the gang.
-    placed_at: datetime | None = None
+    placed_at: AwareDatetime | None = None
     removed: bool = False
-    host: str | None = None
-    port: int | None = None
+    host: Address | None = None
+    port: Port | None = None
     cause: TaskCause | None = None
-    exit_code: int | None = None
-    reason: str = ""
+    exit_code: ExitCode | None = None
+    reason: str = ""  # (free text in records: see shared.shapes)
     last_lines: list[str] = Field(default_factory=list)
-    started_at: datetime | None = None
-    ended_at: datetime | None = None
+    started_at: AwareDatetime | None = None
+    ended_at: AwareDatetime | None = None
 
     @property
     def key(self) -> str:
@@ -414,10 +482,10 @@ class Failure(BaseModel):
     """What failed an attempt, and the evidence: the first failed task's node, exit code, output."""
 
     kind: FailureKind
-    task: str
-    node: str
+    task: TaskKey
+    node: Name
     cause: TaskCause | None = None
-    exit_code: int | None = None
+    exit_code: ExitCode | None = None
     reason: str = ""
     last_lines: list[str] = Field(default_factory=list)
 
@@ -432,19 +500,19 @@ class AttemptRecord(Message):
     scheduler when it places the gang (the key's creation is the fence against placing it twice);
     task states are then kept by the supervisor."""
 
-    job_id: str
-    attempt: int
-    tasks: list[TaskStatus]
-    placed_at: datetime = Field(default_factory=now)
-    ended_at: datetime | None = None
+    job_id: JobId
+    attempt: Attempt
+    tasks: list[TaskStatus] = Field(max_length=MAX_GANG)
+    placed_at: AwareDatetime = Field(default_factory=now)
+    ended_at: AwareDatetime | None = None
     outcome: JobState | None = None
     rule: str = ""  # which rule ended it
     failure: Failure | None = None  # why it failed, with the evidence
     charged: bool | None = None  # whether a retry after it was charged to retryCount
     borrowed: bool = False  # placed beyond its virtual cluster's quota: reclaimed first
-    elastic: list[str] = Field(default_factory=list)  # its elastic roles: they grow and shrink
-    resized_at: datetime | None = None  # the last time an elastic role grew or shrank
-    preempted_by: str | None = None  # the job it was stopped for (then not charged, re-queued)
+    elastic: list[Role] = Field(default_factory=list, max_length=MAX_ROLES)  # roles that grow and shrink
+    resized_at: AwareDatetime | None = None  # the last time an elastic role grew or shrank
+    preempted_by: JobId | None = None  # the job it was stopped for (then not charged, re-queued)
 
     @property
     def key(self) -> str:
@@ -469,15 +537,16 @@ class AttemptRecord(Message):
         return next(t for t in self.tasks if t.role == role and t.index == index)
 
 
-class KillOrder(Message):
+class KillOrder(Command):
     """Supervisor/CLI -> agent, on `muster.node.<node>.kill`: stop every task of this attempt
     (SIGTERM, then SIGKILL after `grace` seconds)."""
 
-    job_id: str
-    attempt: int
-    reason: str
-    grace: float = 10.0
-    tasks: list[str] = Field(default_factory=list)  # only these ("<role>.<index>"); empty: every one
+    job_id: JobId
+    attempt: Attempt
+    reason: Reason
+    grace: Grace = 10.0
+    # only these ("<role>.<index>"); empty: every one
+    tasks: list[TaskKey] = Field(default_factory=list, max_length=MAX_GANG)
 
     @property
     def key(self) -> str:
@@ -490,29 +559,32 @@ class MembersChanged(Message):
     believes: the registry reads the attempt record the subject names."""
 
 
-class DrainOrder(Message):
+class DrainOrder(Command):
     """Operator -> agent, on `muster.node.<node>.drain`: stop every task on the node on purpose
     (they end as stopped by the platform, so their jobs are retried elsewhere, uncharged) and
     take no new work until `undo` or the agent restarts."""
 
-    node: str
+    node: Name  # the agent of another node refuses it
     undo: bool = False
-    grace: float = 10.0
-    by: str = "operator"
-    at: datetime = Field(default_factory=now)
+    grace: Grace = 10.0
+    by: Name = "operator"
+    at: AwareDatetime = Field(default_factory=now)
 
     @property
     def key(self) -> str:
         return f"drain.{self.node}"
 
 
-class KillRequest(Message):
-    """A user's request to stop a job, on `muster.job.kill` (stream MUSTER_SUBMISSIONS)."""
+class KillRequest(Command):
+    """A user's request to stop a job, on `muster.job.kill.<user>` (stream MUSTER_SUBMISSIONS)."""
 
-    job_id: str
-    user: str = "anonymous"
-    grace: float = 10.0
-    at: datetime = Field(default_factory=now)
+    job_id: JobId
+    user: Name = "anonymous"
+    grace: Grace = 10.0
+    at: AwareDatetime = Field(default_factory=now)
+
+
+MAX_USERS = 10_000  # names a virtual cluster or dataset record may list
 
 
 class Quota(BaseModel):
@@ -538,7 +610,8 @@ class VirtualCluster(Message):
 
     name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")]
     quota: Quota = Field(default_factory=Quota)
-    users: list[str] = Field(default_factory=lambda: ["*"])  # who may submit to it; "*": everyone
+    # who may submit to it; "*": everyone
+    users: list[Name | Literal["*"]] = Field(default_factory=lambda: ["*"], max_length=MAX_USERS)
     max_priority: Priority = "high"  # the highest priority its jobs may ask for
     borrow: bool = True  # its jobs may run on idle capacity beyond the quota (reclaimed first)
 
@@ -565,7 +638,8 @@ class Dataset(Message):
     name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")]
     source: Annotated[str, StringConstraints(min_length=1, max_length=4096)]
     writable: bool = False
-    users: list[str] = Field(default_factory=lambda: ["*"])  # who may mount it; "*": everyone
+    # who may mount it; "*": everyone
+    users: list[Name | Literal["*"]] = Field(default_factory=lambda: ["*"], max_length=MAX_USERS)
     description: Annotated[str, StringConstraints(max_length=500)] = ""
 
     @field_validator("source")
@@ -623,7 +697,7 @@ MAX_EXEC_COMMAND = 64 * 1024  # characters of an orted command line
 MAX_EXEC_CHUNK = 32 * 1024  # characters of output in one ExecReply
 
 
-class ExecRequest(Message):
+class ExecRequest(Command):
     """An agent asks a peer's agent (`muster.exec.req.<peer>.<sender>`) to run `command` in task
     role.index of an MPI attempt, for that attempt's launcher on the sending node (`open`), or to
     stop what it runs for `session` (`cancel`). The peer checks it all against its own tasks and
@@ -631,10 +705,10 @@ class ExecRequest(Message):
 
     kind: Literal["open", "cancel"]
     session: Annotated[str, StringConstraints(pattern=EXEC_SESSION_RE)]
-    job_id: str = ""
-    attempt: int = 0
-    role: str = ""
-    index: int = 0
+    job_id: JobId | Literal[""] = ""  # (a cancel names only the session)
+    attempt: AttemptOrNone = 0
+    role: Role | Literal[""] = ""
+    index: Index = 0
     command: str = Field(default="", max_length=MAX_EXEC_COMMAND)
 
 
@@ -646,5 +720,5 @@ class ExecReply(Message):
     kind: Literal["started", "out", "alive", "exit", "error"]
     session: Annotated[str, StringConstraints(pattern=EXEC_SESSION_RE)]
     data: str = Field(default="", max_length=MAX_EXEC_CHUNK)
-    code: int = 0
+    code: ExitCode = 0
     error: str = Field(default="", max_length=1024)

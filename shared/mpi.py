@@ -144,17 +144,30 @@ def host_alias(role: str, index: int) -> str:
     return f"{ALIAS_PREFIX}{safe}-{index}"
 
 
+# The longest prefix Open MPI 4.1 reads right in an if_include: it computes a netmask as
+# `((1 << prefix) - 1) << (32 - prefix)` (opal_net_prefix2netmask), and `1 << 32` is undefined in
+# C; on x86 it is 1, so a /32 becomes netmask 0.0.0.0 and includes every interface ("Searching
+# for include address+prefix: 192.0.2.2 / 32", then "Found match" for lo, eth0 and docker0).
+# On a Docker host the TCP BTL then also connects to peers' docker0 address (172.17.0.1, the same
+# on every Docker host), and dockerd's rule masquerades what leaves 172.17.0.0/16 by another
+# interface (here lo): the peer gets a connection from a source address it does not know for
+# that interface, drops it ("dropped inbound connection"), and the ranks wait in MPI_Allreduce
+# for ever. So the whole gang on one node (one address) hung; a /31 holds only that interface.
+MAX_PREFIX = 31
+
+
 def common_network(addresses: list[str]) -> str | None:
-    """The smallest IPv4 network (CIDR) holding every address, for Open MPI's tcp if_include: on
-    a host with several interfaces (docker0, a management network) the ranks then use the one
-    the gang's addresses are on. None when an address is not an IPv4 literal (a host name)."""
+    """The smallest IPv4 network (CIDR) holding every address, and at least a /31 (MAX_PREFIX:
+    one node's address alone gives it and its neighbour), for Open MPI's tcp if_include: on a
+    host with several interfaces (lo, docker0, a management network) the ranks then use only the
+    one the gang's addresses are on. None when an address is not an IPv4 literal (a host name)."""
     try:
         ips = [ipaddress.IPv4Address(a) for a in addresses]
     except ValueError:
         return None
     if not ips:
         return None
-    prefix = 32
+    prefix = MAX_PREFIX
     first = int(ips[0])
     for ip in ips[1:]:
         prefix = min(prefix, 32 - (first ^ int(ip)).bit_length())

@@ -29,9 +29,11 @@ import prometheus_client
 import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from shared import settings
+
 log = structlog.get_logger(service="nats-metrics")
 
-POLL_EVERY = float(os.environ.get("MUSTER_NATS_POLL_EVERY", "5"))
+POLL_EVERY = settings.seconds("MUSTER_NATS_POLL_EVERY", 5.0, low=0.1)
 POLL_TIMEOUT = 2.0  # seconds one request to a server's monitoring port may take
 
 # (metric, kind, help, where in the JSON: ("varz" | "jsz", key path))
@@ -219,7 +221,9 @@ def main() -> None:
         default=os.environ.get("MUSTER_NATS_MONITOR", "http://127.0.0.1:8222"),
         help="comma-separated monitoring URLs (default $MUSTER_NATS_MONITOR or http://127.0.0.1:8222)",
     )
-    p.add_argument("--port", type=int, default=int(os.environ.get("MUSTER_METRICS_PORT", "9100")))
+    p.add_argument(
+        "--port", type=int, default=settings.number("MUSTER_METRICS_PORT", 9100, int, low=0, high=65535)
+    )
     p.add_argument("--every", type=float, default=POLL_EVERY, help="seconds between polls")
     args = p.parse_args()
     logs.configure("nats-exporter")

@@ -4,6 +4,12 @@ A service is an object with `async run(stop: asyncio.Event)`. `main()` connects 
 (reconnecting forever), serves `/healthz` (200 only while the NATS connection is up) and
 `/metrics` (Prometheus), stops cleanly on SIGTERM/SIGINT, and exits non-zero when the service
 fails, so a supervisor (compose, systemd, `muster up`) sees it and restarts it.
+
+A connection the server closed for good (nats-py does not reconnect after most server errors)
+is a failure too: the service is stopped at once (given CLOSED_GRACE seconds to wind down) and
+`run_service` raises, so the process exits 1 (`muster up` restarts that service) instead of
+living on with no bus. A bad setting in the environment (shared/settings.py) is one line on
+stderr and exit 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -12,7 +18,6 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import os
 import signal
 import sys
 import weakref
@@ -24,11 +29,17 @@ import structlog
 from nats.aio.client import Client as NATS
 from prometheus_client.core import CounterMetricFamily
 
-from shared import auth, bus, logs
+from shared import auth, bus, logs, settings
 
 NATS_CONNECTED = prometheus_client.Gauge(
     "muster_nats_connected", "1 while this service's NATS connection is up", ["service"]
 )
+NATS_CLOSED = prometheus_client.Gauge(
+    "muster_nats_closed",
+    "1 once this service's NATS connection was closed for good by the server (it then exits)",
+    ["service"],
+)
+CLOSED_GRACE = 5.0  # seconds a service whose connection was closed for good has to stop
 
 
 class BusCollector:
@@ -89,7 +100,9 @@ async def serve_health(
             elif path.startswith("/healthz"):
                 ok = nc.is_connected
                 status = "200 OK" if ok else "503 Service Unavailable"
-                ctype, body = "text/plain", (b"ok\n" if ok else b"nats disconnected\n")
+                closed = getattr(nc, "is_closed", False)
+                down = b"nats connection closed\n" if closed else b"nats disconnected\n"
+                ctype, body = "text/plain", (b"ok\n" if ok else down)
             else:
                 status, ctype, body = "404 Not Found", "text/plain", b"not found\n"
             writer.write(
@@ -112,8 +125,8 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--metrics-port",
         type=int,
-        default=int(os.environ.get("MUSTER_METRICS_PORT", "0")),
-        help="serve /healthz and /metrics on this port (0: off)",
+        default=settings.number("MUSTER_METRICS_PORT", 0, int, low=0, high=65535),
+        help="serve /healthz and /metrics on this port (default $MUSTER_METRICS_PORT; 0: off)",
     )
     return p
 
@@ -147,26 +160,78 @@ async def run_service(
     credentials: auth.Credentials | None = None,
 ) -> None:
     """Connect (as `credentials`, default MUSTER_CREDENTIALS), build and run one service until
-    `stop` is set. Raises if the service fails."""
+    `stop` is set. Raises if the service fails, or (ConnectionError) once its NATS connection
+    was closed for good: it is then stopped, given CLOSED_GRACE seconds."""
     log = structlog.get_logger(service=name)
     stop = stop or asyncio.Event()
     nc = await bus.connect(name, url, credentials=credentials)
     BUS.clients[name] = nc
+    NATS_CLOSED.labels(name).set(0)
     server = None
+    # The service's own stop: `stop`, or its connection gone for good.
+    halt = asyncio.Event()
+    watch = asyncio.create_task(_halt_when(stop, bus.closed(nc), halt))
+    running: asyncio.Future[None] | None = None
     try:
         if metrics_port:
             server = await serve_health(name, nc, metrics_port)
-        service = await build(nc)
+        building = asyncio.ensure_future(build(nc))
+        if not await _until_closed(nc, building):
+            building.cancel()
+            await asyncio.wait([building])
+            raise ConnectionError(f"{name}: the NATS connection was closed while starting: {_why(nc)}")
+        service = building.result()
         if _gc_tuned:
             gc.freeze()  # what the build made lives as long as the service: never scanned again
         log.info("service.started", nats=nc.connected_url.geturl() if nc.connected_url else None)
-        await service.run(stop)
+        running = asyncio.ensure_future(service.run(halt))
+        await _until_closed(nc, running)
+        if not running.done():  # the connection is gone: the service has a moment to stop
+            await asyncio.wait([running], timeout=CLOSED_GRACE)
+        if nc.is_closed and not stop.is_set():
+            NATS_CLOSED.labels(name).set(1)
+            NATS_CONNECTED.labels(name).set(0)
+            raise ConnectionError(f"{name}: the NATS connection was closed: {_why(nc)}")
+        running.result()  # the service's own failure, if any
         log.info("service.stopped")
     finally:
+        watch.cancel()
+        if running is not None and not running.done():
+            running.cancel()
+            await asyncio.wait([running])
         if server:
             server.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(nc.close(), 5)
+
+
+async def _halt_when(stop: asyncio.Event, gone: asyncio.Event, halt: asyncio.Event) -> None:
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(gone.wait())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        halt.set()
+    finally:
+        for w in waits:
+            w.cancel()
+
+
+async def _until_closed(nc: NATS, work: asyncio.Future[Any]) -> bool:
+    """Wait for `work` to be done (True) or `nc` to be closed for good (False, `work` left as
+    it is). Cancelled, it cancels `work`."""
+    gone = asyncio.ensure_future(bus.closed(nc).wait())
+    try:
+        await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        raise
+    finally:
+        gone.cancel()
+    return work.done()
+
+
+def _why(nc: NATS) -> str:
+    err = nc.last_error
+    return (str(err) or type(err).__name__) if err else "closed by the server"
 
 
 def main(name: str, build: Callable[[NATS], Awaitable[Service]], description: str) -> None:
@@ -191,6 +256,12 @@ def run_main(
 
     try:
         asyncio.run(amain())
+    except settings.SettingError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except ConnectionError as exc:  # no NATS, or the connection closed for good: no traceback
+        log.error("service.failed", error=str(exc) or type(exc).__name__)
+        sys.exit(1)
     except Exception as exc:
         log.error("service.failed", error=str(exc) or type(exc).__name__, exc_info=True)
         sys.exit(1)

@@ -33,7 +33,7 @@ def test_three_platform_failures_at_different_moments_make_a_node_avoided():
 
 
 def test_one_restart_losing_many_tasks_counts_once_and_user_failures_not_at_all():
-    burst = [failed("n", 1, n=i) for i in range(5)]  # five attempts lost in the same moment
+    burst = [failed("n", 1, n=i) for i in range(1, 6)]  # five attempts lost in the same moment
     user = [failed("n", s, FailureKind.USER) for s in (30, 60, 90)]
     assert nodes_to_avoid(burst + user, AT) == set()
 

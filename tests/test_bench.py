@@ -169,3 +169,43 @@ def test_logflood_ships_the_limit_and_keeps_the_whole_output(tmp_path: Path):
         assert after["finished"] and after["first_line_s"] is not None, row
         assert lines[0] <= after["lines"] <= lines[1], row
     assert "one task printing 3 MB" in table
+
+
+def test_replay_with_virtual_clusters_orders_as_the_full_sort_at_a_fraction_of_its_work():
+    """Issue 23 point 6, small: the sample trace in 3 VCs behind the scheduler's sharing order,
+    windowed and as one sort per decision. Both start the same jobs when; the windowed order
+    works out the place of no more jobs per decision than the sort (counted, not timed)."""
+    report, table = bench(
+        "replay",
+        *("--trace", str(ROOT / "tests" / "data" / "alibaba-gpu-2023-sample"), "--speedup", "1000000"),
+        *("--vcs", "3", "--users", "2", "--policies", "muster-vc,muster-vc-sort"),
+    )
+    assert report["vcs"] == 3 and report["users_per_vc"] == 2
+    windowed, sort = report["policies"]
+    assert (windowed["policy"], sort["policy"]) == ("muster-vc", "muster-vc-sort")
+    assert windowed["placed"] == sort["placed"] == 300
+    assert windowed["queue_delay_s"] == sort["queue_delay_s"] and windowed["jct_s"] == sort["jct_s"]
+    for r in (windowed, sort):
+        o = r["order"]
+        assert o["order_s"] >= 0 and o["plan_s"] > 0 and o["given_per_replan"] > 0
+    assert windowed["order"]["keyed_per_replan"] <= sort["order"]["keyed_per_replan"]
+    assert "sharing order: 3 VCs" in table
+
+
+def test_a_nodes_work_root_holds_nothing_older_than_the_retention(tmp_path: Path):
+    """Issue 23 point 5, small: attempts ended through the work-directory code and through a real
+    mesh of sim nodes; retention + 2 s after the last end, no attempt directory is left (the
+    leftovers of a crashed agent included)."""
+    report, table = bench(
+        "workdirs",
+        *("--attempts", "300", "--retention", "1", "--leftovers", "20"),
+        *("--mesh-jobs", "20", "--mesh-nodes", "2", "--mesh-retention", "2", "--workdir", str(tmp_path)),
+    )
+    module, mesh = report["rows"]
+    assert module["run"] == "module" and module["removed"] == 300 + 20
+    assert mesh["run"] == "mesh" and mesh["ended"] == 20
+    assert mesh["attempt_dirs_at_end"] > 0  # sim tasks get their directories too: they were there
+    for r in (module, mesh):
+        assert r["attempt_dirs_after"] == 0 and r["older_than_retention_after"] == 0, r
+    assert module["trash_left"] == 0
+    assert "none older than the retention" in table

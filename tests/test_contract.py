@@ -286,7 +286,11 @@ async def test_data_names_operator_datasets_the_user_may_mount(nc):
         assert refused.errors[1].reason == "/d is already mounted by data[1]"
         refused = await submit(nc, job(data=["nope:/x", "imagenet:/d:rw"]))
         assert [(e.path, e.reason) for e in refused.errors] == [
-            ("data[0]", "no dataset 'nope'; yours to mount: imagenet, scratch"),
+            (
+                "data[0]",
+                "no dataset 'nope'; yours to mount: imagenet, scratch; an admin defines it with "
+                "`muster admin dataset set nope --source DIR` (docs/data.md)",
+            ),
             ("data[1]", "dataset 'imagenet' is read-only: drop ':rw'"),
         ]
         # Changes apply without a restart; a record that does not decode is skipped, not fatal.

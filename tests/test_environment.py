@@ -443,7 +443,7 @@ def synthetic_gang(config: JobConfig) -> list[Endpoint]:
                     role=r.name,
                     role_no=role_no,
                     index=index,
-                    node=host,
+                    node=f"node{n // 2 + 1}",
                     host=host,
                     port=5000 + n,
                     ports=ports,

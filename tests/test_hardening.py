@@ -450,6 +450,8 @@ async def test_a_task_printing_its_secrets_shows_them_masked(runtime, engine, ro
         where=types.SimpleNamespace(work_root=str(roots)),
         limits=OutputLimits(),
         keep_output=False,  # its output file is not what this test looks at
+        of_attempt=lambda job_id, attempt: [],
+        workdirs=types.SimpleNamespace(ended=lambda job_id, attempt: None),  # its directory's end
     )
     tasks.report_ended = functools.partial(Tasks.report_ended, tasks)
     task = LocalTask(assignment=a, spec=a.gang[0], endpoint=None, ports=[5000])  # type: ignore[arg-type]
@@ -463,3 +465,376 @@ async def test_a_task_printing_its_secrets_shows_them_masked(runtime, engine, ro
     (event,) = events
     assert event["last_lines"] == logs
     assert token not in repr(events) and password not in repr(events)
+
+
+# ---------------------------------------------------------------- issue 24: hostile messages
+# One message from anyone must not stop a service or be taken for what it is not.
+
+
+def test_commands_refuse_unknown_fields_and_values_of_the_wrong_shape():
+    from pydantic import ValidationError
+
+    from shared.messages import DrainOrder, KillOrder, KillRequest, TaskEvent
+
+    assert DrainOrder.from_bytes(b'{"node": "n1"}').node == "n1"
+    a = assignment(Path("/tmp"), "img")
+    refused = [
+        (DrainOrder, b'{"node": "n1", "job_id": "x"}'),  # a stray field: not a drain order
+        (DrainOrder, a.to_bytes()),  # an assignment (it has a `node`) taken for a drain
+        (DrainOrder, b'{"node": "n1 n2"}'),
+        (DrainOrder, b'{"node": "n1", "grace": NaN}'),
+        (KillRequest, json_bytes({"job_id": "x" * 5000})),
+        (KillRequest, json_bytes({"job_id": "../../x"})),
+        (KillRequest, json_bytes({"job_id": "j1.2"})),  # a dot: another KV key, another subject
+        (KillRequest, json_bytes({"job_id": "j1", "grace": 1e300})),
+        (KillRequest, json_bytes({"job_id": "j1", "at": "2030-01-01T00:00:00"})),  # no time zone
+        (KillOrder, json_bytes({"job_id": "j1", "attempt": 0, "reason": "r"})),
+        (KillOrder, json_bytes({"job_id": "j1", "attempt": 1, "reason": "r", "tasks": ["w.0", "*"]})),
+        (TaskEvent, json_bytes(task_event(reason="x" * 100_000))),
+        (TaskEvent, json_bytes(task_event(last_lines=["x" * 70_000]))),
+        (TaskEvent, json_bytes(task_event(last_lines=["x"] * 1001))),
+        (TaskEvent, json_bytes(task_event(last_lines=[3]))),
+        (TaskEvent, json_bytes(task_event(role="w.0"))),
+        (TaskEvent, json_bytes(task_event(attempt=10**400))),
+    ]
+    for model, data in refused:
+        with pytest.raises(ValidationError):
+            model.from_bytes(data)
+    # The CLI offers the graces an order may carry (it imports no model to say so).
+    from services.cli.main import MAX_GRACE
+    from shared import shapes
+
+    assert MAX_GRACE == shapes.MAX_GRACE
+
+
+def json_bytes(doc: dict) -> bytes:
+    import json
+
+    return json.dumps(doc).encode()
+
+
+def task_event(**fields: object) -> dict:
+    return {"job_id": "j1", "attempt": 1, "role": "w", "index": 0, "node": "n1", "kind": "exited", **fields}
+
+
+def test_free_text_is_cut_to_what_real_output_fits_and_facts_keep_unknown_fields():
+    from shared import shapes
+    from shared.messages import JobRecord, TaskEvent
+
+    ev = TaskEvent.from_bytes(
+        json_bytes(task_event(reason="r" * 5000, last_lines=[f"{i}" * 3000 for i in range(100)], new=1))
+    )
+    assert len(ev.reason) == shapes.REASON and ev.reason.endswith("…")
+    assert len(ev.last_lines) == shapes.LINES and ev.last_lines[-1].startswith("99")
+    assert all(len(line) <= shapes.LINE for line in ev.last_lines)
+    # Built by a producer (the agent), the same: what it sends is never more.
+    built = TaskEvent(job_id="j1", attempt=1, role="w", index=0, node="n1", kind="exited", reason="r" * 9000)
+    assert len(TaskEvent.from_bytes(built.to_bytes()).reason) == shapes.REASON
+    # A record written by a newer version (a field this one does not know) still decodes.
+    config, _ = check_job({"jobName": "n", "image": "i", "taskRoles": [_role()]})
+    assert config is not None
+    record = JobRecord(
+        job_id="j1", job_name="n", submission_id="s", user="u", config=config, submitted_at=now_utc()
+    )
+    assert JobRecord.from_bytes(record.to_bytes()[:-1] + b', "from_the_future": 1}').job_id == "j1"
+
+
+def _role() -> dict:
+    return {"name": "w", "taskNumber": 1, "cpuNumber": 1, "memoryMB": 128, "gpuNumber": 0, "command": "true"}
+
+
+def now_utc():
+    from shared.messages import now
+
+    return now()
+
+
+def test_a_lone_surrogate_anywhere_in_a_config_is_a_field_error():
+    import json
+
+    raw = json.loads('{"jobName": "\\ud800x", "image": "i", "jobEnvs": {"K\\udc00": "v"}, "taskRoles": []}')
+    raw["taskRoles"] = [{**_role(), "command": "echo \ud83d"}]
+    config, errors = check_job(raw)
+    assert config is None
+    found = {e.path: e.reason for e in errors}
+    assert "must be valid Unicode text" in found["jobName"], errors
+    assert "must be valid Unicode text" in found["taskRoles[0].command"], errors
+    assert any(p.startswith("jobEnvs.K") for p in found), errors
+    from shared.messages import Verdict
+
+    Verdict(submission_id="s1", accepted=False, errors=errors).to_bytes()  # it can be sent
+
+
+async def test_a_lone_surrogate_in_a_submission_gets_its_verdict_at_once(procs, nats_url):
+    """Against a real validator: a field error naming jobName, not 'internal error' after
+    seconds of retries."""
+    from shared import bus, client
+
+    procs.start("services.validator")
+    nc = await bus.connect("test", nats_url, quiet=True)
+    try:
+        config = json_bytes({"jobName": "x", "image": "i", "taskRoles": [_role()]})
+        data = config.replace(b'"x"', b'"\\ud800"')
+        started = time.monotonic()
+        _, verdict = await client.submit(nc, data, timeout=60)
+        assert verdict is not None and not verdict.accepted
+        assert [(e.path, "Unicode" in e.reason) for e in verdict.errors] == [("jobName", True)], verdict
+        # Judged on its first delivery (no retries: those wait a second each).
+        assert time.monotonic() - started < 30
+        assert "validator.retry" not in procs.procs[0].log_path.read_text()
+    finally:
+        await nc.close()
+
+
+async def test_a_kill_request_with_a_huge_or_crooked_job_id_stops_nothing(cluster, monkeypatch):
+    """Issue 24.1: such a request once made the supervisor build a direct-get subject the server
+    closed its connection over; the supervisor lived on doing nothing, and a restarted one wedged
+    again on the redelivered request. Now each is refused on decode (terminated, counted) and
+    the next job completes."""
+    import httpx
+
+    from shared import bus, subjects
+    from shared.messages import JobState
+    from shared.natsserver import free_port
+    from tests.test_jobs import role, run_job
+
+    port = free_port()
+    monkeypatch.setenv("MUSTER_METRICS_PORT", str(port))
+    supervisor = cluster.start("services.supervisor")
+    monkeypatch.delenv("MUSTER_METRICS_PORT")
+    for module in ("services.validator", "services.scheduler", "services.registry"):
+        cluster.start(module)
+    cluster.agent("n1", "--address", "127.0.0.1", "--cpus", "2")
+    nc = await bus.connect("test", cluster.url, quiet=True)
+    try:
+        js = nc.jetstream()
+        await _until_declared(js)
+        for job_id in ("x" * 5000, "x" * 100_000, "../../x", "j1 j2", "j1.1"):
+            await js.publish(subjects.kill_request("alice"), json_bytes({"job_id": job_id}))
+        record = await run_job(
+            nc, {"jobName": "after-kills", "image": "img", "taskRoles": [role("w", 1, "true")]}, 60
+        )
+        assert record.state == JobState.SUCCEEDED, cluster.logs()
+        assert supervisor.poll() is None, cluster.logs()
+        info = await js.consumer_info(subjects.SUBMISSIONS_STREAM, subjects.SUPERVISOR_KILL_CONSUMER)
+        assert (info.num_pending, info.num_ack_pending) == (0, 0), info
+        page = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        rejected = [
+            float(line.rsplit(" ", 1)[1])
+            for line in page.splitlines()
+            if line.startswith("muster_messages_rejected_total{")
+            and 'consumer="supervisor-kill"' in line
+            and 'why="undecodable"' in line
+        ]
+        assert rejected == [5.0], page
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200
+    finally:
+        await nc.close()
+
+
+async def _until_declared(js) -> None:
+    from shared import subjects
+
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            await js.stream_info(subjects.SUBMISSIONS_STREAM)
+            await js.stream_info(f"KV_{subjects.LEASES_BUCKET}")
+            return
+        except Exception:
+            assert time.monotonic() < deadline, "the services never declared their streams"
+            await asyncio.sleep(0.2)
+
+
+async def test_a_forged_drain_drains_nothing(cluster):
+    """Issue 24.4: any JSON object with a `node` field on a drain subject drained the node. An
+    order with a field a drain order does not have, or naming another node, is refused; a real
+    drain order still drains."""
+    from shared import bus, subjects
+    from shared.messages import DrainOrder, NodeInfo
+
+    cluster.agent("n1", "--address", "127.0.0.1", "--cpus", "2")
+    nc = await bus.connect("test", cluster.url, quiet=True)
+    try:
+        js = nc.jetstream()
+        nodes = None
+        deadline = time.monotonic() + 60
+        while nodes is None:
+            try:
+                kv = await js.key_value(subjects.NODES_BUCKET)
+                await kv.get("n1")
+                nodes = kv
+            except Exception:
+                assert time.monotonic() < deadline, cluster.logs()
+                await asyncio.sleep(0.2)
+
+        async def drained() -> bool:
+            return NodeInfo.from_bytes((await nodes.get("n1")).value).drained
+
+        forged = [
+            json_bytes({"node": "n1", "job_id": "j1", "attempt": 1}),
+            json_bytes({"node": "n1", "extra": True}),
+            DrainOrder(node="n2").to_bytes(),  # another node's order, on this node's subject
+        ]
+        for data in forged:
+            await js.publish(subjects.drain("n1"), data)
+        await js.publish(subjects.drain("n1"), DrainOrder(node="n1", grace=0).to_bytes())
+        while not await drained():  # the real order, behind the forged ones, is applied
+            assert time.monotonic() < deadline + 30, cluster.logs()
+            await asyncio.sleep(0.2)
+        log_file = next(cluster.log_dir.glob("agent-*.log"))
+        while '"agent.drain"' not in log_file.read_text():  # logged just after the record is written
+            assert time.monotonic() < deadline + 30, cluster.logs()
+            await asyncio.sleep(0.2)
+        log = log_file.read_text()
+        assert log.count("agent.drain_refused") == 1 and log.count('"agent.drain"') == 1, log[-3000:]
+        assert log.count("message.rejected") >= 1, log[-3000:]
+    finally:
+        await nc.close()
+
+
+# ---------------------------------------------------------------- settings and a lost bus
+
+
+BAD_SETTINGS = {
+    # read at import, at parsing the command line, at build
+    "services.registry": [("MUSTER_MAX_DELIVERIES", "0"), ("MUSTER_METRICS_PORT", "x")],
+    "services.supervisor": [
+        ("MUSTER_METRICS_PORT", "70000"),
+        ("MUSTER_NODE_TIMEOUT", "soon"),
+        ("MUSTER_PLATFORM_RETRIES", "-1"),
+        ("MUSTER_JOB_RETENTION", "inf"),
+    ],
+}
+
+
+@pytest.mark.parametrize("module", sorted(BAD_SETTINGS))
+def test_an_empty_metrics_port_is_unset_and_a_bad_setting_is_one_line(module, nats_url, tmp_path):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MUSTER_NATS_URL": nats_url, "MUSTER_CONNECT_TIMEOUT": "5"}
+    log = tmp_path / "out.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module], env={**env, "MUSTER_METRICS_PORT": ""}, stdout=out, stderr=out
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while "service.started" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    for name, value in BAD_SETTINGS[module]:
+        done = subprocess.run(
+            [sys.executable, "-m", module],
+            env={**env, name: value},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode != 0 and len(lines) == 1, (name, value, done.stderr)
+        assert name in lines[0] and repr(value) in lines[0] and "Traceback" not in done.stderr, lines
+
+
+async def test_a_service_whose_connection_the_server_closes_stops_and_is_restarted(nats_url):
+    """The server closes a connection over a protocol error (nats-py never reconnects it): the
+    service is stopped, `run_service` raises (the process exits 1) and `muster up` restarts it."""
+    import nats.errors
+    from nats.aio.client import Client as NATS
+
+    from services.cli.mesh import supervise
+    from shared import bus
+    from shared.service import run_service
+
+    connections: list = []
+    stopped: list[bool] = []
+
+    class Idle:
+        async def run(self, stop: asyncio.Event) -> None:
+            await stop.wait()
+            stopped.append(True)
+
+    async def build(nc):
+        connections.append(nc)
+        return Idle()
+
+    async def closed_by_the_server(nc) -> None:
+        with pytest.raises(nats.errors.BadSubjectError):  # bus.Client refuses to send it ...
+            await nc.publish("x" * 5000, b"")
+        assert nc.is_connected
+        await NATS.publish(nc, "x" * 5000, b"")  # ... nats-py itself sends anything
+        await NATS.flush(nc, timeout=5)
+
+    # One service: it stops and run_service raises at once.
+    running = asyncio.create_task(run_service("idle", build, url=nats_url))
+    while not connections:
+        await asyncio.sleep(0.05)
+    with contextlib.suppress(Exception):
+        await closed_by_the_server(connections[0])
+    with pytest.raises(ConnectionError, match="closed"):
+        await asyncio.wait_for(running, 20)
+    assert stopped == [True] and bus.lost(connections[0])
+    # Under `muster up`: the same service is built again on a new connection.
+    stop = asyncio.Event()
+    mesh = asyncio.create_task(supervise("idle", build, nats_url, stop))
+    while len(connections) < 2:
+        await asyncio.sleep(0.05)
+    with contextlib.suppress(Exception):
+        await closed_by_the_server(connections[1])
+    deadline = time.monotonic() + 20
+    while len(connections) < 3 or not connections[2].is_connected:
+        assert time.monotonic() < deadline, "not restarted"
+        await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.wait_for(mesh, 20)
+
+
+async def test_the_bus_refuses_a_subject_the_server_would_close_the_connection_over(nats_url):
+    import nats.errors
+
+    from shared import bus
+
+    nc = await bus.connect("test", nats_url, quiet=True)
+    try:
+        for subject in ("x" * 5000, "a b", "a\r\nPUB b 0", ""):
+            with pytest.raises(nats.errors.Error):
+                await nc.publish(subject, b"{}")
+        with pytest.raises(nats.errors.BadSubjectError):
+            await nc.subscribe("x" * 2000)
+        kv = await bus.jetstream(nc).create_key_value(bucket="probe")
+        with pytest.raises(Exception):  # noqa: B017 - nats-py's key check, or ours
+            await kv.get("k" * 5000)
+        await nc.flush(timeout=5)
+        assert nc.is_connected and not nc.is_closed
+    finally:
+        await nc.close()
+
+
+async def test_an_exec_request_of_the_wrong_shape_is_answered_with_its_refusal(cluster):
+    """The launcher's agent waits for an answer to each exec request: one that does not decode
+    is answered with why (if it names its session), not left to time out."""
+    import nats.errors
+
+    from shared import bus, subjects
+    from shared.messages import ExecReply
+
+    cluster.agent("n1", "--address", "127.0.0.1", "--cpus", "2")
+    nc = await bus.connect("test", cluster.url, quiet=True)
+    try:
+        replies = await nc.subscribe(subjects.exec_reply("n2", "n1"))
+        bad = {"kind": "open", "session": "s1", "job_id": "x" * 5000, "attempt": 1, "role": "w"}
+        deadline = time.monotonic() + 60
+        while True:  # until the agent listens
+            await nc.publish(subjects.exec_request("n1", "n2"), json_bytes(bad))
+            try:
+                reply = ExecReply.from_bytes((await replies.next_msg(timeout=1)).data)
+                break
+            except nats.errors.TimeoutError:
+                assert time.monotonic() < deadline, cluster.logs()
+        assert (reply.kind, reply.session) == ("error", "s1") and "job_id" in reply.error, reply
+    finally:
+        await nc.close()

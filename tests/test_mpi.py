@@ -118,7 +118,9 @@ def spec_of(config: JobConfig, placed: list[tuple[str, int, str]]) -> ClusterSpe
         job_id="j1",
         attempt=1,
         endpoints=[
-            Endpoint(role=r, index=i, role_no=role_no[r], node=f"n-{h}", host=h, port=5000 + n)
+            Endpoint(
+                role=r, index=i, role_no=role_no[r], node="n-" + h.replace(".", "-"), host=h, port=5000 + n
+            )
             for n, (r, i, h) in enumerate(placed)
         ],
     )
@@ -216,7 +218,10 @@ def test_an_mpi_task_gets_open_mpi_settings_for_the_host_network_without_ssh():
 
 
 def test_common_network():
-    assert mpi.common_network(["10.1.2.3"]) == "10.1.2.3/32"
+    # Never a /32: Open MPI 4.1 takes one for netmask 0, every interface (shared/mpi.py).
+    assert mpi.common_network(["10.1.2.3"]) == "10.1.2.2/31"
+    assert mpi.common_network(["10.1.2.2", "10.1.2.2"]) == "10.1.2.2/31"
+    assert mpi.common_network(["10.1.2.3", "10.1.2.2"]) == "10.1.2.2/31"
     assert mpi.common_network(["10.1.2.3", "10.1.3.9"]) == "10.1.2.0/23"
     assert mpi.common_network(["10.1.2.3", "node-2"]) is None
 

@@ -272,7 +272,15 @@ def test_decide_failure_evidence_without_exit_code() -> None:
     """A task that never ran (exit -1) is named by its reason, not by a meaningless exit code."""
     cfg = config([role("w", 2)])
     tasks = [
-        task("w", 0, TaskState.FAILED, -1, reason="image pull failed", ended_at=T0, cause=TaskCause.PLATFORM),
+        task(
+            "w",
+            0,
+            TaskState.FAILED,
+            exit_code=-1,
+            reason="image pull failed",
+            ended_at=T0,
+            cause=TaskCause.PLATFORM,
+        ),
         task("w", 1, TaskState.RUNNING),
     ]
     d = decide(cfg, tasks)

@@ -593,9 +593,7 @@ async def _identities_keep_to_their_nodes(auth_dir: Path, url: str) -> None:
         nodes = await real.jetstream(timeout=2).key_value(subjects.NODES_BUCKET)
         forged = NodeInfo(node="sim-00001", address="h", cpus=1, memory_mb=100, runtime="x", agent_id="f")
         await _refused(real, lambda: nodes.put("sim-00001", forged.to_bytes()), "muster_nodes.sim-00001")
-        ev = TaskEvent(
-            job_id="jx", attempt=1, role="w", index=0, node=subjects.PLATFORM, kind=TaskEventKind.EXITED
-        )
+        ev = TaskEvent(job_id="jx", attempt=1, role="w", index=0, node="sim-00001", kind=TaskEventKind.EXITED)
         subject = subjects.task_event("jx", 1, "w", 0, "exited", subjects.PLATFORM)
         await _refused(sim, lambda: sim.jetstream(timeout=2).publish(subject, ev.to_bytes()), "_platform")
     finally:

@@ -5,8 +5,16 @@ and checks the sum. Run by examples/pytorch-allreduce/job.json."""
 import os
 import sys
 
-import torch
-import torch.distributed as dist
+try:
+    import torch
+    import torch.distributed as dist
+except ImportError as exc:
+    sys.exit(
+        f"pytorch-allreduce needs torch ({exc}): in Docker, run it in the image its job.json names, "
+        "muster/torch:bookworm (build it with deploy/build-torch-image.sh); on the process runtime, "
+        f"install torch for {sys.executable} (pip install torch) or put a python3 that has it first "
+        "on the agent's PATH"
+    )
 
 
 def main() -> None:

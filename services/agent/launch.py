@@ -16,7 +16,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.agent import environment, rsh
+from services.agent import environment, rsh, workdirs
 from services.agent.prepare import Prepared
 from services.agent.runtime import (
     LABEL_ATTEMPT,
@@ -56,8 +56,9 @@ def task_name(job_id: str, attempt: int, role: str, index: int) -> str:
 
 
 def attempt_path(where: Where, a: Assignment) -> Path:
-    """The attempt's directory on this node, mounted into each of its tasks here."""
-    return Path(where.work_root) / a.job_id / str(a.attempt)
+    """The attempt's directory on this node, mounted into each of its tasks here (what is in it,
+    and how long it is kept: services/agent/workdirs.py)."""
+    return workdirs.attempt_dir(where.work_root, a.job_id, a.attempt)
 
 
 def task_env(a: Assignment, spec: TaskSpec, cluster: ClusterSpec, where: Where) -> dict[str, str]:
@@ -65,8 +66,8 @@ def task_env(a: Assignment, spec: TaskSpec, cluster: ClusterSpec, where: Where) 
     for an elastic job, the task's env file (MUSTER_ENV_FILE: the platform's variables, not the
     job's own jobEnvs, as `export NAME='value'` lines), both replaced whole, never half-written.
     Called at launch and again for each new spec version of an elastic attempt."""
-    attempt_dir = Path(where.work_root) / a.job_id / str(a.attempt)
-    task_dir = attempt_dir / f"{spec.role}-{spec.index}"
+    attempt_dir = attempt_path(where, a)
+    task_dir = workdirs.task_dir(where.work_root, a.job_id, a.attempt, spec.role, spec.index)
     task_dir.mkdir(parents=True, exist_ok=True)
     hostfile = attempt_dir / "hostfile"
     _replace(hostfile, environment.render_hostfile(cluster, a.config))
@@ -129,8 +130,8 @@ def build_launch(
     """`prepared`: the job's datasets and synced code (services/agent/prepare.py), if any."""
     config, role = a.config, a.config.role(spec.role)
     image = config.image_for(spec.role)  # the role's own image, else the job's
-    attempt_dir = Path(where.work_root) / a.job_id / str(a.attempt)
-    task_dir = attempt_dir / f"{spec.role}-{spec.index}"
+    attempt_dir = attempt_path(where, a)
+    task_dir = workdirs.task_dir(where.work_root, a.job_id, a.attempt, spec.role, spec.index)
     env = task_env(a, spec, cluster, where)
     dirs = environment.resolve_dirs(config, a.user, where.default_fs_uri, where.output_root)
     roots = hostpaths.roots_for(list(where.data_roots), a.user)

@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import socket
 import stat
 import uuid
@@ -48,8 +49,16 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from prometheus_client import Counter
 
-from shared import mpi, subjects
-from shared.messages import MAX_EXEC_CHUNK, MAX_EXEC_COMMAND, ClusterSpec, Endpoint, ExecReply, ExecRequest
+from shared import mpi, shapes, subjects
+from shared.messages import (
+    EXEC_SESSION_RE,
+    MAX_EXEC_CHUNK,
+    MAX_EXEC_COMMAND,
+    ClusterSpec,
+    Endpoint,
+    ExecReply,
+    ExecRequest,
+)
 
 if TYPE_CHECKING:
     from services.agent.tasks import LocalTask, Tasks
@@ -94,6 +103,16 @@ def _target(spec: ClusterSpec, shape: mpi.MpiShape, host: str) -> Endpoint | Non
     workers = sorted((e for e in spec.endpoints if e.role == shape.workers), key=lambda e: e.index)
     named = next((e for e in workers if mpi.host_alias(e.role, e.index) == host), None)
     return named or next((e for e in workers if host in (e.host, e.address)), None)
+
+
+def _session_in(data: bytes) -> str | None:
+    """The session a payload that is not a valid exec request names, if it names a valid one."""
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return None
+    session = doc.get("session") if isinstance(doc, dict) else None
+    return session if isinstance(session, str) and re.fullmatch(EXEC_SESSION_RE, session) else None
 
 
 class Rsh:
@@ -310,8 +329,12 @@ class Rsh:
         caller = subjects.sender(msg.subject)
         try:
             ask = ExecRequest.from_bytes(msg.data)
-        except ValueError:
+        except ValueError as exc:
             EXEC_MESSAGES.labels("bad").inc()
+            session = _session_in(msg.data)
+            if session is not None:  # its caller waits for an answer: the refusal is one
+                why = f"not an exec request: {shapes.refusal(exc)}"
+                await self._reply(caller, ExecReply(kind="error", session=session, error=why))
             return
         EXEC_MESSAGES.labels(ask.kind).inc()
         key = (caller, ask.session)

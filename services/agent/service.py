@@ -49,7 +49,7 @@ from services.agent.runtime import (
 )
 from services.agent.sharing import Shared
 from services.agent.tasks import NOT_STARTED, LocalTask, Tasks
-from shared import bus, consume, hostpaths, subjects
+from shared import bus, consume, hostpaths, settings, subjects
 from shared.messages import (
     Assignment,
     AttemptRecord,
@@ -71,7 +71,7 @@ HEARTBEATS_MISSED = Counter(
 )
 # Seconds between rewrites of a node record that has not changed (see shared/liveness.py): its
 # heartbeat_at is never older than that, for a service that has not heard a beat yet.
-REFRESH = float(os.environ.get("MUSTER_NODE_REFRESH", "60"))
+REFRESH = settings.seconds("MUSTER_NODE_REFRESH", 60.0, low=0.1)
 OBSOLETE_EVERY = 10.0  # seconds between checks that the live tasks' attempts have not ended
 
 log = structlog.get_logger(service="agent")
@@ -95,7 +95,7 @@ class AgentOptions:
     gpu_devices: bool = True
     stop_grace: float = 10.0
     overcommit: bool = False  # offer more CPUs/memory than the runtime has (tasks share them)
-    restart_grace: float = float(os.environ.get("MUSTER_RESTART_GRACE", "60"))
+    restart_grace: float = settings.seconds("MUSTER_RESTART_GRACE", 60.0)
     # Where jobs' dir fields and authFile may point ({user}: the submitter); see shared/hostpaths.py.
     # Empty: MUSTER_DATA_ROOTS, else <work root's parent>/users/{user}.
     data_roots: list[str] = field(default_factory=list)
@@ -291,6 +291,7 @@ class Agent:
             await self.rsh.start()  # before adopting: an adopted launcher may call at once
         self.reconciler.read_from = stopped_reading(self.opts.work_root)
         await self.reconciler.at_start(placed)
+        self.tasks.workdirs.start()  # what nothing adopted uses may go (services/agent/workdirs.py)
         # From here on, tasks do not outlive this agent unless it detaches on purpose.
         self.runtime.start_fence(
             self.opts.work_root, str(pidfile), 0.6 * bus.node_timeout(), bus_url=_bus_url(self.nc)
@@ -316,6 +317,7 @@ class Agent:
             await self.tasks.stop_all("agent shutting down", self.opts.stop_grace)
             await self.reporter.flush(10)
         await self.rsh.close()
+        await self.tasks.workdirs.close()
         await self.reporter.close()
         await self.runtime.close()
         if self.runtime.can_adopt:  # the next agent reads the tasks' output on from here
@@ -497,7 +499,12 @@ class Agent:
 
     async def drain(self, order: DrainOrder) -> None:
         """Stop every task here on purpose and take no new work (or, with `undo`, take it again).
-        The node record says so at once, so the scheduler places nothing here meanwhile."""
+        The node record says so at once, so the scheduler places nothing here meanwhile. An
+        order naming another node is refused: it is not this node's."""
+        if order.node != self.opts.node:
+            consume.REFUSED.labels("drain").inc()
+            self.log.warning("agent.drain_refused", names=order.node, by=order.by)
+            return
         self.drained = not order.undo
         await self._write_node()
         self.log.warning("agent.drain", undo=order.undo, by=order.by, tasks=len(self.tasks.live))

@@ -10,7 +10,6 @@ import collections
 import contextlib
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import nats.errors
@@ -19,6 +18,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from prometheus_client import Counter, Gauge
 
+from services.agent import workdirs
 from services.agent.inventory import PortPool
 from services.agent.launch import Where, attempt_path, build_launch, resize_signal, task_env, task_name
 from services.agent.output import OutputLimits, Shipper, output_path
@@ -35,6 +35,7 @@ from services.agent.reporting import Reporter
 from services.agent.rsh import Rsh
 from services.agent.runtime import LaunchError, RunningTask, Runtime
 from services.agent.sharing import Specs
+from services.agent.workdirs import Workdirs
 from shared import mpi, subjects
 from shared.messages import (
     Assignment,
@@ -122,6 +123,8 @@ class Tasks:
         self._datasets: Store[Dataset] | None = None
         self.progress = Progress(nc, self.node, self.hung)  # training metrics, hang detection
         self.rsh: Rsh | None = None  # MPI jobs' daemons in peer tasks (the agent sets it)
+        # Attempt directories: kept while a task of theirs is live here, removed after (workdirs.py).
+        self.workdirs = Workdirs(where.work_root, self._attempts_live, self.node)
         self._serving: set[asyncio.Task[None]] = set()
 
     def known(self, key: TaskKey) -> bool:
@@ -132,6 +135,9 @@ class Tasks:
         self.finished[key] = None
         while len(self.finished) > REMEMBERED:
             self.finished.popitem(last=False)
+
+    def _attempts_live(self) -> set[tuple[str, int]]:
+        return {(job, n) for job, n, _, _ in self.live}
 
     def of_attempt(self, job_id: str, attempt: int) -> list[LocalTask]:
         return [t for (job, n, _, _), t in self.live.items() if job == job_id and n == attempt]
@@ -224,12 +230,13 @@ class Tasks:
         mounts, env = await resolve_datasets(config, a.user, self._dataset, roots, self.where.containers)
         code_dir = None
         if config.codeSync is not None:
-            attempt_dir = Path(self.where.work_root) / a.job_id / str(a.attempt)
+            attempt_dir = attempt_path(self.where, a)
             attempt_dir.mkdir(parents=True, exist_ok=True)
             check_source(config.codeSync, a.user, roots)
             code_dir, own = sync_target(config, a.user, attempt_dir, roots)
             mark = attempt_dir / SYNCED_MARK
-            await self.code_syncs.sync(a.job_id, a.attempt, config.codeSync, code_dir, own, mark)
+            shared = workdirs.job_code(self.where.work_root, a.job_id)  # fetched once per job here
+            await self.code_syncs.sync(a.job_id, a.attempt, config.codeSync, code_dir, own, mark, shared)
         return Prepared(mounts=mounts, env=env, code_dir=code_dir)
 
     async def _dataset(self, name: str) -> Dataset | None:
@@ -282,6 +289,9 @@ class Tasks:
         if remove is not None:
             with contextlib.suppress(Exception):
                 await remove()
+        a = task.assignment
+        if not self.of_attempt(a.job_id, a.attempt):  # its last task here: its directory may go
+            self.workdirs.ended(a.job_id, a.attempt)
 
     async def obsolete(self, key: TaskKey) -> bool:
         """Whether the bus no longer counts the task as live: its attempt or itself ended."""

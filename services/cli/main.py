@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from nats.js.kv import KeyValue
 
     from services.agent.sim import SimSetup
+    from services.cli.mesh import Found
     from shared.messages import AttemptRecord, JobRecord, VirtualCluster
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
@@ -109,36 +110,102 @@ def cmd_validate(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- bus helpers
 
 
-async def connect(timeout: float) -> NATS:
-    """Connect to MUSTER_NATS_URL (as MUSTER_CREDENTIALS, or the local `muster up`'s identity)
-    and check that Muster answers there, within `timeout` seconds in all (a `muster up` started
-    a moment ago gets that long)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+def locate() -> Found:
+    """The mesh this command goes to (services/cli/mesh.py `find_mesh`): MUSTER_NATS_URL, else
+    the `muster up` started in this directory or above it, one starting there, or the only one
+    running. Once found, MUSTER_NATS_URL names it for the rest of the command."""
+    from services.cli.mesh import MeshError, find_mesh
+
+    try:
+        found = find_mesh()
+    except MeshError as exc:
+        raise CliError(str(exc)) from None
+    if found.note is not None and not os.environ.get("MUSTER_NATS_URL"):
+        os.environ["MUSTER_NATS_URL"] = str(found.note["url"])
+    return found
+
+
+class Patience:
+    """A command's wait for the bus: `timeout` seconds from its start, or from the last moment
+    the mesh it goes to was seen starting (a `muster up` beside it), up to mesh.START_WAIT in all
+    (or `timeout`, if longer)."""
+
+    def __init__(self, timeout: float):
+        from services.cli.mesh import START_WAIT
+
+        self.loop = asyncio.get_running_loop()
+        self.timeout = timeout
+        self.started = self.loop.time()
+        self.deadline = self.started + timeout
+        self.cap = self.started + max(timeout, START_WAIT)
+        self.starting: str | None = None  # the last mesh seen starting, for messages
+        self.told = False
+
+    def left(self, found: Found) -> float:
+        now = self.loop.time()
+        if found.starting:
+            self.starting = found.starting
+            self.deadline = max(self.deadline, min(self.cap, now + self.timeout))
+            if not self.told and now - self.started > 2.0:
+                err(f"muster: waiting for {found.starting} (up to {self.cap - self.started:.0f}s)")
+                self.told = True
+        return self.deadline - now
+
+    def waited(self) -> str:
+        return f"{self.loop.time() - self.started:.1f}s"
+
+
+def _real_wait(text: str, waited: str) -> str:
+    """bus.connect's words with the whole wait instead of its last try's bound."""
+    return re.sub(r" within [0-9.e+-]+s", f" within {waited}", text, count=1)
+
+
+async def connect_bus(timeout: float) -> tuple[NATS, Patience]:
+    """Connect to the mesh this command goes to (`locate`) as MUSTER_CREDENTIALS or that mesh's
+    local admin identity, within `timeout` seconds (more while that mesh is starting)."""
+    wait = Patience(timeout)
     while True:
-        creds = local_credentials()
-        left = max(0.1, deadline - loop.time())
-        if creds is None and not os.environ.get(auth.CREDENTIALS_ENV):
-            left = min(left, 0.5)  # none found (yet): look again soon
+        found = locate()
+        left = wait.left(found)
+        url = found.url
+        if url is None:  # a `muster up` here that has not said where it listens yet
+            if left <= 0:
+                raise CliError(f"{found.starting} has not said where it listens within {wait.waited()}")
+            await asyncio.sleep(0.1)
+            continue
+        creds = found.credentials()
+        try_for = max(0.1, left)
+        if found.starting or (creds is None and not os.environ.get(auth.CREDENTIALS_ENV)):
+            try_for = min(try_for, 1.0)  # look at the notes again soon
         try:
-            nc = await bus.connect("muster-cli", connect_timeout=left, quiet=True, credentials=creds)
-            break
+            nc = await bus.connect("muster-cli", url, connect_timeout=try_for, quiet=True, credentials=creds)
+            return nc, wait
         except ConnectionError as exc:
-            # A `muster up` that has just started may not have noted its identity yet.
-            if loop.time() < deadline - 0.1:
+            if wait.left(found) > 0.1:
                 await asyncio.sleep(0.1)
                 continue
-            raise CliError(f"{exc} (is `muster up` running? set MUSTER_NATS_URL to join another)") from None
+            why = _real_wait(str(exc), wait.waited())
+            if wait.starting and not found.starting:
+                why += f"; {wait.starting} stopped (see its output)"
+            raise CliError(f"{why} (is `muster up` running? set MUSTER_NATS_URL to join another)") from None
+
+
+async def connect(timeout: float) -> NATS:
+    """`connect_bus`, then check that Muster answers there, within the same wait in all (a
+    `muster up` started a moment ago gets until it is ready, up to mesh.START_WAIT)."""
+    nc, wait = await connect_bus(timeout)
     while True:
         try:
-            await client.ask(nc, "ping", timeout=max(0.5, min(2.0, deadline - loop.time())))
+            await client.ask(nc, "ping", timeout=max(0.5, min(2.0, wait.left(locate()))))
             return nc
         except client.Refused as exc:
             await nc.close()
             raise CliError(str(exc)) from None
         except TimeoutError as exc:
-            if loop.time() >= deadline:
-                why = f"Muster does not answer on {bus.shown(bus.nats_url())}: {exc}"
+            if wait.left(locate()) <= 0:
+                why = f"Muster does not answer on {bus.shown(bus.nats_url())} within {wait.waited()}"
+                if "no gateway answers" in str(exc):
+                    why += f": {exc}"
                 if client.asker(nc) == subjects.ALL:  # may look: say what is missing, if anything
                     try:
                         await bus.open_jetstream(nc)
@@ -149,16 +216,6 @@ async def connect(timeout: float) -> NATS:
                 await nc.close()
                 raise CliError(why) from None
             await asyncio.sleep(0.25)
-
-
-def local_credentials() -> auth.Credentials | None:
-    """MUSTER_CREDENTIALS if set, else the identity `muster up` made for this machine's user in
-    its data dir (when that `muster up` serves the bus we are about to use)."""
-    if os.environ.get(auth.CREDENTIALS_ENV):
-        return None  # bus.connect reads it
-    from services.cli.mesh import local_identity
-
-    return local_identity()
 
 
 async def ask(nc: NATS, verb: str, **request: Any) -> dict[str, Any]:
@@ -666,12 +723,7 @@ def _attempt_and_task(job: dict[str, Any], args: argparse.Namespace) -> int:
 async def admin_init(args: argparse.Namespace) -> int:
     """Declare or update every stream and bucket from this shell's settings (MUSTER_JS_REPLICAS,
     MUSTER_LOGS_MAX_BYTES): the one client path that shapes them; services do it at start."""
-    try:
-        nc = await bus.connect(
-            "muster-admin", connect_timeout=args.connect_timeout, quiet=True, credentials=local_credentials()
-        )
-    except ConnectionError as exc:
-        raise CliError(str(exc)) from None
+    nc, _ = await connect_bus(args.connect_timeout)
     try:
         js, _ = await bus.ensure_jetstream(nc)
         rows = [("STREAM", "REPLICAS", "MAX BYTES")]
@@ -688,16 +740,16 @@ async def admin_init(args: argparse.Namespace) -> int:
 
 
 def auth_dir_of(args: argparse.Namespace) -> auth.AuthDir:
-    from services.cli.mesh import default_data_dir, local_note
+    """--auth-dir, MUSTER_AUTH_DIR, the auth dir of the mesh this command goes to, or the default
+    data dir's."""
+    from services.cli.mesh import default_data_dir
 
-    path = args.auth_dir or os.environ.get("MUSTER_AUTH_DIR") or local_note().get("auth_dir")
+    path = args.auth_dir or os.environ.get("MUSTER_AUTH_DIR") or (locate().note or {}).get("auth_dir")
     return auth.AuthDir(path or default_data_dir() / "auth")
 
 
 def admin_user(args: argparse.Namespace) -> int:
-    """Identities in an auth dir; the local `muster up`'s server (if it serves this bus) reloads."""
-    from services.cli.mesh import local_note
-
+    """Identities in an auth dir; the server of the local `muster up` using it reloads."""
     keys = auth_dir_of(args)
     if args.action == "list":
         rows = [("NAME", "ROLE", "NODE", "PUBLIC KEY")]
@@ -723,8 +775,12 @@ def admin_user(args: argparse.Namespace) -> int:
     except auth.AuthError as exc:
         raise CliError(str(exc), EXIT_INVALID) from None
     out(done)
-    note = local_note()
-    if note.get("auth_dir") and Path(note["auth_dir"]).resolve() == keys.path.resolve() and note.get("pid"):
+    from services.cli.mesh import running
+
+    here = keys.path.resolve()
+    # The local `muster up` whose server uses this auth dir, if any.
+    note = next((n for n in running() if n.get("auth_dir") and Path(n["auth_dir"]).resolve() == here), {})
+    if note.get("pid"):
         try:
             os.kill(int(note["pid"]), signal.SIGHUP)
             out("the local NATS server reloaded its identities")
@@ -1150,7 +1206,8 @@ def checked(kind: type, ok: Any, wanted: str) -> Any:
     return parse
 
 
-SECONDS = checked(float, lambda v: 0 <= v < math.inf, "must be seconds ≥ 0")
+MAX_GRACE = 24 * 3600  # shared.shapes.MAX_GRACE: a kill or drain order's longest grace (no model imported)
+GRACE = checked(float, lambda v: 0 <= v <= MAX_GRACE, f"must be seconds from 0 to {MAX_GRACE}")
 TIMEOUT = checked(float, lambda v: 0 < v < math.inf, "must be seconds > 0")
 COUNT = checked(int, lambda v: v >= 1, "must be a whole number ≥ 1")
 PORT = checked(int, lambda v: 1 <= v <= 65535, "must be a port, 1-65535")
@@ -1267,13 +1324,13 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("kill", help="stop a job: SIGTERM, SIGKILL after the grace; it is not retried")
     s.add_argument("job")
-    s.add_argument("--grace", type=SECONDS, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    s.add_argument("--grace", type=GRACE, default=10.0, help="seconds between SIGTERM and SIGKILL")
     s.add_argument("--no-wait", action="store_true", help="do not wait for the tasks to stop")
     s.set_defaults(func=lambda a: asyncio.run(kill(a)))
 
     s = sub.add_parser("drain", help="stop every task on a node (retried elsewhere) and keep new work off it")
     s.add_argument("node")
-    s.add_argument("--grace", type=SECONDS, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    s.add_argument("--grace", type=GRACE, default=10.0, help="seconds between SIGTERM and SIGKILL")
     s.add_argument("--undo", action="store_true", help="let the node take work again")
     s.set_defaults(func=lambda a: asyncio.run(drain(a)))
 

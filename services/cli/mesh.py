@@ -4,8 +4,18 @@ restarted with backoff, so nothing dies silently. Ctrl-C stops everything it sta
 
 The embedded server requires authentication (shared/auth.py): `muster up` keeps an auth
 directory in its data dir with an identity per service, one for the local agent, and an admin
-identity named after this machine's user, and leaves a note (in $XDG_STATE_HOME/muster/up/) by
-which the CLI on this machine finds that admin identity for this bus with no setup."""
+identity named after this machine's user. Its data dir is never one git would add (a
+`.gitignore` of `*` in it, and in the auth dir).
+
+Where it is: from its first moment, `muster up` leaves a note (JSON: its URL, state `starting`
+then `ready` once the gateway answers, its pid, the directory it runs in, its data dir, the admin
+credentials file) in the user's runtime dir (`$XDG_RUNTIME_DIR/muster/`, else
+`$XDG_STATE_HOME/muster/up/`, one file per `muster up`) and in its data dir (`up.json`), and
+removes both when it stops. The CLI (`find_mesh`) goes, when MUSTER_NATS_URL is unset, to the
+mesh on the data dir MUSTER_DATA_DIR names; else to the mesh started in the directory it runs in
+or the nearest one above it; else to a `muster up`
+starting there, once it has noted; else to the only mesh running; with several elsewhere it
+names them and asks. So a second mesh of the same user never gets the first one's commands."""
 
 from __future__ import annotations
 
@@ -16,14 +26,15 @@ import json
 import os
 import signal
 import urllib.parse
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import structlog
 from nats.aio.client import Client as NATS
 
-from shared import auth, bus
+from shared import auth, bus, settings
 from shared.natsserver import NatsServer, free_port
 from shared.service import Service, run_service, serve_health
 
@@ -50,34 +61,247 @@ def builders() -> dict[str, Builder]:
     }
 
 
-def _state_dir() -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
-    return Path(base) / "muster" / "up"
+START_WAIT = 60.0  # seconds the CLI waits for a `muster up` that is starting
+NOTE = "up.json"  # the note in the data dir
 
 
-def _note(url: str) -> Path:
-    """Where `muster up` serving `url` notes its local identity (one note per host and port)."""
-    u = urllib.parse.urlsplit(url.split(",")[0].strip())
-    return _state_dir() / f"{u.hostname or '127.0.0.1'}_{u.port or 4222}.json"
+def _state_dir(env: Mapping[str, str] = os.environ) -> Path:
+    home = env.get("HOME") or os.path.expanduser("~")
+    return Path(env.get("XDG_STATE_HOME") or os.path.join(home, ".local", "state")) / "muster" / "up"
+
+
+def notes_dir(env: Mapping[str, str] = os.environ) -> Path:
+    """Where `muster up` notes where it is, for the CLI of the same user: the user's runtime dir,
+    else the state dir (one note per `muster up`, named by its pid)."""
+    runtime = env.get("XDG_RUNTIME_DIR")
+    return Path(runtime) / "muster" if runtime else _state_dir(env)
+
+
+def _alive(pid: object) -> bool:
+    """Whether `pid` is a running `muster up` (a SIGKILLed one's pid may have been reused)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        return _is_up(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))
+    except FileNotFoundError:
+        return not Path("/proc/self").exists()  # no /proc here: the pid is all there is to go by
+    except OSError:
+        return True
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def running() -> list[dict[str, Any]]:
+    """The notes of this user's `muster up`s that still run (a note whose process is gone, as
+    after a SIGKILL, is removed)."""
+    found = []
+    try:
+        paths = sorted(notes_dir().glob("up-*.json"))
+    except OSError:
+        return []
+    for path in paths:
+        doc = _read(path)
+        if _alive(doc.get("up_pid")) and isinstance(doc.get("url"), str):
+            found.append(doc)
+        elif doc:
+            with contextlib.suppress(OSError):
+                path.unlink()
+    return found
+
+
+def _same_url(a: str, b: str) -> bool:
+    def key(url: str) -> tuple[str, int]:
+        u = urllib.parse.urlsplit(url.split(",")[0].strip())
+        return (u.hostname or "127.0.0.1", u.port or 4222)
+
+    return key(a) == key(b)
+
+
+def local_note(url: str | None = None) -> dict[str, Any]:
+    """What the `muster up` serving `url` (default MUSTER_NATS_URL) noted: its admin credentials,
+    auth dir, server pid, state; {} when no running `muster up` of this user serves it."""
+    url = url or bus.nats_url()
+    notes = [n for n in running() if _same_url(n["url"], url)]
+    notes.sort(key=lambda n: n.get("credentials") is None)  # an embedded server's note first
+    return notes[0] if notes else {}
 
 
 def local_identity(url: str | None = None) -> auth.Credentials | None:
     """The local admin identity of the `muster up` serving `url` (default MUSTER_NATS_URL)."""
-    note = _note(url or bus.nats_url())
+    path = local_note(url).get("credentials")
+    if not isinstance(path, str):
+        return None
     try:
-        path = json.loads(note.read_text())["credentials"]
         return auth.load_credentials(path)
-    except (OSError, ValueError, KeyError, TypeError, auth.AuthError):
+    except (OSError, ValueError, auth.AuthError):
         return None
 
 
-def local_note(url: str | None = None) -> dict[str, Any]:
-    """What the `muster up` serving `url` noted: its admin credentials, auth dir, server pid."""
+def _contains(parent: object, child: str) -> bool:
+    if not isinstance(parent, str) or not parent:
+        return False
+    return child == parent or child.startswith(parent.rstrip("/") + "/")
+
+
+def _is_up(argv: list[bytes]) -> bool:
+    """Whether a command line is `muster up ...` (the console script, or python -m services.cli.main)."""
+    for i, arg in enumerate(argv[:4]):  # python [-u] [-m services.cli.main | muster] up
+        if arg == b"services.cli.main" or os.path.basename(arg) == b"muster":
+            return argv[i + 1 : i + 2] == [b"up"]
+    return False
+
+
+def starting(noted: set[int]) -> list[tuple[int, str]]:
+    """This user's `muster up` processes that note where this CLI reads (notes_dir of their
+    environment) and have noted nothing yet (not in `noted`), with the directory each runs in: a
+    mesh that is starting (read from /proc; [] where there is none)."""
+    mine, found = notes_dir(), []
     try:
-        doc = json.loads(_note(url or bus.nats_url()).read_text())
-    except (OSError, ValueError):
-        return {}
-    return doc if isinstance(doc, dict) else {}
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return []
+    for pid in pids:
+        if pid in noted or pid == os.getpid():
+            continue
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+                continue
+            if not _is_up(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")):
+                continue
+            env = dict(
+                item.decode(errors="replace").split("=", 1)
+                for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                if b"=" in item
+            )
+            if notes_dir(env) == mine:
+                found.append((pid, os.readlink(f"/proc/{pid}/cwd")))
+        except OSError:
+            continue  # ended meanwhile, or not ours to read
+    return found
+
+
+class MeshError(Exception):
+    """No one mesh to go to: several run and none was started here or above."""
+
+
+@dataclass
+class Found:
+    """The mesh a command goes to: its note (None: MUSTER_NATS_URL or the default URL, unless
+    `waiting`), or a `muster up` starting that has not said where yet (`waiting`: pid, dir)."""
+
+    note: dict[str, Any] | None = None
+    waiting: tuple[int, str] | None = None
+    others: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def url(self) -> str | None:
+        if self.note is not None:
+            return str(self.note["url"])
+        return None if self.waiting else bus.nats_url()
+
+    @property
+    def starting(self) -> str | None:
+        """What is starting (for messages), while the mesh has not said it is ready."""
+        if self.waiting is not None:
+            return f"the `muster up` starting in {self.waiting[1]} (pid {self.waiting[0]})"
+        if self.note is not None and self.note.get("state") != "ready":
+            return f"the `muster up` starting in {self.note.get('cwd')} (pid {self.note.get('up_pid')})"
+        return None
+
+    def credentials(self) -> auth.Credentials | None:
+        path = (self.note or {}).get("credentials")
+        if not isinstance(path, str) or os.environ.get(auth.CREDENTIALS_ENV):
+            return None  # bus.connect reads MUSTER_CREDENTIALS
+        try:
+            return auth.load_credentials(path)
+        except (OSError, ValueError, auth.AuthError):
+            return None
+
+
+def describe(note: dict[str, Any]) -> str:
+    return f"{bus.shown(str(note.get('url')))} (started in {note.get('cwd')}, pid {note.get('up_pid')})"
+
+
+def find_mesh(cwd: str | None = None) -> Found:
+    """Where a command run in `cwd` (default: here) goes. MUSTER_NATS_URL set: there (with the
+    note of a local `muster up` serving it, for its identity). Else: the mesh running on the data
+    dir MUSTER_DATA_DIR names (its note there); the mesh started in `cwd` or the nearest
+    directory above it; else a `muster up` starting there (wait for its note);
+    else the only mesh running; else none noted (the default URL). Raises MeshError when several
+    run elsewhere."""
+    if os.environ.get("MUSTER_NATS_URL"):
+        return Found(local_note() or None)
+    if os.environ.get("MUSTER_DATA_DIR"):  # the mesh of that data dir, if one runs on it
+        noted = _read(Path(os.environ["MUSTER_DATA_DIR"]) / NOTE)
+        if _alive(noted.get("up_pid")) and isinstance(noted.get("url"), str):
+            return Found(noted)
+    cwd = cwd or os.getcwd()
+    notes = running()
+    here = [n for n in notes if _contains(n.get("cwd"), cwd)]
+    if here:
+        return Found(max(here, key=lambda n: len(str(n.get("cwd")))), others=notes)
+    soon = [(pid, d) for pid, d in starting({n["up_pid"] for n in notes}) if _contains(d, cwd)]
+    if soon:
+        return Found(waiting=max(soon, key=lambda s: len(s[1])), others=notes)
+    if len(notes) == 1:
+        return Found(notes[0], others=notes)
+    if notes:
+        listed = "; ".join(describe(n) for n in notes)
+        raise MeshError(
+            f"{len(notes)} meshes (`muster up`) run on this machine, none started in {cwd} or above it: "
+            f"{listed}; run the command in the directory of the one you mean, or set MUSTER_NATS_URL"
+        )
+    return Found()
+
+
+class Notes:
+    """A `muster up`'s notes (in notes_dir and its data dir), written whole each time (to a
+    temporary file, then renamed: a reader never sees half a note), removed when it stops."""
+
+    def __init__(self, data_dir: Path, doc: dict[str, Any]):
+        self.doc = {"up_pid": os.getpid(), "cwd": os.getcwd(), "data_dir": str(data_dir.absolute()), **doc}
+        self.paths = [notes_dir() / f"up-{os.getpid()}.json", data_dir / NOTE]
+
+    def write(self, **changes: Any) -> None:
+        self.doc.update(changes)
+        text = json.dumps(self.doc)
+        for path in self.paths:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+
+    def remove(self) -> None:
+        """Removes the notes that are still this process's (a later `muster up` on the same data
+        dir may have written its own)."""
+        for path in self.paths:
+            if _read(path).get("up_pid") == os.getpid():
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
+
+def ignored_by_git(directory: Path) -> None:
+    """A `.gitignore` of `*` in `directory` (as a virtualenv has), unless it has one: what is in
+    it (credential seeds, JetStream data) is never in a folder git would add."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        fd = os.open(directory / ".gitignore", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write("# by `muster up`: nothing here belongs in git (credential seeds, JetStream data)\n*\n")
 
 
 def local_user() -> str:
@@ -133,12 +357,15 @@ async def up(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    server, note = None, None
+    server = None
     creds: dict[str, auth.Credentials | None] = {}
+    ignored_by_git(data_dir)  # before anything is written in it
     url = os.environ.get("MUSTER_NATS_URL")
     if url:
         announce(f"joining NATS at {bus.shown(url)}")
         auth_dir = os.environ.get("MUSTER_AUTH_DIR")
+        notes = Notes(data_dir, {"url": url, "state": "starting", "credentials": None, "auth_dir": auth_dir})
+        notes.write()
         if auth_dir:  # an auth dir made for that bus: each service as itself
             keys = auth.AuthDir(auth_dir)
             creds = {n: auth.load_credentials(keys.creds(n)) for n in auth.SERVICES}
@@ -147,6 +374,7 @@ async def up(
                 creds["agent"] = auth.load_credentials(keys.creds(name))
     else:
         keys = auth.AuthDir(data_dir / "auth")
+        ignored_by_git(keys.path)  # the credential seeds, wherever the data dir is
         admin = None
         if not open_bus:
             creds = dict(keys.ensure_services())
@@ -163,21 +391,29 @@ async def up(
             tls={"cert_file": cert, "key_file": key} if cert and key else None,
             monitor_port=free_port(8222),
         )
-        server.start()  # from the main thread: the server dies with us (see NatsServer)
         url = server.url
+        # Noted before the server starts: the CLI beside us waits for this mesh from now on.
+        notes = Notes(
+            data_dir,
+            {
+                "url": url,
+                "state": "starting",
+                "credentials": str(keys.creds(admin.name)) if admin else None,
+                "auth_dir": None if open_bus else str(keys.path),
+            },
+        )
+        notes.write()
+        try:
+            server.start()  # from the main thread: the server dies with us (see NatsServer)
+        except BaseException:
+            notes.remove()
+            raise
+        assert server.proc is not None
+        notes.write(pid=server.proc.pid)  # `muster admin user` signals it to reload
         announce(f"NATS: {url} (JetStream data in {server.data_dir})")
         if port is None and server.port != 4222:
-            announce(f"4222 was busy; in other shells: export MUSTER_NATS_URL={url}")
+            announce(f"4222 was busy; `muster` commands run in {os.getcwd()} (or below) find it")
         if admin is not None:
-            note = _note(url)
-            note.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            assert server.proc is not None
-            doc = {
-                "credentials": str(keys.creds(admin.name)),
-                "auth_dir": str(keys.path),
-                "pid": server.proc.pid,
-            }
-            note.write_text(json.dumps(doc))
             announce(
                 f"NATS requires credentials: the CLI on this machine acts as admin {admin.name!r} "
                 f"({keys.creds(admin.name)}); add a user with `muster admin user add NAME` and "
@@ -185,7 +421,9 @@ async def up(
             )
         creds["muster-up"] = admin
     if metrics_port is None:
-        metrics_port = int(os.environ.get("MUSTER_METRICS_PORT") or free_port(9100, "0.0.0.0"))
+        metrics_port = settings.number("MUSTER_METRICS_PORT", -1, int, low=0, high=65535)  # unset: -1
+        if metrics_port < 0:
+            metrics_port = free_port(9100, "0.0.0.0")
     health, poll, nc = None, None, None
     try:
         # Fail fast on a bad URL or an unusable JetStream, before starting the services.
@@ -196,15 +434,15 @@ async def up(
             announce(f"metrics: http://127.0.0.1:{metrics_port}/metrics")
             if server is not None and server.monitor_port:
                 poll = _nats_metrics(server, stop)
-        else:
-            await nc.close()
         services = builders()
         if agent is not None:
             services["agent"] = agent(metrics_port or None)  # its node record tells the port
         tasks = [asyncio.create_task(supervise(n, b, url, stop, creds.get(n))) for n, b in services.items()]
         announce(f"services: {', '.join(services)} — Ctrl-C to stop")
         watch = asyncio.create_task(_watch_server(server, stop))
+        ready = asyncio.create_task(_ready(nc, notes, stop, keep=bool(metrics_port)))
         await stop.wait()
+        ready.cancel()
         announce("stopping")
         _, pending = await asyncio.wait(tasks, timeout=10)
         for t in pending:
@@ -221,10 +459,32 @@ async def up(
         if nc is not None and not nc.is_closed:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(nc.close(), 5)
-        if note is not None:
-            note.unlink(missing_ok=True)
+        notes.remove()
         if server:
             await asyncio.to_thread(server.stop)
+
+
+async def _ready(nc: NATS, notes: Notes, stop: asyncio.Event, keep: bool) -> None:
+    """Notes the mesh `ready` once the gateway answers it (the CLI beside it waits until then);
+    the connection is closed after unless `keep` (it serves /healthz)."""
+    from shared import client
+
+    try:
+        while not stop.is_set():
+            try:
+                await client.ask(nc, "ping", timeout=2.0)
+                break
+            except client.Refused:
+                break  # it answers, though not to us (a bus joined without an admin identity)
+            except TimeoutError:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.2)
+        if not stop.is_set():
+            await asyncio.to_thread(notes.write, state="ready")
+            log.info("mesh.ready", url=bus.shown(str(notes.doc["url"])))
+    finally:
+        if not keep:
+            await nc.close()
 
 
 def _nats_metrics(server: NatsServer, stop: asyncio.Event) -> asyncio.Task[None]:

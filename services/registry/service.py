@@ -15,6 +15,7 @@ last one; torchrun-style jobs rendezvous by themselves and only need the first m
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Histogram
 
-from shared import bus, consume, subjects
+from shared import bus, consume, shapes, subjects
 from shared.messages import AttemptRecord, Endpoint, EndpointReported, Rendezvous, TaskStatus, attempt_key
 from shared.store import GroupCommit, Store
 from shared.subjects import Headers
@@ -180,7 +181,12 @@ class Registry:
 def _named_attempt(msg: Any) -> str:
     """The attempt an `attempt_members` message names in its subject (the payload is ignored)."""
     parts = msg.subject.split(".")
-    if len(parts) != 6 or parts[-1] != "members" or not parts[4].isdigit():
+    if (
+        len(parts) != 6
+        or parts[-1] != "members"
+        or not shapes.is_job_id(parts[3])
+        or not re.fullmatch(r"[1-9][0-9]{0,8}", parts[4])
+    ):
         raise ValueError(f"not an attempt_members subject: {msg.subject[:200]}")
     return attempt_key(parts[3], int(parts[4]))
 

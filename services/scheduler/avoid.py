@@ -3,15 +3,15 @@ never to the point that a job waits for ever."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
 
 from services.scheduler import placement
+from shared import settings
 from shared.messages import AttemptRecord, FailureKind, TaskSpec
 
-AVOID_AFTER = int(os.environ.get("MUSTER_AVOID_AFTER", "3"))
-AVOID_WINDOW = float(os.environ.get("MUSTER_AVOID_WINDOW", "600"))
+AVOID_AFTER = settings.number("MUSTER_AVOID_AFTER", 3, int, low=1)
+AVOID_WINDOW = settings.seconds("MUSTER_AVOID_WINDOW", 600.0)
 
 
 def nodes_to_avoid(attempts: Iterable[AttemptRecord], at: datetime) -> set[str]:
@@ -29,17 +29,29 @@ def nodes_to_avoid(attempts: Iterable[AttemptRecord], at: datetime) -> set[str]:
 def plan_around(
     cluster: placement.Cluster,
     capacity: placement.Capacity,
-    queue: list[placement.PendingJob],
+    queue: Sequence[placement.PendingJob] | placement.Backlog,
     avoid: set[str],
     window: int | None = None,
 ) -> placement.Plan:
     """Place around the nodes to avoid; a job that fits only on them still runs there: avoiding
     is a preference, never a reason to wait forever. `cluster` is left as it was."""
-    plan = cluster.plan(queue, capacity, avoid, window)
-    stuck = [j for j in queue if j.job_id in plan.unschedulable]
-    if not avoid or not stuck:
+    if not avoid:
+        return cluster.plan(queue, capacity, avoid, window)
+    jobs: Sequence[placement.PendingJob]
+    if isinstance(queue, Sequence):
+        plan = cluster.plan(queue, capacity, avoid, window)
+        jobs = queue
+    else:
+        noted = _Noted(queue)
+        plan = cluster.plan(noted, capacity, avoid, window)
+        jobs = noted.jobs
+    stuck = [j for j in jobs if j.job_id in plan.unschedulable]
+    if not isinstance(queue, Sequence):  # its rest came in any order: the second plan needs it
+        by_id = {j.job_id: j for j in stuck}
+        stuck = [by_id[job_id] for job_id in queue.in_order(by_id)]
+    if not stuck:
         return plan
-    configs = {j.job_id: j.config for j in queue}
+    configs = {j.job_id: j.config for j in jobs}
     placed = list(plan.placements.items())
     done: list[tuple[str, list[TaskSpec]]] = []
     try:
@@ -55,3 +67,24 @@ def plan_around(
         plan.pending.pop(job_id, None)
     plan.pending.update(second.pending)
     return plan
+
+
+class _Noted:
+    """A backlog whose jobs are noted as the planner takes them (the second plan needs them)."""
+
+    def __init__(self, queue: placement.Backlog) -> None:
+        self.queue = queue
+        self.jobs: list[placement.PendingJob] = []
+
+    def __iter__(self) -> Iterator[placement.PendingJob]:
+        for job in self.queue:
+            self.jobs.append(job)
+            yield job
+
+    def rest(self) -> Iterator[placement.PendingJob]:
+        for job in self.queue.rest():
+            self.jobs.append(job)
+            yield job
+
+    def in_order(self, job_ids: Iterable[str]) -> list[str]:
+        return self.queue.in_order(job_ids)

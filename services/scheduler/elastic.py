@@ -18,15 +18,15 @@ gang that is still starting, or just changed, is left alone (no thrashing).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from datetime import datetime
 
 from services.scheduler import placement
+from shared import settings
 from shared.jobconfig import JobConfig
 from shared.messages import AttemptRecord, TaskSpec, TaskState
 
-DWELL = float(os.environ.get("MUSTER_ELASTIC_DWELL", "30"))  # seconds between changes of one attempt
+DWELL = settings.seconds("MUSTER_ELASTIC_DWELL", 30.0)  # seconds between changes of one attempt
 
 
 def settled(record: AttemptRecord, at: datetime, dwell: float = DWELL) -> bool:

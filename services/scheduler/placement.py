@@ -30,9 +30,9 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from shared.jobconfig import JobConfig, TaskRole
 from shared.messages import GpuDevice, NodeInfo, TaskSpec
@@ -115,6 +115,20 @@ class NodeState:
 class PendingJob:
     job_id: str
     config: JobConfig
+
+
+class Backlog(Protocol):
+    """A queue made as the planner takes it (quota.Order): in order while the planner needs the
+    order, then `rest()`, the jobs not yet taken, in any order, once its backfill window has
+    closed (from there a job's outcome depends only on its own shape)."""
+
+    def __iter__(self) -> Iterator[PendingJob]: ...
+
+    def rest(self) -> Iterable[PendingJob]: ...
+
+    def in_order(self, job_ids: Iterable[str]) -> list[str]:
+        """Some of its jobs in its order (without taking it that far)."""
+        ...
 
 
 @dataclass
@@ -762,7 +776,7 @@ class Cluster:
 
     def plan(
         self,
-        queue: Sequence[PendingJob],
+        queue: Sequence[PendingJob] | Backlog,
         capacity: Capacity | None = None,
         avoid: Set[str] = frozenset(),
         window: int | None = None,
@@ -772,7 +786,10 @@ class Cluster:
 
         `capacity`: the same nodes as if empty (kept by the caller across plans; built here when
         None). `window`: how many jobs behind the head are tried at most (like Slurm's
-        bf_max_job_test); later ones wait with a reason saying so, unless they can never run."""
+        bf_max_job_test); later ones wait with a reason saying so, unless they can never run.
+        Once the window has closed nothing more is placed and the head stays, so a later job's
+        outcome (a reason known for its shape, can never run, or waiting in the queue) does not
+        depend on where it stands: a `Backlog` is then taken through its `rest()`, in any order."""
         capacity = capacity or Capacity(self.nodes.values())
         free = _Free(self, avoid)
         result = Plan()
@@ -782,8 +799,20 @@ class Cluster:
         placed = 0
         known: dict[Hashable, tuple[int, str | None, str, bool]] = {}
         tried_behind = 0
+        jobs = iter(queue)
+        rest = None if isinstance(queue, Sequence) else queue.rest
         try:
-            for job in queue:
+            while True:
+                if (
+                    rest is not None
+                    and window is not None
+                    and result.head is not None
+                    and tried_behind >= window
+                ):
+                    jobs, rest = iter(rest()), None  # the window has closed: the others as they come
+                job = next(jobs, None)
+                if job is None:
+                    break
                 key = _shape_key(job.config)
                 seen = known.get(key)
                 if seen is not None and seen[:2] == (placed, result.head):

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
-import os
 import uuid
+from collections.abc import Iterable, Iterator
 from datetime import datetime
 from typing import Any
 
@@ -36,7 +37,7 @@ from services.scheduler import elastic, placement, quota
 from services.scheduler import metrics as cluster_metrics
 from services.scheduler.avoid import nodes_to_avoid, plan_around
 from services.scheduler.view import Job, View
-from shared import bus, liveness, subjects
+from shared import bus, liveness, settings, subjects
 from shared.jobconfig import has_secrets, rank, with_secrets
 from shared.messages import (
     Assignment,
@@ -71,11 +72,11 @@ CYCLE_SECONDS = Histogram(
 )
 RENEW_EVERY = 1.0  # seconds between lease renewals, whatever a cycle is doing
 # Jobs behind the head that one plan tries at most (Slurm's bf_max_job_test); later ones wait.
-BACKFILL_WINDOW = int(os.environ.get("MUSTER_BACKFILL_WINDOW", "500"))
+BACKFILL_WINDOW = settings.number("MUSTER_BACKFILL_WINDOW", 500, int, low=0)
 IN_FLIGHT = 128  # commits and reason writes of one cycle in flight at once
 # Seconds a preempted gang gets between SIGTERM and SIGKILL, to checkpoint.
-PREEMPT_GRACE = float(os.environ.get("MUSTER_PREEMPT_GRACE", "30"))
-ELASTIC_GRACE = float(os.environ.get("MUSTER_ELASTIC_GRACE", "10"))  # SIGTERM..SIGKILL of a removed task
+PREEMPT_GRACE = settings.seconds("MUSTER_PREEMPT_GRACE", 30.0)
+ELASTIC_GRACE = settings.seconds("MUSTER_ELASTIC_GRACE", 10.0)  # SIGTERM..SIGKILL of a removed task
 PREEMPT_TRIES = 16  # waiting jobs one cycle looks at for a preemption that would let them run
 PREEMPTIONS = Counter("muster_scheduler_preemptions_total", "Gangs stopped to make room", ["why"])
 # Seconds from a job's submission to its first placement (waits of minutes to a day are normal).
@@ -100,6 +101,7 @@ class Scheduler:
         self.kv_attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
         self.kv_vcs = Store(buckets[subjects.VCS_BUCKET], VirtualCluster, check=vc_refusal)
         self.vcs: dict[str, VirtualCluster] = {}
+        self.fixed = quota.Fixeds()  # what each waiting job's place in the sharing order reads
         self.secrets = buckets[subjects.SECRETS_BUCKET]
         self.leases = buckets[subjects.LEASES_BUCKET]
         self.identity = uuid.uuid4().hex[:12]
@@ -226,23 +228,29 @@ class Scheduler:
         """Plan the waiting jobs and commit the plan; returns the jobs that could run on this
         cluster but do not fit now, in queue order (what elastic roles shrink for)."""
         held_back: dict[str, str] = {}
-        sharing = self._sharing(waiting, at) if self.vcs or self.view.ranked else None
-        if sharing is not None:
-            waiting, held_back, ledger, running = sharing
-        queue = [placement.PendingJob(j.job_id, j.config.smallest()) for j, _ in waiting]
+        order: quota.Order[placement.PendingJob] | None = None
+        queue: list[placement.PendingJob] | quota.Order[placement.PendingJob]
+        if self.vcs or self.view.ranked:
+            order, ledger, running = self._sharing(waiting, at)
+            queue = order
+        else:
+            queue = [placement.PendingJob(j.job_id, j.config.smallest()) for j, _ in waiting]
         avoid = nodes_to_avoid(self.view.avoid_candidates(at), at)
         plan = plan_around(self.view.cluster, self.view.capacity, queue, avoid, BACKFILL_WINDOW)
         borrowed: set[str] = set()
-        if sharing is not None:
-            for job, _ in waiting:  # in queue order: who is within its quota, placements counted
-                if job.job_id in plan.placements:
-                    use = quota.need(job.config)
-                    if not ledger.within(job.config.virtualCluster, use):
-                        borrowed.add(job.job_id)
-                    ledger.take(job.config.virtualCluster, job.user, use)
-            await self._preempt_for(waiting, plan, ledger, running)
+        if order is not None:
+            held_back = order.held()
+            placed = [p.job_id for p in order.taken if p.job_id in plan.placements]
+            if len(placed) < len(plan.placements):  # the second plan (around avoided nodes) placed more
+                placed = order.in_order(plan.placements)
+            for job_id in placed:  # in queue order: who is within its quota, placements counted
+                job = self.jobs[job_id]
+                use = quota.need(job.config)
+                if not ledger.within(job.config.virtualCluster, use):
+                    borrowed.add(job.job_id)
+                ledger.take(job.config.virtualCluster, job.user, use)
+            await self._preempt_for(self._in_order(order), plan, ledger, running)
             plan.pending.update(held_back)
-            waiting = waiting + [(self.jobs[j], 0) for j in held_back if j in self.jobs]
         CYCLE_SECONDS.observe((now() - at).total_seconds())
         # Commits and reasons go out together, at most IN_FLIGHT at a time: their round trips
         # overlap instead of adding up.
@@ -267,13 +275,27 @@ class Scheduler:
         if failures:
             log.warning("scheduler.commit_errors", count=len(failures), first=repr(failures[0])[:300])
             self.wake.set()
-        return [
-            job
-            for job, _ in waiting
-            if job.job_id in plan.pending
-            and job.job_id not in plan.unschedulable
-            and job.job_id not in held_back
-        ]
+        # In queue order; what is shrunk for reads the first PREEMPT_TRIES of them only.
+        blocked = (job for job, _ in waiting) if order is None else self._in_order(order)
+        return list(
+            itertools.islice(
+                (
+                    job
+                    for job in blocked
+                    if job.job_id in plan.pending
+                    and job.job_id not in plan.unschedulable
+                    and job.job_id not in held_back
+                ),
+                PREEMPT_TRIES,
+            )
+        )
+
+    def _in_order(self, order: quota.Order[placement.PendingJob]) -> Iterator[Job]:
+        """The waiting jobs in sharing order, taken from `order` as far as they are read."""
+        for pending in order.ordered():
+            job = self.jobs.get(pending.job_id)
+            if job is not None:
+                yield job
 
     # ------------------------------------------------------------ elastic roles (elastic.py)
 
@@ -412,36 +434,29 @@ class Scheduler:
 
     def _sharing(
         self, waiting: list[tuple[Job, int]], at: datetime
-    ) -> tuple[list[tuple[Job, int]], dict[str, str], quota.Ledger, list[quota.Running]]:
+    ) -> tuple[quota.Order[placement.PendingJob], quota.Ledger, list[quota.Running]]:
         """With virtual clusters or priorities in use: the queue in sharing order (quota.py),
-        the jobs held back by a quota they may not exceed (with why), the ledger, what runs."""
+        made as the planner takes it; the ledger; what runs."""
         running = self.view.running(at)
         capacity = quota.capacity_of(self.view.capacity.cluster.nodes.values())
         ledger = quota.Ledger(quota.limits(self.vcs, capacity), running)
-        slots = {j.job_id: (j, n) for j, n in waiting}
-        order = ledger.order(
-            [
-                quota.Waiting(
-                    j.job_id,
-                    j.config.virtualCluster,
-                    j.user,
-                    rank(j.config.priority),
-                    j.config,
-                    j.submitted_at,
+        fixed = self.fixed.of
+        order = quota.Order(
+            ledger,
+            (
+                (
+                    fixed(j.job_id, j.config, j.user, j.submitted_at),
+                    placement.PendingJob(j.job_id, j.config.smallest()),
                 )
                 for j, _ in waiting
-            ]
+            ),
         )
-        held_back: dict[str, str] = {}
-        for w in order:
-            why = ledger.why_not(w)
-            if why is not None:
-                held_back[w.job_id] = why
-        return [slots[w.job_id] for w in order if w.job_id not in held_back], held_back, ledger, running
+        self.fixed.next_cycle()
+        return order, ledger, running
 
     async def _preempt_for(
         self,
-        waiting: list[tuple[Job, int]],
+        waiting: Iterable[Job],
         plan: placement.Plan,
         ledger: quota.Ledger,
         running: list[quota.Running],
@@ -458,7 +473,7 @@ class Scheduler:
                     plan.pending[job_id] = f"waiting for {n} preempted gang(s) to stop"
             return
         tried = 0
-        for job, _ in waiting:
+        for job in waiting:
             if job.job_id not in plan.pending or job.job_id in plan.unschedulable:
                 continue
             tried += 1

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
@@ -34,7 +33,7 @@ from prometheus_client import Counter, Histogram
 
 from services.supervisor import policy
 from services.supervisor.policy import Finished, NextStep, RetryLimits
-from shared import bus, consume, liveness, service, subjects
+from shared import bus, consume, liveness, service, settings, subjects
 from shared.liveness import Beats
 from shared.messages import (
     AttemptRecord,
@@ -97,7 +96,7 @@ BATCHED = Histogram(
 
 
 def _seconds(name: str, default: float) -> float:
-    return float(os.environ.get(name, str(default)))
+    return settings.seconds(name, default)
 
 
 def failed(ev: TaskEvent) -> bool:
@@ -129,8 +128,8 @@ class Supervisor:
     ):
         self.nc, self.js, self.kill_grace = nc, js, kill_grace
         self.limits = limits or RetryLimits(
-            platform=int(os.environ.get("MUSTER_PLATFORM_RETRIES", "10")),
-            backoff=float(os.environ.get("MUSTER_RETRY_BACKOFF", "1")),
+            platform=settings.number("MUSTER_PLATFORM_RETRIES", 10, int, low=0),
+            backoff=settings.seconds("MUSTER_RETRY_BACKOFF", 1.0),
         )
         # Jobs and attempts are mirrored below anyway: their writes start from the mirrored revision.
         # The newest records' bytes: a task event's writes start from them, without a read.
@@ -336,13 +335,15 @@ class Supervisor:
 
     async def on_kill(self, sent: consume.Sent[KillRequest]) -> None:
         """A kill request is honoured only from the job's owner (its subject names who sent it;
-        an admin sends as the owner). Another user's job is refused as if it did not exist."""
+        an admin sends as the owner). Another user's job is refused as if it did not exist. The
+        request decoded, so its job id is a job id's shape (no subject or key is built from
+        anything else); who killed it is who sent it, whatever the payload's `user` says."""
         job = await self.jobs.get(sent.message.job_id)
         if job is None or job.user != sent.by:
             consume.REFUSED.labels("kill").inc()
-            log.warning("supervisor.kill_refused", job_id=sent.message.job_id[:64], by=sent.by[:64])
+            log.warning("supervisor.kill_refused", job_id=sent.message.job_id, by=sent.by[:64])
             return
-        await self.kill_job(sent.message)
+        await self.kill_job(sent.message.model_copy(update={"user": sent.by}))
 
     async def kill_job(self, req: KillRequest) -> None:
         """The job becomes STOPPED (not retried), its current attempt ends, its tasks are told to

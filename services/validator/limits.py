@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from shared.jobconfig import FieldError
 from shared.messages import JobRecord
+from shared.settings import SettingError
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ def _positive(env: Mapping[str, str], name: str, default: int) -> int:
     except ValueError:
         value = 0
     if value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {text!r}")
+        raise SettingError(f"{name} must be a positive integer, got {text!r}")
     return value
 
 

@@ -54,7 +54,7 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.validator import limits
-from shared import auth, bus, consume, hostpaths, subjects
+from shared import auth, bus, consume, hostpaths, settings, subjects
 from shared.jobconfig import NAME_RE, FieldError, JobConfig, check_job, job_warnings, rank, split_secrets
 from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
 from shared.messages import (
@@ -85,7 +85,7 @@ LATENCY = Histogram("muster_validator_seconds", "Time to judge one submission")
 # After this many deliveries that crashed the handler, the submission is rejected rather than
 # retried forever (a poison message must not block the queue).
 MAX_DELIVERIES = 5
-PARALLEL = int(os.environ.get("MUSTER_VALIDATOR_PARALLEL", "64"))  # submissions judged at once
+PARALLEL = settings.number("MUSTER_VALIDATOR_PARALLEL", 64, int, low=1)  # submissions judged at once
 DEFAULT_VC = "default"  # exists without a record: every user, any priority
 IMPLICIT_DEFAULT = VirtualCluster(name=DEFAULT_VC)
 
@@ -195,12 +195,13 @@ class Validator:
     async def handle(self, msg: Msg) -> None:
         meta = msg.metadata
         sid = bus.header(msg, Headers.SUBMISSION_ID) or ""
-        if not re.match(subjects.SUBMISSION_ID_RE, sid):
+        if not re.fullmatch(subjects.SUBMISSION_ID_RE, sid):
             sid = f"s{meta.sequence.stream}"
         # The owner is who published it: the subject's last token, which an authenticated
         # identity can only set to its own name (never a header or the spec).
         user = subjects.requester(msg.subject)
-        if not auth.NAME_RE.match(user):
+        if not auth.NAME_RE.fullmatch(user):
+            consume.REJECTED.labels(subjects.VALIDATOR_CONSUMER, "bad_submitter").inc()
             log.warning("validator.bad_submitter", subject=msg.subject[:200])
             await msg.term()
             return
@@ -255,8 +256,7 @@ class Validator:
             return await self.reject(sid, user, None, [FieldError(path="", reason=str(exc))], data)
         config, errors = check_job(raw)
         if config is None:
-            name = raw.get("jobName") if isinstance(raw, dict) else None
-            return await self.reject(sid, user, name if isinstance(name, str) else None, errors, data)
+            return await self.reject(sid, user, _job_name(raw), errors, data)
         canonical = canonical_json(config)
         if len(canonical) > MAX_CONFIG_BYTES:
             reason = f"config is {len(canonical)} bytes once decoded; the limit is 1 MiB"
@@ -477,7 +477,10 @@ def check_data(config: JobConfig, user: str, datasets: dict[str, Dataset]) -> li
         ds = datasets.get(mount.name)
         if ds is None:
             known = ", ".join(sorted(n for n, d in datasets.items() if d.admits(user))) or "none"
-            reason = f"no dataset {mount.name!r}; yours to mount: {known}"
+            reason = (
+                f"no dataset {mount.name!r}; yours to mount: {known}; an admin defines it with "
+                f"`muster admin dataset set {mount.name} --source DIR` (docs/data.md)"
+            )
         elif not ds.admits(user):
             reason = f"user {user!r} may not mount dataset {mount.name!r}"
         elif mount.rw and not ds.writable:
@@ -507,7 +510,7 @@ def admission_settings() -> tuple[int, float]:
     text = os.environ.get("MUSTER_ADMISSION_BACKLOG", "").strip() or "2000"
     backlog = int(text) if re.fullmatch(r"\d+", text) else -1
     if backlog < 0:
-        raise ValueError(f"MUSTER_ADMISSION_BACKLOG must be a number of jobs ≥ 0, got {text!r}")
+        raise settings.SettingError(f"MUSTER_ADMISSION_BACKLOG must be a number of jobs ≥ 0, got {text!r}")
     return (backlog or 1 << 62), _seconds("MUSTER_ADMISSION_WAIT", "5")
 
 
@@ -524,7 +527,7 @@ def _seconds(name: str, default: str) -> float:
     except ValueError:
         value = -1.0
     if not 0 <= value < float("inf"):
-        raise ValueError(f"{name} must be a number of seconds ≥ 0, got {text!r}")
+        raise settings.SettingError(f"{name} must be a number of seconds ≥ 0, got {text!r}")
     return value
 
 
@@ -534,6 +537,11 @@ def job_name_in(data: bytes) -> str | None:
         raw = loads(data)
     except Exception:
         return None
+    return _job_name(raw)
+
+
+def _job_name(raw: Any) -> str | None:
+    """The jobName of a decoded config if it is a valid name (a verdict names no other)."""
     name = raw.get("jobName") if isinstance(raw, dict) else None
     return name if isinstance(name, str) and re.fullmatch(NAME_RE, name) and len(name) <= 64 else None
 
