@@ -130,6 +130,33 @@ async def test_process_tasks_that_exit_as_their_agent_is_killed_are_not_run_agai
     await _check(nc, record, shared, cluster)
 
 
+async def test_a_task_printing_as_its_agent_dies_is_lost_not_failed(cluster, nc, tmp_path, monkeypatch):  # noqa: F811
+    """The agent's death must not end a task in a way taken for its own: one printing without
+    pause (its output read by the agent) is killed with its agent and retried as a platform
+    failure, not ended by a broken pipe and charged as a failure of its own (retryCount 0)."""
+    monkeypatch.setenv("MUSTER_NODE_TIMEOUT", str(NODE_TIMEOUT))
+    cluster.core()
+    agent = cluster.agent("n1", *AGENT)
+    runs = tmp_path / "runs"
+    command = f"echo $MUSTER_ATTEMPT >> {runs}; test $MUSTER_ATTEMPT -gt 1 || while :; do echo tick; done"
+    config = {"jobName": "chatty", "image": "img", "retryCount": 0, "taskRoles": [role("w", 1, command)]}
+    _, verdict = await client.submit(nc, json.dumps(config).encode())
+    assert verdict is not None and verdict.accepted, verdict
+    deadline = time.monotonic() + 60
+    while not runs.exists():
+        assert time.monotonic() < deadline, cluster.logs()
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.5)  # printing away
+    agent.send_signal(signal.SIGKILL)
+    agent.wait(10)
+    cluster.agent("n1", *AGENT)
+    record = await wait_final(nc, verdict.job_id, timeout=60)
+    expected = (JobState.SUCCEEDED, 2, 0)
+    assert (record.state, record.attempt, record.retries) == expected, (record, cluster.logs())
+    lost = (await attempt(nc, record.job_id, 1)).task("w", 0)
+    assert lost.cause == TaskCause.PLATFORM, lost
+
+
 @pytest.mark.docker
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("away", [False, True], ids=["back-at-once", "away-past-node-timeout"])

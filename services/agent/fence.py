@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -253,11 +254,19 @@ def _fence_docker(home: str, pidfile: Path, wait: float, agent: int, died: float
     try:
         told = {} if _new_agent(pidfile, agent) else _exited_containers(client, home, died)
         report(Path(home), list(told.values()), timeout)
+        if told:
+            _say("fence.reported", agent=agent, tasks=sorted(told))
         time.sleep(max(0.0, died + wait - time.time()))
         if not _new_agent(pidfile, agent):
-            _remove_containers(client, home, died, set(told))
+            removed = _remove_containers(client, home, died, set(told))
+            _say("fence.removed_containers", agent=agent, waited=wait, reported=len(removed))
     finally:
         client.close()
+
+
+def _say(event: str, **fields: Any) -> None:
+    """One JSON line on stderr (the agent's log), as the services log."""
+    print(json.dumps({"service": "fence", **fields, "event": event}), file=sys.stderr, flush=True)
 
 
 def main(argv: list[str]) -> None:
@@ -272,6 +281,8 @@ def main(argv: list[str]) -> None:
     if mode == "process":
         home = Path(args[0])
         events, told = _fence_processes(Path(args[1]), agent)
+        if events:
+            _say("fence.reported", agent=agent, tasks=[r.stem for r in told])
         if report(home, events, timeout):
             for record in told:  # on the bus: a new agent has nothing more to say of them
                 record.with_suffix(".exit").unlink(missing_ok=True)

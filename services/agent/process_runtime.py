@@ -199,23 +199,34 @@ class ProcessRuntime:
                 json.dumps({"name": launch.name, "labels": launch.labels, "agent": os.getpid()})
             )
             argv = ["/bin/sh", "-c", WRAPPER, "muster-task", launch.command, str(exit_file(record))]
+        out, into = os.pipe()  # the task's output (stdout and stderr), read here
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
                 env=env,
                 cwd=workdir,
                 stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
+                stdout=into,
+                stderr=into,
                 start_new_session=True,
-                limit=1 << 20,
+                # The task holds the read end of its output too, and never reads it: when its
+                # agent dies, what it writes does not fail (EPIPE, SIGPIPE) and end it before its
+                # fence has recorded it as killed: an end the agent's death caused is never
+                # taken for one of its own. (A full pipe blocks it until the fence kills it.)
+                pass_fds=(out,),
             )
         except OSError as exc:
+            os.close(out)
             if record is not None:
                 record.unlink(missing_ok=True)
             raise LaunchError(f"cannot start {launch.name}: {exc.strerror or exc}") from None
-        assert proc.stdout is not None
-        reader = asyncio.create_task(_pump(proc.stdout, output))
+        finally:
+            os.close(into)
+        stream = asyncio.StreamReader(limit=1 << 20)
+        await asyncio.get_running_loop().connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(stream), os.fdopen(out, "rb", buffering=0)
+        )
+        reader = asyncio.create_task(_pump(stream, output))
         task = ProcessTask(launch.name, proc, reader, record)
         task.env, task.cwd = env, workdir
         return task
