@@ -13,7 +13,9 @@ the agent (or anyone) can see the exit. Whoever stops a task — its agent, its 
 agent reaping it — first records "killed" there. The file is created once (O_EXCL): the first to
 write it is the truth, so a task that ended by itself is reported with its own exit code however
 its agent died, and one that was stopped is never taken for one that ended by itself. The
-record and the file are removed only once the outcome is in the agent's outbox.
+record and the file are removed only once the outcome is in the agent's outbox. A task holds
+the read end of its own output pipe (never reading it), so its agent's death does not end it
+with a broken pipe, an end the agent's death caused, before its fence has recorded the kill.
 
 Tasks do not outlive their agent: a small fence process (`services.agent.fence`) holds a pipe
 from the agent and, when the agent dies in any way, SIGKILL included, kills every recorded task
