@@ -3,10 +3,14 @@ replicas of every service and three agents with declared GPUs, while a loop SIGK
 random services and agents every couple of seconds — agents sometimes staying down longer than
 the node timeout. Every job must reach the final state its commands imply with exact retry
 counts, no GPU may be held by two tasks at once (checked from what the tasks themselves record),
-no two attempts of a job may overlap, and no process of a finished job may remain.
+no two attempts of a job may overlap, no process of a finished job may remain, and no task that
+ran to its end may be taken for lost or run again for it: every run records its start and its
+end (with its exit code), and each run that ended is on its attempt's record as it ended. On the
+process runtime and on Docker (MUSTER_CHAOS_DOCKER_JOBS, 25 by default: containers start slower).
 
 Its verdict must not change under load: before calling a fault fix done, run it (with
-tests/test_trust.py and tests/test_lifecycle.py) beside two `yes >/dev/null` processes, twice."""
+tests/test_trust.py, tests/test_lifecycle.py and tests/test_outcomes.py) beside two
+`yes >/dev/null` processes, twice."""
 
 from __future__ import annotations
 
@@ -20,10 +24,11 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import docker
 import pytest
 
 from shared import bus, client, subjects
-from shared.messages import AttemptRecord, FailureKind, JobRecord, JobState
+from shared.messages import AttemptRecord, FailureKind, JobRecord, JobState, TaskCause
 from tests.conftest import Cluster
 from tests.test_jobs import role
 
@@ -35,6 +40,7 @@ SERVICES = (
     "services.gateway",
 )
 JOBS = int(os.environ.get("MUSTER_CHAOS_JOBS", "50"))
+DOCKER_JOBS = int(os.environ.get("MUSTER_CHAOS_DOCKER_JOBS", "25"))
 NODE_TIMEOUT = 5.0
 AGENTS = {
     f"c{i}": ("--cpus", "4", "--gpus", "2xT4", "--address", "127.0.0.1", "--heartbeat", "0.5")
@@ -53,9 +59,18 @@ class ChaosCluster(Cluster):
         }
 
 
-def jobs(rng: random.Random, ledger: Path) -> list[tuple[dict, JobState]]:
+def recorded(command: str, runs: Path) -> str:
+    """`command`, run so that it records its start and, once it has ended by itself, its exit
+    code (a run killed before its end records no end)."""
+    me = "$MUSTER_JOB_ID $MUSTER_ATTEMPT $MUSTER_TASK_ROLE.$MUSTER_TASK_INDEX"
+    return f"echo start {me} >> {runs}; ({command}); code=$?; echo end {me} $code >> {runs}; exit $code"
+
+
+def jobs(rng: random.Random, shared: Path, image: str, n: int) -> list[tuple[dict, JobState]]:
+    """`n` jobs whose tasks write what they did in files of `shared` (the GPU ledger, runs)."""
+    ledger = shared / "gpu-ledger"
     out = []
-    for i in range(JOBS):
+    for i in range(n):
         kind = i % 5
         pause = f"sleep {rng.choice(['0.5', '1', '2'])}"
         if kind == 0:  # a plain gang that succeeds
@@ -78,18 +93,41 @@ def jobs(rng: random.Random, ledger: Path) -> list[tuple[dict, JobState]]:
         else:  # fails once, succeeds on its retry
             config = {"retryCount": 1, "taskRoles": [role("w", 1, f"{pause}; test $MUSTER_ATTEMPT -gt 1")]}
             expected = JobState.SUCCEEDED
-        out.append(({"jobName": f"chaos-{i}", "image": "img", **config}, expected))
+        for r in config["taskRoles"]:
+            r["command"] = recorded(r["command"], shared / "runs")
+        out.append(({"jobName": f"chaos-{i}", "image": image, "outputDir": str(shared), **config}, expected))
     return out
 
 
 @pytest.mark.timeout(600 + 6 * JOBS)
 async def test_chaos_every_job_ends_right_while_services_are_killed(nats_url, tmp_path):
+    await _chaos(nats_url, tmp_path, "img", JOBS, ())
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(600 + 10 * DOCKER_JOBS)
+async def test_chaos_on_docker_every_job_ends_right_while_services_are_killed(base_image, nats_url, tmp_path):
+    runtime = ("--runtime", "docker", "--overcommit")
+    try:
+        await _chaos(nats_url, tmp_path, base_image, DOCKER_JOBS, runtime)
+    finally:  # what fences of agents killed at the end have not removed yet
+        engine = docker.from_env()
+        try:
+            for c in engine.containers.list(all=True, filters={"label": "muster.job"}):
+                if c.labels.get("muster.home", "").startswith(str(tmp_path)):
+                    c.remove(force=True)
+        finally:
+            engine.close()
+
+
+async def _chaos(nats_url: str, tmp_path: Path, image: str, n: int, runtime: tuple[str, ...]) -> None:
     cluster = ChaosCluster(nats_url, tmp_path)
+    agents = {node: (*runtime, *args) for node, args in AGENTS.items()}
     procs: dict[str, object] = {}
     for module in SERVICES:
         procs[module] = cluster.start(module)
         procs[f"{module}#2"] = cluster.start(module)
-    for node, args in AGENTS.items():
+    for node, args in agents.items():
         procs[node] = cluster.agent(node, *args)
 
     down: dict[str, float] = {}  # agents kept down past the node timeout, and until when
@@ -98,22 +136,24 @@ async def test_chaos_every_job_ends_right_while_services_are_killed(nats_url, tm
         proc = procs[name]
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        if name in AGENTS and rng.random() < 0.3:
+        if name in agents and rng.random() < 0.3:
             down[name] = time.monotonic() + NODE_TIMEOUT + rng.uniform(1, 3)
-        elif name in AGENTS:
-            procs[name] = cluster.agent(name, *AGENTS[name])
+        elif name in agents:
+            procs[name] = cluster.agent(name, *agents[name])
         else:
             procs[name] = cluster.start(name.split("#")[0])
 
     def bring_back() -> None:
         for name, until in list(down.items()):
             if time.monotonic() >= until:
-                procs[name] = cluster.agent(name, *AGENTS[name])
+                procs[name] = cluster.agent(name, *agents[name])
                 del down[name]
 
     rng = random.Random(4)
-    ledger = tmp_path / "gpu-ledger"
-    plan = jobs(rng, ledger)
+    shared = tmp_path / "shared"  # the jobs' outputDir: where their tasks record what they did
+    shared.mkdir()
+    shared.chmod(0o777)  # Docker tasks run as a non-root user
+    plan = jobs(rng, shared, image, n)
     nc = await bus.connect("test", nats_url)
     kills: list[str] = []
     try:
@@ -128,7 +168,7 @@ async def test_chaos_every_job_ends_right_while_services_are_killed(nats_url, tm
                 restart(name)
                 kills.append(name)
         kv = await nc.jetstream().key_value(subjects.JOBS_BUCKET)
-        deadline = time.monotonic() + 240 + 2 * JOBS
+        deadline = time.monotonic() + 240 + 4 * n
         next_kill = time.monotonic() + 2
         while True:
             records = [JobRecord.from_bytes((await kv.get(j)).value) for j in ids]
@@ -142,7 +182,7 @@ async def test_chaos_every_job_ends_right_while_services_are_killed(nats_url, tm
                     f"{[(r.job_name, r.state, r.reason) for r in stuck]}\n" + "\n".join(said)
                 )
             bring_back()
-            if time.monotonic() > next_kill and len(kills) < 40 * JOBS // 50:
+            if time.monotonic() > next_kill and len(kills) < 40 * n // 50:
                 name = rng.choice([n for n in procs if n not in down])
                 restart(name)
                 kills.append(name)
@@ -157,16 +197,67 @@ async def test_chaos_every_job_ends_right_while_services_are_killed(nats_url, tm
         assert not wrong, (wrong, kills)
         assert len(set(kills)) >= 5, kills  # every kind of service was killed at least once
 
-        attempts = await _attempts(nc, records)
+        attempts = await _all_ended(nc, records)
         _exact_retries(records, plan, attempts)
         _no_gpu_held_twice(attempts)
-        _no_gpu_held_twice_by_the_tasks(ledger.read_text().splitlines(), attempts)
+        _no_gpu_held_twice_by_the_tasks((shared / "gpu-ledger").read_text().splitlines(), attempts)
         _no_overlapping_attempts(attempts)
+        _runs_that_ended_are_recorded_as_ended(
+            (shared / "runs").read_text().splitlines(), attempts, cluster.logs()
+        )
         assert "inconsistent_view" not in cluster.logs()
         await _no_process_left(ids, "\n".join(p.read_text() for p in sorted(tmp_path.glob("*.log"))))
     finally:
         await nc.close()
         cluster.stop_all()
+
+
+def _runs_that_ended_are_recorded_as_ended(
+    lines: list[str], attempts: list[AttemptRecord], logs: str
+) -> None:
+    """From the tasks' own records: every run that ended by itself (its end line) is on its
+    attempt's record as it ended — its exit code, never lost with its agent or node — or as
+    stopped on purpose once its attempt had ended; and a task that exited 0 ran again only
+    because another task failed its attempt, never for its own end."""
+    by_key = {(a.job_id, a.attempt): a for a in attempts}
+    starts: dict[tuple[str, str], list[int]] = {}
+    ended: list[tuple[str, int, str, int]] = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 4 and parts[0] == "start":
+            starts.setdefault((parts[1], parts[3]), []).append(int(parts[2]))
+        elif len(parts) == 5 and parts[0] == "end":
+            ended.append((parts[1], int(parts[2]), parts[3], int(parts[4])))
+    assert ended, "no run recorded its end"
+    wrong = []
+    for job, n, task, code in ended:
+        a = by_key[(job, n)]
+        role_name, index = task.rsplit(".", 1)
+        t = a.task(role_name, int(index))
+        exact = t.cause in (TaskCause.EXITED, TaskCause.OOM) and t.exit_code == code
+        # Stopped on purpose once its attempt had ended (its end raced the kill order).
+        stopped = t.cause == TaskCause.KILLED and a.ended_at is not None
+        stopped = stopped and t.ended_at is not None and a.ended_at <= t.ended_at
+        if not (exact or stopped):
+            wrong.append(f"{job}.{n} {task} exited {code}, recorded {t.cause} {t.exit_code} ({t.reason})")
+        again = [m for m in starts.get((job, task), []) if m > n]
+        if code == 0 and again and (a.failure is None or a.failure.task == task):
+            wrong.append(f"{job}.{n} {task} exited 0 and ran again in attempt {again}: {a.rule}")
+    said = [line for line in logs.splitlines() if any(w.split()[0].split(".")[0] in line for w in wrong)]
+    assert not wrong, "\n".join(wrong + said[-50:])
+
+
+async def _all_ended(nc, records: list[JobRecord], timeout: float = 60) -> list[AttemptRecord]:
+    """The jobs' attempts once every task of them has ended: a job is final as soon as its
+    policy says so, and the rest of its gang is stopped after (a kill order, then a report)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        attempts = await _attempts(nc, records)
+        running = [f"{a.key}/{t.key}" for a in attempts for t in a.tasks if not t.state.ended]
+        if not running:
+            return attempts
+        assert time.monotonic() < deadline, f"tasks of finished jobs never ended: {running}"
+        await asyncio.sleep(0.5)
 
 
 async def _attempts(nc, records: list[JobRecord]) -> list[AttemptRecord]:

@@ -20,6 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from typing import Any
 
 import docker
@@ -266,6 +267,47 @@ class DockerTask:
             await asyncio.to_thread(self._container.remove, force=True)
 
 
+def settle_container(container: Container) -> int | None:
+    """Stop `container` for good (blocking): its exit code when it had ended by itself, None
+    when it still ran and was killed here. The engine refuses to kill a container that is not
+    running (409), so one that ended by itself is never taken for one killed here; and one that
+    ended in the instant before the kill reached it shows its own exit code, not SIGKILL's.
+    Raises NotFound when it is gone; `attrs` is read again after."""
+    try:
+        container.kill()
+        killed = True
+    except docker.errors.APIError as e:
+        if isinstance(e, docker.errors.NotFound) or e.status_code != 409:
+            raise
+        killed = False  # not running: it had ended by itself
+    try:
+        code = int(container.wait(timeout=LOG_DRAIN_TIMEOUT)["StatusCode"])
+        container.reload()
+    except (requests.exceptions.RequestException, docker.errors.APIError) as e:
+        if isinstance(e, docker.errors.NotFound):
+            raise
+        return None
+    if never_started(container.attrs.get("State") or {}):
+        return None
+    return None if killed and code == GONE_EXIT_CODE else code
+
+
+def never_started(state: dict[str, Any]) -> bool:
+    """A container created and never started (the engine says it exited 0)."""
+    return state.get("Status") == "created" or str(state.get("StartedAt") or "").startswith("0001-")
+
+
+def finished_at(state: dict[str, Any]) -> datetime | None:
+    """When a container ended, from its State (None when it never did)."""
+    text = str(state.get("FinishedAt") or "")
+    if not text or text.startswith("0001-"):
+        return None
+    try:
+        return datetime.fromisoformat(text[:26].rstrip("Z") + "+00:00")
+    except ValueError:
+        return None
+
+
 # Capabilities a task keeps (all others are dropped; --task-caps / MUSTER_TASK_CAPS to change).
 # Docker's default set less MKNOD (device nodes), NET_RAW (raw sockets: spoofing on the host
 # network tasks share), NET_BIND_SERVICE (ports below 1024 of the host: a task could pose as
@@ -469,13 +511,31 @@ class DockerRuntime:
         for c in containers:
             state = c.attrs.get("State", {})
             running = bool(state.get("Running")) or bool(state.get("Paused"))
-            exit_code = None if running else int(state.get("ExitCode", 0))
-            found.append(FoundTask(name=c.name, labels=dict(c.labels), running=running, exit_code=exit_code))
+            # Created but never started (its agent died in between): it has not ended, whatever
+            # exit code the engine shows (0).
+            exit_code = None if running or never_started(state) else int(state.get("ExitCode", 0))
+            ended = finished_at(state) if not running else None
+            found.append(
+                FoundTask(
+                    name=c.name,
+                    labels=dict(c.labels),
+                    running=running,
+                    exit_code=exit_code,
+                    ended_at=ended.timestamp() if ended else None,
+                )
+            )
         return found
 
-    async def reap(self, found: FoundTask) -> None:
+    async def reap(self, found: FoundTask) -> int | None:
+        """Kill and remove a found container: its exit code when it had ended by itself."""
+        try:
+            container = await asyncio.to_thread(self._client.containers.get, found.name)
+            code = await asyncio.to_thread(settle_container, container)
+        except docker.errors.NotFound:
+            return None
         with contextlib.suppress(docker.errors.NotFound):
             await asyncio.to_thread(self._client.api.remove_container, found.name, force=True)
+        return code
 
     def network_addresses(self) -> list[str]:
         """The IPv4 addresses tasks have in the --docker-network's namespace: for container:NAME,
@@ -511,11 +571,11 @@ class DockerRuntime:
             return None
         return DEFAULT_TASK_USER
 
-    def start_fence(self, home: str, pidfile: str, wait: float) -> None:
+    def start_fence(self, home: str, pidfile: str, wait: float, bus_url: str = "") -> None:
         """If the agent dies without detaching and no new agent comes within `wait` seconds,
-        its task containers are removed (see `services.agent.fence`)."""
+        its task containers are stopped, reported and removed (see `services.agent.fence`)."""
         if self._fence is None:
-            self._fence = fence.start_fence("docker", home, pidfile, f"{wait:g}")
+            self._fence = fence.start_fence("docker", home, pidfile, f"{wait:g}", bus_url=bus_url)
 
     def detach(self) -> None:
         self.detached = True

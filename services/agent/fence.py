@@ -1,36 +1,60 @@
-"""The fence: no task outlives its agent for long enough to run beside its replacement.
+"""The fence: no task outlives its agent for long enough to run beside its replacement, and a
+task that ended just as its agent died is told as ended, not lost.
 
 The agent starts it (`start_fence`) with a pipe on its standard input and writes nothing to it
 until it stops: `detach` when it stops for a restart on purpose (its tasks are to be adopted),
 nothing otherwise. When the pipe closes without `detach` — the agent crashed or was SIGKILLed —
 the fence acts before the node can be declared lost (MUSTER_NODE_TIMEOUT):
-- process runtime: it kills every recorded task at once (a process cannot be adopted);
+- process runtime: at once, it kills every task the dead agent started that had not ended. It
+  records "killed" in the task's exit file first, where the task's wrapper records its own exit
+  code as it ends, so an exit and a kill are never taken for each other (process_runtime).
 - docker runtime: it waits a little for a new agent (a quick restart adopts the containers),
-  and removes the node's task containers if none has come, so the new agent, whenever it comes,
-  reports them lost rather than finding them killed by no one.
+  and removes the node's task containers if none has come, so the new agent, whenever it
+  comes, reports them lost rather than finding them killed by no one.
+And at once, it reports every task of the dead agent that had ended by itself (its exit
+recorded: an exit file, an exited container) with its own exit code, and sends whatever the
+agent had left unsent in its outbox: into the outbox first (the next agent sends it should the
+fence fail to), then to the bus, as the agent (its MUSTER_NATS_URL and MUSTER_CREDENTIALS). So
+such a task's end reaches the supervisor before the node could be declared lost, however long
+the agent stays away, and its gang is not run again. The tasks it killed are reported lost by
+the next agent, or declared lost with the node, as before.
 
-    python -m services.agent.fence process STATE_DIR
-    python -m services.agent.fence docker HOME PIDFILE WAIT_SECONDS
+    python -m services.agent.fence process AGENT_PID HOME STATE_DIR
+    python -m services.agent.fence docker AGENT_PID HOME PIDFILE WAIT_SECONDS
+
+HOME is the agent's work root (its outbox is there).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
 import time
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shared.messages import TaskEvent
 
 DETACH = b"detach\n"
+REASON = "ended as its agent died"
 
 
-def start_fence(*args: str) -> subprocess.Popen[bytes]:
+def start_fence(mode: str, *args: str, bus_url: str = "") -> subprocess.Popen[bytes]:
+    """The fence of this process (the agent); `bus_url`: where the agent is connected (the
+    fence reports there, as the agent)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "services.agent.fence", *args],
+        # The agent's pid, not the fence's parent when it starts: on a loaded machine the
+        # agent may die before the fence has started.
+        [sys.executable, "-m", "services.agent.fence", mode, str(os.getpid()), *args],
         stdin=subprocess.PIPE,
         start_new_session=True,  # a signal to the agent's process group does not reach it
+        env={**os.environ, "MUSTER_NATS_URL": bus_url} if bus_url else None,
     )
 
 
@@ -57,44 +81,218 @@ def _new_agent(pidfile: Path, old: int) -> bool:
     return pid != old and Path(f"/proc/{pid}").exists()
 
 
-def _remove_containers(home: str, before: float) -> None:
+def exited(
+    labels: dict[str, str], code: int, at: datetime | None, lines: list[str] | None = None, oom: bool = False
+) -> TaskEvent | None:
+    """The report of a task (known by its labels) that ended by itself with exit `code` at
+    `at`; None when its labels do not name a task."""
+    from services.agent.runtime import LABEL_ATTEMPT, LABEL_INDEX, LABEL_JOB, LABEL_NODE, LABEL_ROLE
+    from shared.messages import TaskCause, TaskEvent, TaskEventKind, now
+
+    try:
+        return TaskEvent(
+            job_id=labels[LABEL_JOB],
+            attempt=int(labels[LABEL_ATTEMPT]),
+            role=labels[LABEL_ROLE],
+            index=int(labels[LABEL_INDEX]),
+            node=labels[LABEL_NODE],
+            kind=TaskEventKind.EXITED,
+            cause=TaskCause.OOM if oom else TaskCause.EXITED,
+            exit_code=code,
+            reason=f"out of memory; {REASON}" if oom else REASON,
+            last_lines=lines or [],
+            at=at or now(),
+        )
+    except (KeyError, ValueError):
+        return None
+
+
+def _fence_processes(state_dir: Path, agent: int) -> tuple[list[TaskEvent], list[Path]]:
+    """Kill what is left of the dead agent's tasks (only those: a new agent may already run
+    tasks, this fence may read the end of its pipe late on a loaded machine); the reports of
+    those that had ended by themselves, and their records."""
+    from services.agent.process_runtime import ended_at, exit_file, records, settle
+
+    mine = [rec for rec in records(state_dir) if rec.get("agent", agent) == agent]
+    codes = [settle(state_dir / f"{rec['name']}.json") for rec in mine]  # all killed first
+    events, told = [], []
+    for rec, code in zip(mine, codes, strict=True):
+        record = state_dir / f"{rec['name']}.json"
+        if code is None:  # killed here: the next agent reports it lost
+            continue
+        at = ended_at(exit_file(record))
+        event = exited(rec["labels"], code, datetime.fromtimestamp(at, UTC) if at else None)
+        if event is not None:
+            events.append(event)
+            told.append(record)
+    return events, told
+
+
+def _containers(client: Any, home: str, before: float) -> list[Any]:
     """The task containers of the agent whose work root is `home` (label muster.home) created
     before `before`: never one a newer agent has started since."""
+    found = client.containers.list(all=True, filters={"label": f"muster.home={home}"})
+    return [c for c in found if _created(c.attrs) < before]
+
+
+def _container_exited(c: Any, code: int, home: str) -> TaskEvent | None:
+    """The report of container `c`, which ended by itself with exit `code`."""
+    from services.agent.docker_runtime import finished_at
+
+    state = c.attrs.get("State") or {}
+    oom = bool(state.get("OOMKilled"))
+    return exited(c.labels, code, finished_at(state), _last_lines(c, Path(home)), oom)
+
+
+def _exited_containers(client: Any, home: str, before: float) -> dict[str, TaskEvent]:
+    """The reports of the dead agent's containers that had ended by themselves, by container
+    (left in place: a new agent adopts them, and reads on their output from where the dead one
+    stopped reading it)."""
+    events = {}
+    for c in _containers(client, home, before):
+        if c.status == "exited":
+            event = _container_exited(c, int((c.attrs.get("State") or {}).get("ExitCode", 0)), home)
+            if event is not None:
+                events[c.name] = event
+    return events
+
+
+def _remove_containers(client: Any, home: str, before: float, told: set[str]) -> list[TaskEvent]:
+    """No agent came back: the dead agent's containers that still run are killed and all are
+    removed; the reports of those that ended by themselves meanwhile (not `told` yet) are kept
+    in the outbox before the containers, which held them, are gone."""
+    import docker
+
+    from services.agent.docker_runtime import settle_container
+
+    settled = []
+    for c in _containers(client, home, before):
+        with contextlib.suppress(docker.errors.NotFound):
+            settled.append((c, settle_container(c)))
+    events = [
+        event
+        for c, code in settled
+        if code is not None and c.name not in told and (event := _container_exited(c, code, home)) is not None
+    ]
+    _write(Path(home), events)
+    for c, _ in settled:
+        with contextlib.suppress(docker.errors.DockerException):
+            c.remove(force=True)
+    return events
+
+
+def _last_lines(container: Any, home: Path) -> list[str]:
+    """What an ended container wrote last, its job's secret values cut out (as its agent would
+    have: the job's order, kept on the node, names them); none when the order is not there."""
+    from services.agent.reconcile import Assignments, key_of
+    from services.agent.runtime import FoundTask
+    from services.agent.tasks import LAST_LINES
+    from shared.secrets import Masker
+
+    key = key_of(FoundTask(container.name, dict(container.labels), False, None))
+    order = Assignments(home / "assignments").load(key[0], key[1]) if key else None
+    if order is None:
+        return []
+    try:
+        tail = container.logs(stdout=True, stderr=True, tail=LAST_LINES)
+    except Exception:
+        return []
+    mask = Masker.for_env(order.config.jobEnvs)
+    return [mask(line.decode("utf-8", "replace").removesuffix("\r")) for line in tail.splitlines()]
+
+
+def _created(attrs: dict[str, Any]) -> float:
+    return datetime.fromisoformat(attrs["Created"][:26].rstrip("Z") + "+00:00").timestamp()
+
+
+def _write(home: Path, events: list[TaskEvent]) -> None:
+    """Into the outbox, in the order they ended (the policy reads ends in order)."""
+    from services.agent.reporting import OUTBOX, keep
+
+    outbox = home / OUTBOX
+    outbox.mkdir(parents=True, exist_ok=True)
+    for event in sorted(events, key=lambda e: e.at):
+        keep(outbox, event)
+
+
+async def _send(home: Path, timeout: float) -> bool:
+    """Publish everything in the agent's outbox within about `timeout` seconds: whether all of
+    it went (what did not stays for the next agent)."""
+    from services.agent.reporting import OUTBOX, Reporter
+    from shared import bus
+
+    if not any((home / OUTBOX).glob("*.json")):
+        return True
+    try:
+        nc = await bus.connect("fence", connect_timeout=timeout, quiet=True)
+    except Exception as exc:
+        print(f"fence: cannot report: {exc}", file=sys.stderr)
+        return False
+    reporter = Reporter(nc.jetstream(), home / OUTBOX)
+    try:
+        reporter.start()
+        return await reporter.flush(timeout)
+    finally:
+        await reporter.close()
+        with contextlib.suppress(Exception):
+            await nc.close()
+
+
+def report(home: Path, events: list[TaskEvent], timeout: float) -> bool:
+    """Keep `events` in the agent's outbox, then send the outbox."""
+    _write(home, events)
+    return asyncio.run(_send(home, timeout))
+
+
+def _fence_docker(home: str, pidfile: Path, wait: float, agent: int, died: float, timeout: float) -> None:
+    """Report the dead agent's containers that had ended at once; then, if no new agent has
+    come within `wait` seconds, stop and remove them all. A new agent writes its pid file before
+    it adopts or starts anything: once there is one, everything is its to do."""
     import docker
 
     client = docker.from_env(timeout=10)
     try:
-        for c in client.containers.list(all=True, filters={"label": f"muster.home={home}"}):
-            created = datetime.fromisoformat(c.attrs["Created"][:26].rstrip("Z") + "+00:00").timestamp()
-            if created < before:
-                with contextlib.suppress(docker.errors.DockerException):
-                    c.remove(force=True)
+        told = {} if _new_agent(pidfile, agent) else _exited_containers(client, home, died)
+        report(Path(home), list(told.values()), timeout)
+        if told:
+            _say("fence.reported", agent=agent, tasks=sorted(told))
+        time.sleep(max(0.0, died + wait - time.time()))
+        if not _new_agent(pidfile, agent):
+            removed = _remove_containers(client, home, died, set(told))
+            _say("fence.removed_containers", agent=agent, waited=wait, reported=len(removed))
     finally:
         client.close()
 
 
+def _say(event: str, **fields: Any) -> None:
+    """One JSON line on stderr (the agent's log), as the services log."""
+    print(json.dumps({"service": "fence", **fields, "event": event}), file=sys.stderr, flush=True)
+
+
 def main(argv: list[str]) -> None:
-    agent = os.getppid()
+    mode, agent, args = argv[0], int(argv[1]), argv[2:]
     said = b""
     while chunk := sys.stdin.buffer.read(64):
         said += chunk
     if DETACH in said:
         return
     died = time.time()
-    if argv[0] == "process":
-        from services.agent.process_runtime import kill_task, records
-
-        # Only what the dead agent started: a new agent may already run tasks (this fence may
-        # read the end of its pipe late, on a loaded machine).
-        for rec in records(Path(argv[1])):
-            if rec.get("agent", agent) == agent:
-                kill_task(rec["name"])
-    elif argv[0] == "docker":
-        home, pidfile, wait = argv[1], Path(argv[2]), float(argv[3])
-        time.sleep(wait)
-        # A new agent writes its pid file before it adopts or starts anything.
-        if not _new_agent(pidfile, agent):
-            _remove_containers(home, died)
+    timeout = float(os.environ.get("MUSTER_NODE_TIMEOUT", "5"))
+    if mode == "process":
+        home = Path(args[0])
+        events, told = _fence_processes(Path(args[1]), agent)
+        if events:
+            _say("fence.reported", agent=agent, tasks=[r.stem for r in told])
+        if report(home, events, timeout):
+            for record in told:  # on the bus: a new agent has nothing more to say of them
+                record.with_suffix(".exit").unlink(missing_ok=True)
+                record.unlink(missing_ok=True)
+    elif mode == "docker":
+        home, pidfile, wait = args[0], Path(args[1]), float(args[2])
+        try:
+            _fence_docker(home, pidfile, wait, agent, died, timeout)
+        finally:  # whatever the engine did, what the agent left unsent goes
+            asyncio.run(_send(Path(home), timeout))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Iterable
+from datetime import UTC, datetime
 from pathlib import Path
 
 import structlog
@@ -16,6 +18,7 @@ from nats.js.errors import NotFoundError
 
 from services.agent.runtime import (
     LABEL_ATTEMPT,
+    LABEL_HOME,
     LABEL_INDEX,
     LABEL_JOB,
     LABEL_NODE,
@@ -101,14 +104,23 @@ class Reconciler:
     async def at_start(self, placed: Placed | None = None) -> None:
         """Before taking new work: adopt the tasks of live attempts this runtime can take over,
         reap every other leftover, and report every task the bus still counts as placed here
-        that is not adopted: with its real exit code when it ended while no agent watched, as
-        lost when it was taken on and is gone, as stopped when its attempt has ended.
+        that is not adopted: with its real exit code when it ended by itself while no agent
+        watched (the runtime recorded it: a container's state, a process's exit file), as lost
+        when it was taken on and is gone or was stopped with its agent, as stopped when its
+        attempt has ended. Each one reported is remembered, so an order for it read later (one
+        the last agent had not acknowledged) never runs it again. The ends of their own come
+        first, in the order they happened: they came before the agent's death, and so before
+        any task of theirs was lost with it (the policy reads ends in order).
         `placed`: `placed_here()` when the caller has read it already."""
         if placed is None:
             placed = await self.placed_here()
-        report = self.tasks.report_ended
         settled: set[TaskKey] = set()
-        for found in await self.runtime.find({LABEL_NODE: self.node}):
+        exits: list[tuple[float, TaskKey, AttemptRecord, TaskStatus, int]] = []
+        others: list[tuple[TaskKey, AttemptRecord, TaskStatus, TaskCause, str]] = []
+        # This agent installation's tasks only (its work root): another one on the same engine
+        # under the same node name (a second checkout, a test beside it) keeps its own.
+        mine = {LABEL_NODE: self.node, LABEL_HOME: self.tasks.where.work_root}
+        for found in await self.runtime.find(mine):
             key = key_of(found)
             if key is None:
                 continue
@@ -116,34 +128,48 @@ class Reconciler:
             live = entry is not None and not entry[0].ended
             # Adopted even when it ended meanwhile: its exit is then reported as any other,
             # with what it wrote while no agent ran (read on from where the last agent stopped).
+            # So is one whose end the bus has already (the last agent's fence told it), for
+            # that output: its end is told again, which changes nothing.
             ended = found.exit_code is not None
-            if entry is not None and live and (found.running or ended) and self.runtime.can_adopt:
+            adopt = (live and (found.running or ended)) or (entry is None and ended)
+            if adopt and self.runtime.can_adopt:
                 try:
-                    await self.adopt(key, found, *entry)
+                    await self.adopt(key, found, entry[1] if entry else None)
                     settled.add(key)
                     continue
                 except Exception as exc:
                     self.log.warning("agent.adopt_failed", task=found.name, error=str(exc))
             self.log.info("agent.reap", task=found.name, live=live)
-            await self.runtime.reap(found)
+            code = await self.runtime.reap(found)  # its own exit code, if it ended by itself
             if entry is None:
                 continue
             attempt, t = entry
-            if not live:
-                report(attempt, t.spec(), TaskCause.KILLED, NOT_STARTED, "its attempt ended")
-            elif found.exit_code is not None and not found.running:
-                report(attempt, t.spec(), TaskCause.EXITED, found.exit_code, "ended while its agent was away")
-            else:
-                report(attempt, t.spec(), TaskCause.PLATFORM, NOT_STARTED, LOST)
             settled.add(key)
+            if not live:
+                others.append((key, attempt, t, TaskCause.KILLED, "its attempt ended"))
+            elif code is not None:
+                exits.append((found.ended_at or time.time(), key, attempt, t, code))
+            else:
+                others.append((key, attempt, t, TaskCause.PLATFORM, LOST))
+        for at, key, attempt, t, code in sorted(exits, key=lambda e: e[0]):
+            when = datetime.fromtimestamp(at, UTC)
+            reason = "ended while its agent was away"
+            self.tasks.report_ended(attempt, t.spec(), TaskCause.EXITED, code, reason, at=when)
+            self.tasks.remember(key)
+        for key, attempt, t, cause, reason in others:
+            self.tasks.report_ended(attempt, t.spec(), cause, NOT_STARTED, reason)
+            self.tasks.remember(key)
         self.assignments.keep_only({a.key for a, _ in placed.values() if not a.ended})
+        report = self.tasks.report_ended
         for key, (attempt, t) in placed.items():
             if key in settled:
                 continue
             if attempt.ended:
                 report(attempt, t.spec(), TaskCause.KILLED, NOT_STARTED, "never started: attempt ended")
+                self.tasks.remember(key)
             elif await self.was_taken(key, t):
                 report(attempt, t.spec(), TaskCause.PLATFORM, NOT_STARTED, LOST)
+                self.tasks.remember(key)
 
     async def was_taken(self, key: TaskKey, t: TaskStatus) -> bool:
         """Whether an earlier run of this agent took the task on: it started it, or it reported
@@ -162,14 +188,20 @@ class Reconciler:
         except NotFoundError:
             return False
 
-    async def adopt(self, key: TaskKey, found: FoundTask, attempt: AttemptRecord, t: TaskStatus) -> None:
-        assignment = self.assignments.load(attempt.job_id, attempt.attempt)
+    async def adopt(self, key: TaskKey, found: FoundTask, t: TaskStatus | None) -> None:
+        """Watch a found task until it ends, from the order kept on this node; `t`: its status
+        on the bus (None: the bus counts it as ended)."""
+        job_id, n, role, index = key
+        assignment = self.assignments.load(job_id, n)
         if assignment is None:
-            raise LaunchError(f"no order of attempt {attempt.key} kept on this node")
-        spec = t.spec()
+            raise LaunchError(f"no order of attempt {attempt_key(job_id, n)} kept on this node")
+        mine = [s for s in assignment.mine if s.key == f"{role}.{index}"]
+        spec = t.spec() if t is not None else mine[0] if mine else None
+        if spec is None:
+            raise LaunchError(f"no task {role}.{index} in the order of {attempt_key(job_id, n)} kept here")
         ports = [int(p) for p in found.labels.get(LABEL_PORTS, "").split(",") if p]
         self.tasks.ports.take_exact(ports)
-        endpoint = Endpoint.of(spec, self.address, ports, assignment.config.role(t.role).portList)
+        endpoint = Endpoint.of(spec, self.address, ports, assignment.config.role(role).portList)
         task = LocalTask(assignment=assignment, spec=spec, endpoint=endpoint, ports=ports)
         task.handle = await self.runtime.attach(
             found.name, lambda line: self.tasks.output(task, line), since=self.read_from

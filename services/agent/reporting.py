@@ -1,7 +1,8 @@
 """Task events out of the agent, never lost: each is written to an outbox on disk, then published
 (with a message id, so a second copy is harmless) by one sender in the order they were made, and
 removed once JetStream has it. An outcome reached while the bus is away, or just before the
-agent dies, is reported when the bus (or the next agent) is back."""
+agent dies, is reported when the bus is back, by the agent's fence (services.agent.fence) when
+the agent died, or by the next agent."""
 
 from __future__ import annotations
 
@@ -20,6 +21,20 @@ from shared.messages import TaskEvent
 from shared.subjects import Headers
 
 log = structlog.get_logger(service="agent")
+OUTBOX = "outbox"  # under the agent's work root
+_seq = itertools.count()
+
+
+def keep(outbox: Path, event: TaskEvent) -> tuple[Path, bytes]:
+    """Write `event` into `outbox`, whole or not at all (a reader never sees half of it): named
+    so that entries sort in the order they were made."""
+    task = f"{event.job_id}.{event.attempt}.{event.role}.{event.index}"
+    path = outbox / f"{time.time_ns():020d}-{next(_seq):06d}-{task}.{event.kind}.json"
+    data = event.to_bytes()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+    return path, data
 
 
 class Reporter:
@@ -27,7 +42,6 @@ class Reporter:
         self.js, self.outbox = js, outbox
         outbox.mkdir(parents=True, exist_ok=True)
         self.queue: asyncio.Queue[tuple[Path, bytes, TaskEvent | None]] = asyncio.Queue()
-        self.seq = itertools.count()
         self.unsent = 0  # queued, not yet published
         self.idle = asyncio.Event()
         self.idle.set()
@@ -42,10 +56,7 @@ class Reporter:
 
     def report(self, event: TaskEvent) -> None:
         """Keep `event` on disk and queue it for publishing; returns at once."""
-        task = f"{event.job_id}.{event.attempt}.{event.role}.{event.index}"
-        path = self.outbox / f"{time.time_ns():020d}-{next(self.seq):06d}-{task}.{event.kind}.json"
-        data = event.to_bytes()
-        path.write_bytes(data)
+        path, data = keep(self.outbox, event)
         self._queue(path, data, event)
 
     def _queue(self, path: Path, data: bytes, event: TaskEvent | None) -> None:

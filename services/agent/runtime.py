@@ -76,12 +76,14 @@ class RunningTask(Protocol):
 
 @dataclass
 class FoundTask:
-    """A task found by its labels after an agent restart; `exit_code` is None while it runs."""
+    """A task found by its labels after an agent restart; `exit_code` is None while it runs (or
+    when nothing recorded how it ended), `ended_at` when it ended (wall-clock seconds), if known."""
 
     name: str
     labels: dict[str, str]
     running: bool
     exit_code: int | None
+    ended_at: float | None = None
 
 
 class Runtime(Protocol):
@@ -103,14 +105,16 @@ class Runtime(Protocol):
         `since` (wall-clock seconds: when the last agent stopped reading it), else from now."""
         ...
 
-    async def reap(self, found: FoundTask) -> None:
-        """Stop a found task at once (SIGKILL) and remove what is left of it. Idempotent."""
+    async def reap(self, found: FoundTask) -> int | None:
+        """Stop a found task at once (SIGKILL) and remove what is left of it. Idempotent.
+        Returns its exit code when it had ended by itself (before it was stopped here), None
+        when it was stopped here or nothing says how it ended."""
         ...
 
-    def start_fence(self, home: str, pidfile: str, wait: float) -> None:
+    def start_fence(self, home: str, pidfile: str, wait: float, bus_url: str = "") -> None:
         """Start the fence that stops the tasks of the agent whose work root is `home` if it
-        dies without detaching (`services.agent.fence`); `wait`: how long a docker fence waits
-        for a new agent."""
+        dies without detaching, and reports how they ended on the bus at `bus_url`
+        (`services.agent.fence`); `wait`: how long a docker fence waits for a new agent."""
         ...
 
     def detach(self) -> None:

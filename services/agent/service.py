@@ -43,7 +43,7 @@ from prometheus_client import Counter
 from services.agent.inventory import PortPool
 from services.agent.launch import Where
 from services.agent.reconcile import Assignments, Placed, Reconciler
-from services.agent.reporting import Reporter
+from services.agent.reporting import OUTBOX, Reporter
 from services.agent.rsh import Rsh
 from services.agent.runtime import (
     Runtime,
@@ -158,6 +158,11 @@ def _note_read_through(work_root: str) -> None:
         os.replace(tmp, path)
 
 
+def _bus_url(nc: NATS) -> str:
+    """The servers this agent's connection knows (its fence reports there)."""
+    return ",".join(server.geturl() for server in getattr(nc, "servers", []))
+
+
 def _order(msg: Msg) -> Assignment | KillOrder | DrainOrder:
     if msg.subject.endswith(".assign"):
         return Assignment.from_bytes(msg.data)
@@ -188,7 +193,7 @@ class Agent:
         ports = PortPool(options.port_low, options.port_high, probe=probe)
         # Tasks that ended here (or were reported as never started), so a late or repeated
         # order never runs one again.
-        self.reporter = Reporter(js, Path(options.work_root) / "outbox")
+        self.reporter = Reporter(js, Path(options.work_root) / OUTBOX)
         where = Where(
             node=options.node,
             work_root=options.work_root,
@@ -279,14 +284,18 @@ class Agent:
         private(self.opts.work_root)
         pidfile = Path(self.opts.work_root) / "agent.pid"
         pidfile.write_text(str(os.getpid()))
+        # First what an earlier run (or its fence) left unsent, then how every task it left
+        # ended, as each is found: before the node timeout, should this start be slow.
+        self.reporter.start()
         if self.runtime.name != "sim":  # simulated tasks run no MPI daemons
             await self.rsh.start()  # before adopting: an adopted launcher may call at once
         self.reconciler.read_from = stopped_reading(self.opts.work_root)
         await self.reconciler.at_start(placed)
         self.tasks.workdirs.start()  # what nothing adopted uses may go (services/agent/workdirs.py)
         # From here on, tasks do not outlive this agent unless it detaches on purpose.
-        self.runtime.start_fence(self.opts.work_root, str(pidfile), 0.6 * bus.node_timeout())
-        self.reporter.start()
+        self.runtime.start_fence(
+            self.opts.work_root, str(pidfile), 0.6 * bus.node_timeout(), bus_url=_bus_url(self.nc)
+        )
         await self._write_node()
         # The first refresh comes at a random point of the first period, not a whole period
         # after registering: agents that register together (a fleet restarted at once, a sim

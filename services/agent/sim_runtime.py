@@ -160,7 +160,7 @@ class SimRuntime:
     async def reap(self, found: FoundTask) -> None:
         return None
 
-    def start_fence(self, home: str, pidfile: str, wait: float) -> None:
+    def start_fence(self, home: str, pidfile: str, wait: float, bus_url: str = "") -> None:
         """No fence: a simulated task cannot outlive the process that times it."""
 
     def detach(self) -> None:

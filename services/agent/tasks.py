@@ -10,6 +10,7 @@ import collections
 import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import nats.errors
@@ -430,7 +431,17 @@ class Tasks:
         code: int,
         reason: str,
         lines: list[str] | None = None,
+        at: datetime | None = None,
     ) -> None:
+        """`at`: when it ended, when that was not now (it ended while no agent watched)."""
+        fields: dict[str, Any] = {"at": at} if at is not None else {}
         self.report(
-            a, spec, TaskEventKind.EXITED, cause=cause, exit_code=code, reason=reason, last_lines=lines or []
+            a,
+            spec,
+            TaskEventKind.EXITED,
+            cause=cause,
+            exit_code=code,
+            reason=reason,
+            last_lines=lines or [],
+            **fields,
         )

@@ -1,0 +1,280 @@
+"""Exact task outcomes across agent death (issue 24.5): a task that exits just as its agent is
+SIGKILLed is recorded as it ended — exit 0, its job SUCCEEDED in its first attempt — and is
+never run again; one that was still running is killed with its agent and recorded as lost (a
+platform failure), never as an exit of its own. On the process runtime and on Docker, whether
+the agent comes back at once or stays away past the node timeout (then its fence reports).
+
+Each task appends a line to a file of the test's each time it starts, so a second run shows.
+The agent is frozen (SIGSTOP) while its tasks exit, so it cannot see them, then SIGKILLed
+within milliseconds of the last exit; one case leaves it running and races its own report."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import docker
+import pytest
+
+from services.agent.process_runtime import ProcessRuntime, task_pids
+from services.agent.reporting import OUTBOX, keep
+from services.agent.runtime import LABEL_ATTEMPT, LABEL_INDEX, LABEL_JOB, LABEL_NODE, LABEL_ROLE, TaskLaunch
+from shared import bus, client, subjects
+from shared.messages import JobRecord, JobState, TaskCause, TaskEvent, TaskEventKind, TaskState
+from tests.test_jobs import attempt, nc, role, wait_final  # noqa: F401 - nc is a fixture
+
+NODE_TIMEOUT = 5.0
+AGENT = ("--address", "127.0.0.1", "--cpus", "4", "--heartbeat", "0.5")
+
+
+def _workers_ended(job_id: str) -> bool:
+    """No process of the job's workers is alive (a zombie's environment cannot be read)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"MUSTER_JOB_ID={job_id}".encode() in environ and b"MUSTER_TASK_ROLE=w" in environ:
+            return False
+    return True
+
+
+def _config(shared: Path, image: str, **extra) -> dict:
+    """Two workers that end as soon as the test says so, beside a ps that never ends by
+    itself; the job succeeds once both workers have (killAllOnCompletedTaskNumber)."""
+    me = "$MUSTER_TASK_ROLE.$MUSTER_TASK_INDEX"
+    worker = f"echo {me} >> {shared}/runs; while [ ! -e {shared}/go ]; do sleep 0.01; done; exit 0"
+    return {
+        "jobName": "exact",
+        "image": image,
+        "killAllOnCompletedTaskNumber": 2,
+        "taskRoles": [role("ps", 1, f"echo {me} >> {shared}/runs; sleep 600"), role("w", 2, worker)],
+        **extra,
+    }
+
+
+async def _run(cluster, nc, shared: Path, config: dict, args: tuple, ended, freeze: bool, away: bool):  # noqa: F811
+    agent = cluster.agent("n1", *args)
+    _, verdict = await client.submit(nc, json.dumps(config).encode())
+    assert verdict is not None and verdict.accepted, verdict
+    job_id = verdict.job_id
+    deadline = time.monotonic() + 90
+    while not (shared / "runs").exists() or len((shared / "runs").read_text().split()) < 3:
+        assert time.monotonic() < deadline, cluster.logs()
+        await asyncio.sleep(0.1)
+    if freeze:
+        agent.send_signal(signal.SIGSTOP)  # it sees nothing of what follows
+    (shared / "go").touch()
+    deadline = time.monotonic() + 30
+    while not ended(job_id):  # both workers have exited (poll: a few milliseconds)
+        assert time.monotonic() < deadline, "the workers never ended"
+        await asyncio.sleep(0.005)
+    agent.send_signal(signal.SIGKILL)
+    agent.wait(10)
+    if away:  # past the node timeout: the fence alone can tell
+        record = await wait_final(nc, job_id, timeout=NODE_TIMEOUT + 30)
+        cluster.agent("n1", *args)
+    else:
+        cluster.agent("n1", *args)
+        record = await wait_final(nc, job_id, timeout=60)
+    return record
+
+
+async def _check(nc, record: JobRecord, shared: Path, cluster) -> None:  # noqa: F811
+    """SUCCEEDED in its first attempt, its workers recorded as exited 0, and nothing run twice."""
+    deadline = time.monotonic() + 30  # the job ends with its workers; ps is stopped after
+    while True:
+        a = await attempt(nc, record.job_id)
+        if all(t.state.ended for t in a.tasks):
+            break
+        assert time.monotonic() < deadline, a
+        await asyncio.sleep(0.2)
+    assert (record.state, record.attempt, record.platform_retries) == (JobState.SUCCEEDED, 1, 0), (
+        record,
+        cluster.logs(),
+    )
+    for i in (0, 1):
+        w = a.task("w", i)
+        assert (w.state, w.cause, w.exit_code) == (TaskState.SUCCEEDED, TaskCause.EXITED, 0), w
+    # Killed with its agent (process; Docker when no agent came back) or by the kill order the
+    # job's end sent (an agent came back and adopted it): never an exit of its own (137).
+    ps = a.task("ps", 0)
+    assert ps.cause in (TaskCause.PLATFORM, TaskCause.KILLED), ps
+    runs = sorted((shared / "runs").read_text().split())
+    assert runs == ["ps.0", "w.0", "w.1"], f"a task ran again: {runs}"
+
+
+@pytest.mark.parametrize(
+    ("freeze", "away"),
+    [(True, False), (True, True), (False, False)],
+    ids=["back-at-once", "away-past-node-timeout", "racing-its-report"],
+)
+async def test_process_tasks_that_exit_as_their_agent_is_killed_are_not_run_again(
+    cluster,
+    nc,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    freeze,
+    away,
+):
+    monkeypatch.setenv("MUSTER_NODE_TIMEOUT", str(NODE_TIMEOUT))
+    cluster.core()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    config = _config(shared, "img")
+    record = await _run(cluster, nc, shared, config, AGENT, _workers_ended, freeze, away)
+    await _check(nc, record, shared, cluster)
+
+
+async def test_a_task_printing_as_its_agent_dies_is_lost_not_failed(cluster, nc, tmp_path, monkeypatch):  # noqa: F811
+    """The agent's death must not end a task in a way taken for its own: one printing without
+    pause (its output read by the agent) is killed with its agent and retried as a platform
+    failure, not ended by a broken pipe and charged as a failure of its own (retryCount 0)."""
+    monkeypatch.setenv("MUSTER_NODE_TIMEOUT", str(NODE_TIMEOUT))
+    cluster.core()
+    agent = cluster.agent("n1", *AGENT)
+    runs = tmp_path / "runs"
+    command = f"echo $MUSTER_ATTEMPT >> {runs}; test $MUSTER_ATTEMPT -gt 1 || while :; do echo tick; done"
+    config = {"jobName": "chatty", "image": "img", "retryCount": 0, "taskRoles": [role("w", 1, command)]}
+    _, verdict = await client.submit(nc, json.dumps(config).encode())
+    assert verdict is not None and verdict.accepted, verdict
+    deadline = time.monotonic() + 60
+    while not runs.exists():
+        assert time.monotonic() < deadline, cluster.logs()
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.5)  # printing away
+    agent.send_signal(signal.SIGKILL)
+    agent.wait(10)
+    cluster.agent("n1", *AGENT)
+    record = await wait_final(nc, verdict.job_id, timeout=60)
+    expected = (JobState.SUCCEEDED, 2, 0)
+    assert (record.state, record.attempt, record.retries) == expected, (record, cluster.logs())
+    lost = (await attempt(nc, record.job_id, 1)).task("w", 0)
+    assert lost.cause == TaskCause.PLATFORM, lost
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("away", [False, True], ids=["back-at-once", "away-past-node-timeout"])
+async def test_docker_tasks_that_exit_as_their_agent_is_killed_are_not_run_again(
+    base_image,
+    cluster,
+    nc,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    away,
+):
+    monkeypatch.setenv("MUSTER_NODE_TIMEOUT", str(NODE_TIMEOUT))
+    cluster.core()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # tasks run as a non-root user
+    config = _config(shared, base_image, outputDir=str(shared))  # mounted where it is
+
+    def ended(job_id: str) -> bool:  # the workers' containers have exited; ps still runs
+        engine = docker.from_env()
+        try:
+            found = engine.containers.list(all=True, filters={"label": f"muster.job={job_id}"})
+            workers = [c for c in found if c.labels.get("muster.role") == "w"]
+            return len(workers) == 2 and all(c.status == "exited" for c in workers)
+        finally:
+            engine.close()
+
+    args = ("--runtime", "docker", "--overcommit", *AGENT)
+    record = await _run(cluster, nc, shared, config, args, ended, True, away)
+    await _check(nc, record, shared, cluster)
+
+
+# ------------------------------------------------------------------ the pieces, one by one
+
+
+def _launch(name: str, command: str, node: str = "n1") -> TaskLaunch:
+    job, attempt, role_name, index = name.split("-")[1:]
+    labels = {
+        LABEL_JOB: job,
+        LABEL_ATTEMPT: attempt,
+        LABEL_ROLE: role_name,
+        LABEL_INDEX: index,
+        LABEL_NODE: node,
+    }
+    return TaskLaunch(name=name, image="img", command=command, env={}, cpus=1, memory_mb=64, labels=labels)
+
+
+async def test_a_process_task_records_its_own_exit_and_a_stop_is_never_taken_for_one(tmp_path):
+    """The shell a task runs under writes its exit code before it exits (so before its agent
+    can see the exit); a task stopped by its agent is recorded as killed first; what the task
+    prints is its own (no word of the shell's)."""
+    runtime = ProcessRuntime(tmp_path / "tasks")
+    lines: list[str] = []
+    done = await runtime.start(_launch("muster-j1-1-w-0", "echo hi; exit 3"), lines.append)
+    assert await done.wait() == 3
+    stopped = await runtime.start(_launch("muster-j1-1-w-1", "sleep 60"), lines.append)
+    await asyncio.sleep(0.2)
+    await stopped.stop(5)
+    assert await stopped.wait() == 143
+    found = {f.name: f for f in await runtime.find({LABEL_JOB: "j1"})}
+    assert found["muster-j1-1-w-0"].exit_code == 3 and found["muster-j1-1-w-0"].ended_at is not None
+    assert found["muster-j1-1-w-1"].exit_code is None  # stopped: not an exit of its own
+    assert lines == ["hi"]
+    await done.remove()  # reported: forgotten
+    assert [f.name for f in await runtime.find({LABEL_JOB: "j1"})] == ["muster-j1-1-w-1"]
+    assert await runtime.reap(found["muster-j1-1-w-1"]) is None
+
+
+async def test_the_fence_of_a_dead_agent_reports_what_ended_and_kills_what_runs(tmp_path, nats_url):
+    """The agent (here, this test) dies having seen nothing: one task had ended by itself,
+    one still runs, and a report waits in its outbox. Its fence kills the running one (recorded
+    as killed, left for the next agent to report lost) and sends, as the agent, the end of the
+    one that ended with its own exit code and the report the agent left."""
+    conn = await bus.connect("test", nats_url)
+    try:
+        await bus.ensure_jetstream(conn)
+        home, state = tmp_path / "work", tmp_path / "work" / "tasks"
+        runtime = ProcessRuntime(state)
+        await runtime.start(_launch("muster-j2-1-w-0", "exit 0"), lambda _: None)
+        await runtime.start(_launch("muster-j2-1-ps-0", "sleep 600"), lambda _: None)
+        left = TaskEvent(
+            job_id="j2", attempt=1, role="w", index=1, node="n1", kind=TaskEventKind.EXITED, exit_code=5
+        )
+        (home / OUTBOX).mkdir()
+        keep(home / OUTBOX, left)
+        deadline = time.monotonic() + 10
+        while not (state / "muster-j2-1-w-0.exit").exists():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        runtime.start_fence(str(home), "", 0, bus_url=nats_url)
+        await runtime.close()  # the pipe closes without a word: the agent died
+
+        async def told(task: str):
+            role_name, index = task.split(".")
+            try:
+                msg = await conn.jetstream().get_last_msg(
+                    subjects.EVENTS_STREAM,
+                    subjects.task_event("j2", 1, role_name, int(index), "exited", "n1"),
+                    direct=True,
+                )
+            except Exception:
+                return None
+            return TaskEvent.from_bytes(msg.data)
+
+        deadline = time.monotonic() + 30
+        while (await told("w.0")) is None or (await told("w.1")) is None:
+            assert time.monotonic() < deadline, "the fence never reported"
+            await asyncio.sleep(0.1)
+        ended = await told("w.0")
+        assert (ended.cause, ended.exit_code) == (TaskCause.EXITED, 0), ended
+        assert (await told("w.1")).exit_code == 5
+        assert await told("ps.0") is None  # killed: the next agent reports it lost
+        assert not task_pids("muster-j2-1-ps-0")
+        assert (state / "muster-j2-1-ps-0.exit").read_text().strip() == "killed"
+        deadline = time.monotonic() + 10
+        while (state / "muster-j2-1-w-0.json").exists():  # told: nothing left to say of it
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        assert not list((home / OUTBOX).glob("*.json"))
+    finally:
+        await conn.close()
