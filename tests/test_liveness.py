@@ -14,7 +14,7 @@ from services.agent.sim_runtime import SimRuntime
 from services.supervisor.service import Supervisor
 from shared import auth, bus, subjects
 from shared.liveness import Beats
-from shared.messages import AttemptRecord, NodeInfo, TaskState, TaskStatus
+from shared.messages import AttemptRecord, NodeInfo, TaskState, TaskStatus, now
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -202,5 +202,55 @@ async def test_agents_registered_together_spread_their_record_refreshes(nats_url
         assert max(first.values()) - min(first.values()) > 1.5, sorted(first.values())
         for a in agents:
             await a.reporter.close()
+    finally:
+        await nc.close()
+
+
+async def test_a_node_heard_of_while_its_agent_is_asked_is_not_lost(nats_url, monkeypatch):
+    """An agent killed and started again: its old connection is gone (the question finds no
+    responders), but the new agent beats while the supervisor asks. That node is alive: it is
+    not declared lost (it was, with "no heartbeat for -0s")."""
+    monkeypatch.setenv("MUSTER_NODE_TIMEOUT", "1")
+    nc = await bus.connect("test", nats_url)
+    try:
+        js, buckets = await bus.setup(nc)
+        await buckets[subjects.NODES_BUCKET].put("reborn", record("reborn").to_bytes())
+        attempt = AttemptRecord(
+            job_id="jreborn",
+            attempt=1,
+            tasks=[TaskStatus(role="w", role_no=0, index=0, node="reborn", state=TaskState.RUNNING)],
+        )
+        await buckets[subjects.ATTEMPTS_BUCKET].put(attempt.key, attempt.to_bytes())
+        declared = asyncio.Event()
+
+        async def on_declared(msg):
+            declared.set()
+
+        await nc.subscribe(
+            subjects.task_event("jreborn", "*", "*", "*", "exited", subjects.PLATFORM), cb=on_declared
+        )
+        supervisor = Supervisor(nc, js, buckets)
+        asked = 0
+
+        async def reborn_while_asked(node: str) -> bool | None:
+            nonlocal asked
+            asked += 1
+            supervisor.heard(node, now())  # the new agent's beat, while the old one is gone
+            return False  # no responders: the old connection is gone
+
+        monkeypatch.setattr(supervisor, "ask_alive", reborn_while_asked)
+        stop = asyncio.Event()
+        running = asyncio.create_task(supervisor.run(stop))
+        try:
+            t0 = time.monotonic()
+            while asked < 3:
+                assert time.monotonic() - t0 < 30, "the quiet node was never asked about"
+                assert not declared.is_set(), "a node heard of while asked was declared lost"
+                await asyncio.sleep(0.1)
+            assert not declared.is_set(), "a node heard of while asked was declared lost"
+        finally:
+            stop.set()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(running, 15)
     finally:
         await nc.close()

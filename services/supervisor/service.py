@@ -495,6 +495,9 @@ class Supervisor:
                 self.heard(name, now())
             if answer is not False:  # it answered, or is connected and stalled: not lost (yet)
                 del silent[name]
+        # A node heard of while its agent was asked (a new agent's first beat or record, as the
+        # old one's connection is gone) is not lost.
+        silent = {name: info for name, info in silent.items() if not self.beats.alive(name, now())}
         lost = {
             name: f"node {name} lost (no heartbeat for {(at - self.beats.last[name]).total_seconds():.0f}s)"
             for name in silent
