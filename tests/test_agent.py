@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -31,10 +34,30 @@ def test_declared_gpus(spec, expected):
     assert [(g.index, g.model) for g in parse_gpus(spec)] == expected
 
 
-@pytest.mark.parametrize("bad", ["V100", "4V100", "x4", "4xV100;2xT4", "-1xT4"])
+@pytest.mark.parametrize("bad", ["V100", "4V100", "x4", "4xV100;2xT4", "-1xT4", "1x" + "A" * 65])
 def test_bad_gpu_declarations_say_what_is_expected(bad):
     with pytest.raises(ValueError, match="expected COUNTxMODEL"):
         parse_gpus(bad)
+
+
+@pytest.mark.parametrize("bad", ["65xV100", "100000xV100", "60xV100,5xT4"])
+def test_more_gpus_than_a_node_can_have_are_refused_in_a_line(bad):
+    """A declaration no node record may carry: refused at the flag, not by a traceback when the
+    agent registers."""
+    with pytest.raises(ValueError, match="at most 64 GPUs on one node"):
+        parse_gpus(bad)
+
+
+def test_an_agent_refuses_a_bad_gpu_declaration_in_one_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.agent", "--gpus", "1x" + "A" * 70, "--runtime", "process"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "MUSTER_DATA_DIR": str(tmp_path), "MUSTER_NATS_URL": "nats://127.0.0.1:1"},
+    )
+    assert proc.returncode != 0
+    assert "--gpus" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize(

@@ -149,7 +149,10 @@ def options_from_args(args: argparse.Namespace, data_dir: str = "/tmp/muster") -
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", node):
         raise SystemExit(f"--node {node!r}: use letters, digits, '_' and '-'")
     declared = args.gpus is not None
-    gpus = parse_gpus(args.gpus) if declared else discover_gpus() or []
+    try:
+        gpus = parse_gpus(args.gpus) if declared else discover_gpus() or []
+    except ValueError as exc:
+        raise SystemExit(f"--gpus {args.gpus!r}: {exc}") from None
     low, high = parse_port_range(args.ports)
     check_task_settings(args)
     check_sim_flags(args)

@@ -10,11 +10,11 @@ import socket
 
 import structlog
 
-from shared.messages import GpuDevice
+from shared.messages import MAX_NODE_GPUS, GpuDevice
 
 log = structlog.get_logger(service="agent")
 
-_GPU_SPEC = re.compile(r"^\s*(\d+)\s*[xX×]\s*([A-Za-z0-9_.-]+)\s*$")
+_GPU_SPEC = re.compile(r"^\s*(\d+)\s*[xX×]\s*([A-Za-z0-9_.-]{1,64})\s*$")
 
 
 def parse_gpus(spec: str) -> list[GpuDevice]:
@@ -26,7 +26,12 @@ def parse_gpus(spec: str) -> list[GpuDevice]:
     for part in spec.split(","):
         m = _GPU_SPEC.match(part)
         if not m:
-            raise ValueError(f"GPU spec {part.strip()!r}: expected COUNTxMODEL, e.g. 4xV100")
+            raise ValueError(
+                f"GPU spec {part.strip()[:80]!r}: expected COUNTxMODEL, e.g. 4xV100 "
+                "(a model of at most 64 letters, digits, '_', '.' and '-')"
+            )
+        if len(devices) + int(m.group(1)) > MAX_NODE_GPUS:
+            raise ValueError(f"at most {MAX_NODE_GPUS} GPUs on one node")
         for _ in range(int(m.group(1))):
             devices.append(GpuDevice(index=len(devices), model=m.group(2)))
     return devices
