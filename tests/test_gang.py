@@ -297,6 +297,16 @@ async def test_an_agents_check_of_its_tasks_reads_each_attempt_once_not_once_per
         await agent.reconciler.stop_obsolete()
         assert reads <= 1, reads  # 8 on main
         assert len(agent.tasks.live) == mine  # live: nothing stopped
+        # The heartbeat's routine check of a gang of 2,000 (each of its nodes reads the whole
+        # record) comes every 200 s, not every 10 s: O(1) a second per node, O(N) for the gang.
+        agent.attempts.ttl = 0  # no read reused: each check that reads, reads
+        reads = 0
+        for _ in range(5):
+            await agent.reconciler.stop_obsolete(routine=True)
+        assert reads == 1, reads  # 5 on the code before
+        agent.reconciler._due.clear()  # 200 s later
+        await agent.reconciler.stop_obsolete(routine=True)
+        assert reads == 2, reads
         ended = record.model_copy(update={"ended_at": now(), "outcome": JobState.FAILED})
         await kv.put(record.key, ended.to_bytes())
 

@@ -6,6 +6,7 @@ counts as placed here reported); and while it runs, the tasks the bus no longer 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from collections.abc import Iterable
@@ -33,6 +34,10 @@ from shared.messages import Assignment, AttemptRecord, Endpoint, TaskCause, Task
 
 log = structlog.get_logger(service="agent")
 LOST = "task lost: its agent restarted"
+# The routine check of a live attempt: at most every ROUTINE_EVERY seconds per ROUTINE_TASKS tasks
+# of its gang (a gang of 2,000: every 200 s), see Reconciler.stop_obsolete.
+ROUTINE_EVERY = 10.0
+ROUTINE_TASKS = 100
 
 
 # The tasks the bus places on one node and does not count as ended, with their attempts.
@@ -94,6 +99,7 @@ class Reconciler:
         self.log = log.bind(node=self.node)
         self._stopping: set[asyncio.Task[None]] = set()
         self.read_from: float | None = None  # when the last agent stopped reading its tasks' output
+        self._due: dict[tuple[str, int], float] = {}  # attempt -> loop time its routine check is due
 
     async def placed_here(self) -> Placed:
         """Tasks the bus places on this node and does not count as ended, in any attempt: live
@@ -209,11 +215,26 @@ class Reconciler:
         self.tasks.watch(key, task)
         self.log.info("agent.adopted", task=found.name)
 
-    async def stop_obsolete(self, wait: bool = False) -> None:
+    async def stop_obsolete(self, wait: bool = False, routine: bool = False) -> None:
         """Stop local tasks the bus no longer counts as live (their attempt ended, or they were
-        declared lost while this agent was cut off). With `wait`, return once they are gone."""
+        declared lost while this agent was cut off). With `wait`, return once they are gone.
+
+        `routine`: the heartbeat's backstop for a kill order never received, which reads each
+        attempt's whole record (O(gang)). Every node of a gang of N reads it, so checking each
+        attempt every ROUTINE_EVERY seconds would cost the cluster O(N²) a period; an attempt is
+        checked at most every ROUTINE_EVERY seconds per ROUTINE_TASKS tasks of its gang
+        instead: O(1) a second per node, O(N) for the cluster, whatever the gang's size."""
         stops = []
         started = {key: task for key, task in self.tasks.live.items() if task.handle is not None}
+        if routine:
+            at = asyncio.get_running_loop().time()
+            live = {(key[0], key[1]) for key in started}
+            self._due = {a: t for a, t in self._due.items() if a in live}
+            due = {a for a in live if at >= self._due.get(a, -math.inf)}
+            started = {key: task for key, task in started.items() if (key[0], key[1]) in due}
+            for key, task in started.items():
+                gang = task.assignment.config.total_tasks
+                self._due[(key[0], key[1])] = at + ROUTINE_EVERY * max(1.0, gang / ROUTINE_TASKS)
         obsolete = await self.tasks.obsolete(started)  # one read per attempt, not per task
         for key, task in started.items():
             if key not in obsolete or self.tasks.live.get(key) is not task:

@@ -378,9 +378,10 @@ class Agent:
             self._failing = False
             if loop.time() - self._checked >= OBSOLETE_EVERY:
                 # A backstop for a kill order never received: each check reads the attempt record
-                # of every live task (O(gang) each), so not every 2 s beat.
+                # of every live task (O(gang) each), so not every 2 s beat, and a big gang's
+                # less often still (Reconciler.stop_obsolete).
                 self._checked = loop.time()
-                await self.reconciler.stop_obsolete()
+                await self.reconciler.stop_obsolete(routine=True)
         except Exception as exc:
             HEARTBEATS_MISSED.labels(self.opts.node).inc()
             if not self._failing:
