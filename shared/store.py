@@ -242,23 +242,25 @@ class GroupCommit(Generic[T]):
     endpoints or task events); in batches, it costs O(N) per batch.
 
     Batches alone do not bound the writes of items that trickle in (each may find the record
-    idle and be written alone): `spacing(key, waiting)`, if given, is the least time in seconds
-    between the starts of two writes of a key while `waiting` items wait for the next, so that
-    the items of that time share one write. Sized to the record (seconds per byte, as it were),
-    it bounds the bytes written per second whatever the record's size or the items' pace; 0
-    once enough wait (a burst is written as soon as a write can take it)."""
+    idle and be written alone): `spacing(key, waiting, last)`, if given, is the least time in
+    seconds between the starts of two writes of a key while `waiting` items wait for the next and
+    the last write took `last`, so that the items of that time share one write. Sized to the
+    record (seconds per byte, as it were), it bounds the bytes written per second whatever the
+    record's size or the items' pace; 0 once enough wait (a burst is written as soon as a write
+    can take it), or after a big batch (a burst's tail is not held back: at most one write more
+    per big batch)."""
 
     KEPT = 4096  # keys whose last write time is kept (for `spacing`), the newest
 
     def __init__(
         self,
         write: Callable[[str, list[T]], Awaitable[None]],
-        spacing: Callable[[str, int], float] | None = None,
+        spacing: Callable[[str, int, int], float] | None = None,
     ) -> None:
         self.write, self.spacing = write, spacing
         self._pending: dict[str, tuple[list[T], asyncio.Future[None]]] = {}
         self._writers: dict[str, asyncio.Task[None]] = {}
-        self._last: dict[str, float] = {}  # key -> loop time its last write started
+        self._last: dict[str, tuple[float, int]] = {}  # key -> its last write: loop time, items
         self._spaced: dict[str, asyncio.Event] = {}  # keys whose writer waits out a spacing
 
     async def add(self, key: str, item: T) -> None:
@@ -269,9 +271,13 @@ class GroupCommit(Generic[T]):
                 self._writers[key] = asyncio.create_task(self._drain(key))
         batch[0].append(item)
         spaced = self._spaced.get(key)
-        if spaced is not None and self.spacing is not None and self.spacing(key, len(batch[0])) <= 0:
+        if spaced is not None and self.spacing is not None and self._spacing(key, len(batch[0])) <= 0:
             spaced.set()  # enough wait now: no need to wait the spacing out
         await asyncio.shield(batch[1])
+
+    def _spacing(self, key: str, waiting: int) -> float:
+        assert self.spacing is not None
+        return self.spacing(key, waiting, self._last.get(key, (0.0, 0))[1])
 
     async def _drain(self, key: str) -> None:
         loop = asyncio.get_running_loop()
@@ -279,7 +285,7 @@ class GroupCommit(Generic[T]):
             while key in self._pending:
                 last = self._last.get(key)
                 if self.spacing is not None and last is not None:
-                    wait = self.spacing(key, len(self._pending[key][0])) - (loop.time() - last)
+                    wait = self._spacing(key, len(self._pending[key][0])) - (loop.time() - last[0])
                     if wait > 0:  # what comes meanwhile joins this batch
                         spaced = self._spaced[key] = asyncio.Event()
                         try:
@@ -290,7 +296,7 @@ class GroupCommit(Generic[T]):
                 items, done = self._pending.pop(key)
                 if self.spacing is not None:
                     self._last.pop(key, None)
-                    self._last[key] = loop.time()
+                    self._last[key] = (loop.time(), len(items))
                     while len(self._last) > self.KEPT:
                         del self._last[next(iter(self._last))]
                 try:

@@ -153,15 +153,16 @@ async def test_keys_are_not_lost_to_nats_pys_race_and_an_empty_bucket_has_none(n
 
 
 async def test_a_group_commit_spaces_a_trickles_writes_but_not_a_bursts():
-    """`spacing(key, waiting)`: items that trickle in share writes at most every `spacing`
-    seconds; once enough wait (spacing 0), they are written without waiting it out."""
+    """`spacing(key, waiting, last)`: items that trickle in share writes at most every `spacing`
+    seconds; once enough wait (spacing 0), they are written without waiting it out, and so is
+    what comes right after a big batch (a burst's tail)."""
     loop = asyncio.get_running_loop()
     writes: list[tuple[float, list[int]]] = []
 
     async def write(key: str, items: list[int]) -> None:
         writes.append((loop.time(), list(items)))
 
-    commit = GroupCommit(write, lambda key, waiting: 0.0 if waiting >= 10 else 0.2)
+    commit = GroupCommit(write, lambda key, waiting, last: 0.0 if waiting >= 10 else 0.2)
     began = loop.time()
     adding = []
     for i in range(20):  # a trickle: one every 20 ms
@@ -173,7 +174,7 @@ async def test_a_group_commit_spaces_a_trickles_writes_but_not_a_bursts():
     assert len(writes) <= elapsed / 0.2 + 1, (len(writes), elapsed)  # 20 without the spacing
     # Right after a write, with a spacing of 30 s unless 10 wait: items coming every 10 ms
     # wake the waiting writer when the tenth comes, never waiting the spacing out.
-    slow = GroupCommit(write, lambda key, waiting: 0.0 if waiting >= 10 else 30.0)
+    slow = GroupCommit(write, lambda key, waiting, last: 0.0 if max(waiting, last) >= 10 else 30.0)
     await slow.add("k", -1)
     writes.clear()
     t0 = loop.time()
@@ -184,6 +185,18 @@ async def test_a_group_commit_spaces_a_trickles_writes_but_not_a_bursts():
     await asyncio.wait_for(asyncio.gather(*adding), 20)
     assert loop.time() - t0 < 20
     assert [items for _, items in writes] == [list(range(10))], writes
+    # A burst's tail, right after its big batch, is written at once, not 30 s later.
+    t1 = loop.time()
+    await asyncio.wait_for(slow.add("k", 10), 20)
+    assert loop.time() - t1 < 20
+    assert [items for _, items in writes][-1] == [10], writes
+    # After that small write, a trickle is spaced again.
+    late = [asyncio.create_task(slow.add("k", 11))]
+    await asyncio.sleep(0.5)
+    assert not late[0].done()
+    late += [asyncio.create_task(slow.add("k", i)) for i in range(12, 21)]  # ten wait: written
+    await asyncio.wait_for(asyncio.gather(*late), 20)
+    assert [items for _, items in writes][-1] == list(range(11, 21)), writes
 
 
 async def test_a_cached_stores_watcher_takes_its_own_writes_without_decoding_them(nats_url):

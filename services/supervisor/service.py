@@ -89,7 +89,7 @@ ALIVE_WAIT = 1.0  # seconds a quiet node's agent has to answer whether it is the
 IN_FLIGHT = 2048  # task events handled at once: a gang this big is recorded in one write
 WRITE_SPACING = 0.00025  # seconds between writes of an attempt record, per task of it
 MAX_SPACING = 1.0
-FETCH = 256  # task events asked of the server at once
+FETCH = IN_FLIGHT  # task events asked of the server at once: a gang this big comes in one fetch
 BATCHED = Histogram(
     "muster_supervisor_batch_events",
     "Task events of one attempt applied by one write of its record",
@@ -232,16 +232,17 @@ class Supervisor:
         each of its handlers (their messages are redelivered)."""
         await self.batches.add(attempt_key(sent.message.job_id, sent.message.attempt), sent)
 
-    def spacing(self, key: str, waiting: int) -> float:
+    def spacing(self, key: str, waiting: int, last: int = 0) -> float:
         """The least time between two writes of the attempt record `key` while `waiting` of its
-        events wait: WRITE_SPACING seconds per task of it (a write is ~250 bytes per task), at
-        most MAX_SPACING; none once an eighth of its tasks' events wait. A gang of N whose
-        events trickle in is then written at most every N·WRITE_SPACING seconds, ~1 MB/s
-        whatever N, where each write of its own would be O(N) per event, O(N²) for the gang;
-        a burst (a gang starting at once) is written in batches of N/8 or more as soon as they
-        are in, and a small gang's events at once as before (40 tasks: 10 ms)."""
+        events wait and its last write took `last`: WRITE_SPACING seconds per task of it (a
+        write is ~250 bytes per task), at most MAX_SPACING; none once an eighth of its tasks'
+        events wait, or right after a write of as many. A gang of N whose events trickle in is
+        then written at most every N·WRITE_SPACING seconds, ~1 MB/s whatever N, where each write
+        of its own would be O(N) per event, O(N²) for the gang; a burst (a gang starting at
+        once) is written in batches of N/8 or more as soon as they are in, its tail at once
+        after them, and a small gang's events at once as before (40 tasks: 10 ms)."""
         attempt = self.view_attempts.get(key)
-        if attempt is None or 8 * waiting >= len(attempt.tasks):
+        if attempt is None or 8 * max(waiting, last) >= len(attempt.tasks):
             return 0.0
         return min(MAX_SPACING, WRITE_SPACING * len(attempt.tasks))
 
