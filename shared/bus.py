@@ -536,6 +536,13 @@ def header(msg: Any, name: str) -> str | None:
     return (msg.headers or {}).get(name)
 
 
+async def publish_once(js: JetStreamContext, subject: str, data: bytes, msg_id: str) -> api.PubAck:
+    """Publish to a stream at most once per `msg_id` within the stream's duplicate window: a
+    retried or replayed publish of the same fact (a restarted service, a second replica) is
+    dropped by the server. Every de-duplicated publish in Muster goes through here."""
+    return await js.publish(subject, data, headers={subjects.Headers.MSG_ID: msg_id})
+
+
 async def durable(
     js: JetStreamContext, subject: str, name: str, stream: str, **settings: Any
 ) -> JetStreamContext.PullSubscription:
