@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import docker
 import httpx
@@ -352,6 +353,41 @@ async def test_attach_to_a_running_container(runtime: DockerRuntime, launch: Cal
     await other.close()
     with pytest.raises(LaunchError, match="no container"):
         await runtime.attach("muster-test-no-such-" + RUN_ID)
+
+
+class _FollowEndsAtOnce:
+    """A container whose engine ends every follow stream before any output is in it (the
+    engine's race, seen under load); everything else is the real container."""
+
+    def __init__(self, container: Any) -> None:
+        self._container = container
+        self.name = container.name
+
+    def logs(self, **kwargs: Any) -> Any:
+        return iter(()) if kwargs.get("follow") else self._container.logs(**kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._container, name)
+
+
+async def test_an_adopted_task_whose_follow_stream_ended_early_still_gets_what_it_wrote_since(
+    runtime: DockerRuntime, launch: Callable, engine: docker.DockerClient
+) -> None:
+    """A restarted agent adopts a task from `since` (what the agent before had read); when the
+    engine ends the follow stream before the output is in it, the lines written since are read
+    from the log once the container ends, and none from before `since`."""
+    first: list[str] = []
+    task_launch = launch("echo before; sleep 1.5; echo after; echo last")
+    await runtime.start(task_launch, first.append)
+    await wait_for_line(first, "before")
+    since = time.time()
+    container = engine.containers.get(task_launch.name)
+    container.wait(timeout=60)
+    lines: list[str] = []
+    loop = asyncio.get_running_loop()
+    task = DockerTask(_FollowEndsAtOnce(container), lines.append, loop, since=since)  # type: ignore[arg-type]
+    await asyncio.wait_for(asyncio.shield(task._logs_done), 30)
+    assert lines == ["after", "last"]
 
 
 def test_gpu_request_and_visible_devices() -> None:

@@ -138,22 +138,27 @@ class DockerTask:
         except Exception as e:  # the engine went away, the container was removed, the client closed
             log.warning("docker.logs_ended", task=self.name, error=str(e))
         finally:
-            if ended and (recent or buffer or since is None):
-                buffer = self._catch_up(list(recent), buffer)
+            if ended:
+                buffer = self._catch_up(list(recent), buffer, since)
             if buffer:
                 self._emit(buffer)
             self._call(lambda: self._logs_done.done() or self._logs_done.set_result(None))
 
-    def _catch_up(self, got: list[bytes], buffer: bytes) -> bytes:
+    def _catch_up(self, got: list[bytes], buffer: bytes, since: float | None) -> bytes:
         """The engine can end a follow stream before the last output of a container that has
         just exited is in it (seen: the last line, without a newline, missing about once in 15
-        quick tasks; a later read has it). Once the container has ended, read the log's last
-        CATCH_UP_LINES entries, emit those after what came, and return the final partial line
-        (or `buffer`). What came is found in the tail by its last lines; nothing is emitted twice
-        when they cannot be found."""
+        quick tasks; a later read has it; for an adopted task, all of what it wrote after it
+        was adopted, seen under load). Once the container has ended, read the log's last
+        CATCH_UP_LINES entries (from `since`, where the stream started, so an adopted task's
+        output the agent before read is not taken again), emit those after what came, and
+        return the final partial line (or `buffer`). What came is found in the tail by its last
+        lines; nothing is emitted twice when they cannot be found."""
         try:
             self._container.wait(timeout=CATCH_UP_WAIT)
-            tail = self._container.logs(stdout=True, stderr=True, tail=CATCH_UP_LINES)
+            kwargs: dict[str, Any] = {"stdout": True, "stderr": True, "tail": CATCH_UP_LINES}
+            if since is not None:
+                kwargs["since"] = since
+            tail = self._container.logs(**kwargs)
         except Exception:
             return buffer
         new, partial = missed([*got, buffer] if buffer else got, tail)
