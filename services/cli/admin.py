@@ -13,13 +13,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nats.aio.client import Client as NATS
-from nats.js.errors import NotFoundError
+from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
 
 from services.cli.connect import connect, connect_bus, locate
 from services.cli.console import EXIT_INVALID, EXIT_OK, CliError, err, out
 from services.cli.render import columns, dataset_row, stream_rows, undecodable_row, vc_quota_text, vc_row
 from shared import auth, bus, client, subjects
 
+# The models (pydantic), the mesh (mesh.py: the services) and the agent's modules are imported
+# where a command needs them, not here: most commands need few of them, and importing them is
+# most of a start-up otherwise (docs/BENCHMARKS.md; tests/test_cli.py checks `submit`).
 if TYPE_CHECKING:
     from nats.js.kv import KeyValue
 
@@ -160,8 +163,6 @@ def vc_record(args: argparse.Namespace) -> VirtualCluster:
 async def named_records(kv: Any, model: Any) -> tuple[list[str], dict[str, Any]]:
     """The keys of an admin bucket of named records (virtual clusters, datasets) and each one's
     record, None where it does not decode or names another key; keys removed meanwhile are left out."""
-    from nats.js.errors import KeyNotFoundError, NoKeysError
-
     try:
         keys = await kv.keys()
     except NoKeysError:
@@ -195,8 +196,6 @@ async def vc_bucket(nc: NATS) -> KeyValue:
 async def admin_vc(args: argparse.Namespace) -> int:
     """`muster admin vc set|remove|list`: the virtual clusters in bucket muster_vcs. The
     validators watch it: a change applies to the next submission, no restart."""
-    from nats.js.errors import KeyNotFoundError
-
     from shared.messages import VirtualCluster
 
     if args.action != "list" and not auth.NAME_RE.match(args.name):  # the same as a VC name's
@@ -263,7 +262,6 @@ def user_list(text: str) -> list[str]:
 async def admin_dataset(args: argparse.Namespace) -> int:
     """`muster admin dataset set|remove|list`: the datasets jobs may mount (`data`), in bucket
     muster_datasets. Validators watch it; agents read a job's datasets when they start its tasks."""
-    from nats.js.errors import KeyNotFoundError
     from pydantic import ValidationError
 
     from shared.jobconfig import _reason

@@ -13,6 +13,9 @@ from nats.aio.client import Client as NATS
 from services.cli.console import CliError, err
 from shared import auth, bus, client, subjects
 
+# The models (pydantic), the mesh (mesh.py: the services) and the agent's modules are imported
+# where a command needs them, not here: most commands need few of them, and importing them is
+# most of a start-up otherwise (docs/BENCHMARKS.md; tests/test_cli.py checks `submit`).
 if TYPE_CHECKING:
     from services.cli.mesh import Found
     from shared.messages import AttemptRecord, JobRecord

@@ -21,6 +21,10 @@ from shared import bus, client, subjects
 from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
 from shared.trainmetrics import MetricFormat
 
+# The models (pydantic), the mesh (mesh.py: the services) and the agent's modules are imported
+# where a command needs them, not here: most commands need few of them, and importing them is
+# most of a start-up otherwise (docs/BENCHMARKS.md; tests/test_cli.py checks `submit`).
+
 # ---------------------------------------------------------------- validate
 
 

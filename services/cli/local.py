@@ -13,6 +13,9 @@ from services.cli.console import EXIT_INVALID, CliError, err, out
 from services.cli.render import gpu_text
 from shared import auth, bus, logs
 
+# The models (pydantic), the mesh (mesh.py: the services) and the agent's modules are imported
+# where a command needs them, not here: most commands need few of them, and importing them is
+# most of a start-up otherwise (docs/BENCHMARKS.md; tests/test_cli.py checks `submit`).
 if TYPE_CHECKING:
     from services.agent.sim import SimSetup
 
