@@ -12,8 +12,8 @@ The view is incremental (`view.View`): allocations follow the attempt records ch
 nodes join and leave the placement index as their records do, and only a change a plan could
 see wakes a cycle. A cycle plans the waiting queue with the indexed core (`Cluster.plan`, a
 bounded backfill window behind the head) and commits its placements and reasons concurrently,
-so the bus's round trips overlap. When a job may be placed is the supervisor policy's
-`attempt_to_place`."""
+so the bus's round trips overlap. When a job may be placed is the shared lifecycle rule
+(shared/lifecycle.py `attempt_to_place`)."""
 
 from __future__ import annotations
 
