@@ -37,18 +37,16 @@ from shared.jobconfig import JobConfig, rank
 from shared.messages import TaskSpec
 
 # The VC arithmetic is shared/vcquota.py (the gateway shows per-VC usage with it too); its names
-# are this module's as well.
-from shared.vcquota import (  # noqa: F401
-    ANY_MODEL,
-    DEFAULT_VC,
-    Amount,
-    Limit,
-    capacity_of,
-    held,
-    limits,
-    need,
-    task_need,
-)
+# are this module's as well (re-exported).
+from shared.vcquota import ANY_MODEL as ANY_MODEL
+from shared.vcquota import DEFAULT_VC as DEFAULT_VC
+from shared.vcquota import Amount as Amount
+from shared.vcquota import Limit as Limit
+from shared.vcquota import capacity_of as capacity_of
+from shared.vcquota import held as held
+from shared.vcquota import limits as limits
+from shared.vcquota import need as need
+from shared.vcquota import task_need as task_need
 
 
 @dataclass
