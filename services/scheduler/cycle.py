@@ -166,8 +166,9 @@ def _place(
     avoid = nodes_to_avoid(view.avoid_candidates(at), at)
     plan = plan_around(view.cluster, view.capacity, queue, avoid, window)
     borrowed: set[str] = set()
-    jobs = {job.job_id: job for job, _ in waiting}
+    jobs: dict[str, Job] = {}
     if order is not None:
+        jobs = {job.job_id: job for job, _ in waiting}
         held_back = order.held()
         placed = [p.job_id for p in order.taken if p.job_id in plan.placements]
         if len(placed) < len(plan.placements):  # the second plan (around avoided nodes) placed more
