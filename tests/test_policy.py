@@ -15,7 +15,6 @@ from services.supervisor.policy import (
     Decision,
     Finished,
     RetryLimits,
-    attempt_to_place,
     backoff,
     classify,
     decide,
@@ -25,6 +24,7 @@ from services.supervisor.policy import (
     unsettled,
 )
 from shared.jobconfig import JobConfig, check_job
+from shared.lifecycle import attempt_to_place
 from shared.messages import (
     AttemptRecord,
     Failure,

@@ -48,8 +48,7 @@ from prometheus_client import Counter
 from pydantic import ValidationError
 
 from services.gateway.listing import Listing, Query, Summary, cursor_key, micros
-from services.scheduler import placement, quota
-from shared import bus, subjects
+from shared import bus, subjects, vcquota
 from shared.auth import NAME_RE
 from shared.messages import (
     AttemptRecord,
@@ -181,9 +180,9 @@ class Gateway:
             why = str(exc) or type(exc).__name__
             UNSENT.labels(verb, "send").inc()
             log.warning("gateway.answer_unsent", subject=msg.subject[:200], error=why)
-            error = {"error": f"the answer could not be sent: {why}", "code": 1}
+            unsent = {"error": f"the answer could not be sent: {why}", "code": 1}
             with contextlib.suppress(Exception):
-                await msg.respond(json.dumps(error).encode())
+                await msg.respond(json.dumps(unsent).encode())
 
     @property
     def budget(self) -> int:
@@ -253,7 +252,8 @@ class Gateway:
             except Exception as exc:  # status without metrics rather than no status at all
                 log.warning("gateway.metrics_unread", subject=subject, error=str(exc) or type(exc).__name__)
                 return None
-            batch = self.believed(stored.subject, stored.data, {f"{role}.{index}": node})
+            # A stored message always has a subject; one without is no task's batch (refused).
+            batch = self.believed(stored.subject or "", stored.data, {f"{role}.{index}": node})
             if batch is None:
                 return None
             return {
@@ -380,8 +380,8 @@ class Gateway:
         listing = await self.listed()
         await asyncio.wait_for(self.vcs_synced.wait(), SYNC_WAIT)
         nodes = {name: info async for name, info in self.kv_nodes.items()}
-        capacity = quota.capacity_of(placement.NodeState.from_info(n) for n in nodes.values())
-        limits = quota.limits(self.vcs, capacity)
+        capacity = vcquota.capacity_of(nodes.values())
+        limits = vcquota.limits(self.vcs, capacity)
 
         def model_of(node: str, index: int) -> str | None:
             info = nodes.get(node)
@@ -391,7 +391,12 @@ class Gateway:
 
         def row(name: str) -> dict[str, Any]:
             if name not in rows:
-                rows[name] = {"used": quota.Amount(), "borrowed": quota.Amount(), "running": 0, "waiting": 0}
+                rows[name] = {
+                    "used": vcquota.Amount(),
+                    "borrowed": vcquota.Amount(),
+                    "running": 0,
+                    "waiting": 0,
+                }
             return rows[name]
 
         for name in limits:
@@ -419,13 +424,13 @@ class Gateway:
                 continue
             record, attempt = pair
             live = [t.spec() for t in attempt.tasks if not t.state.ended]
-            use = quota.held(record.config, live, model_of)
+            use = vcquota.held(record.config, live, model_of)
             r = row(record.config.virtualCluster)
             r["used"].add(use)
             if attempt.borrowed:
                 r["borrowed"].add(use)
         out = []
-        for name in sorted(rows, key=lambda n: (n != quota.DEFAULT_VC, n)):
+        for name in sorted(rows, key=lambda n: (n != vcquota.DEFAULT_VC, n)):
             vc, lim, r = self.vcs.get(name), limits.get(name), rows[name]
             out.append(
                 {

@@ -12,17 +12,15 @@ The view is incremental (`view.View`): allocations follow the attempt records ch
 nodes join and leave the placement index as their records do, and only a change a plan could
 see wakes a cycle. A cycle plans the waiting queue with the indexed core (`Cluster.plan`, a
 bounded backfill window behind the head) and commits its placements and reasons concurrently,
-so the bus's round trips overlap. When a job may be placed is the supervisor policy's
-`attempt_to_place`."""
+so the bus's round trips overlap. When a job may be placed is the shared lifecycle rule
+(shared/lifecycle.py `attempt_to_place`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import uuid
-from collections.abc import Iterable, Iterator
 from datetime import datetime
 from typing import Any
 
@@ -33,12 +31,12 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.scheduler import elastic, placement, quota
 from services.scheduler import metrics as cluster_metrics
-from services.scheduler.avoid import nodes_to_avoid, plan_around
+from services.scheduler import quota
+from services.scheduler.cycle import Decision, Place, Preempt, Wait, decide
 from services.scheduler.view import Job, View
 from shared import bus, liveness, settings, subjects
-from shared.jobconfig import has_secrets, rank, with_secrets
+from shared.jobconfig import has_secrets, with_secrets
 from shared.messages import (
     Assignment,
     AttemptRecord,
@@ -58,7 +56,6 @@ from shared.messages import (
     vc_refusal,
 )
 from shared.store import Store
-from shared.subjects import Headers
 
 log = structlog.get_logger(service="scheduler")
 RECENT_JOBS = 8192  # job records the scheduler keeps as bytes (see kv_jobs)
@@ -71,13 +68,10 @@ CYCLE_SECONDS = Histogram(
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
 RENEW_EVERY = 1.0  # seconds between lease renewals, whatever a cycle is doing
-# Jobs behind the head that one plan tries at most (Slurm's bf_max_job_test); later ones wait.
-BACKFILL_WINDOW = settings.number("MUSTER_BACKFILL_WINDOW", 500, int, low=0)
 IN_FLIGHT = 128  # commits and reason writes of one cycle in flight at once
 # Seconds a preempted gang gets between SIGTERM and SIGKILL, to checkpoint.
 PREEMPT_GRACE = settings.seconds("MUSTER_PREEMPT_GRACE", 30.0)
 ELASTIC_GRACE = settings.seconds("MUSTER_ELASTIC_GRACE", 10.0)  # SIGTERM..SIGKILL of a removed task
-PREEMPT_TRIES = 16  # waiting jobs one cycle looks at for a preemption that would let them run
 PREEMPTIONS = Counter("muster_scheduler_preemptions_total", "Gangs stopped to make room", ["why"])
 # Seconds from a job's submission to its first placement (waits of minutes to a day are normal).
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400)
@@ -215,127 +209,44 @@ class Scheduler:
     # ------------------------------------------------------------ one cycle
 
     async def cycle(self, lost: asyncio.Event | None = None) -> None:
+        """Decide (cycle.py, pure), then apply the decision."""
         at = now()
-        waiting = self.view.queue(at)
         PENDING.set(self.view.waiting)
-        blocked = await self._place(waiting, at, lost) if waiting else []
-        if self.view.elastic and not (lost is not None and lost.is_set()):
-            await self._resize(blocked, at)
+        decision = decide(self.view, self.vcs, self.fixed, at)
+        if decision.queued:
+            CYCLE_SECONDS.observe((now() - at).total_seconds())
+        await self.apply(decision, lost)
 
-    async def _place(
-        self, waiting: list[tuple[Job, int]], at: datetime, lost: asyncio.Event | None
-    ) -> list[Job]:
-        """Plan the waiting jobs and commit the plan; returns the jobs that could run on this
-        cluster but do not fit now, in queue order (what elastic roles shrink for)."""
-        held_back: dict[str, str] = {}
-        order: quota.Order[placement.PendingJob] | None = None
-        queue: list[placement.PendingJob] | quota.Order[placement.PendingJob]
-        if self.vcs or self.view.ranked:
-            order, ledger, running = self._sharing(waiting, at)
-            queue = order
-        else:
-            queue = [placement.PendingJob(j.job_id, j.config.smallest()) for j, _ in waiting]
-        avoid = nodes_to_avoid(self.view.avoid_candidates(at), at)
-        plan = plan_around(self.view.cluster, self.view.capacity, queue, avoid, BACKFILL_WINDOW)
-        borrowed: set[str] = set()
-        if order is not None:
-            held_back = order.held()
-            placed = [p.job_id for p in order.taken if p.job_id in plan.placements]
-            if len(placed) < len(plan.placements):  # the second plan (around avoided nodes) placed more
-                placed = order.in_order(plan.placements)
-            for job_id in placed:  # in queue order: who is within its quota, placements counted
-                job = self.jobs[job_id]
-                use = quota.need(job.config)
-                if not ledger.within(job.config.virtualCluster, use):
-                    borrowed.add(job.job_id)
-                ledger.take(job.config.virtualCluster, job.user, use)
-            await self._preempt_for(self._in_order(order), plan, ledger, running)
-            plan.pending.update(held_back)
-        CYCLE_SECONDS.observe((now() - at).total_seconds())
-        # Commits and reasons go out together, at most IN_FLIGHT at a time: their round trips
-        # overlap instead of adding up.
+    async def apply(self, decision: Decision, lost: asyncio.Event | None = None) -> None:
+        """Preemptions first (their kill orders), then placements and reasons together, at most
+        IN_FLIGHT at a time (their round trips overlap instead of adding up), then the elastic
+        shrink or grows. Once leadership is lost, nothing more is placed or resized."""
+        if decision.preempt:
+            await asyncio.gather(*(self._preempt(p) for p in decision.preempt))
         gate = asyncio.Semaphore(IN_FLIGHT)
-        # With no node registered at all, the cluster is starting, not too small.
-        registered = bool(self.view.capacity.cluster.nodes)
 
-        async def one(job: Job, n: int) -> None:
+        async def one(step: Place | Wait) -> None:
             async with gate:
                 if lost is not None and lost.is_set():
                     return  # no longer the leader: place nothing more
-                if job.job_id in plan.placements:
-                    await self.commit(job, n, plan.placements[job.job_id], job.job_id in borrowed)
-                elif job.job_id in plan.pending:
-                    reason = plan.pending[job.job_id]
-                    unschedulable = job.job_id in plan.unschedulable and registered
-                    if (job.reason, job.unschedulable) != (reason, unschedulable):
-                        await self.set_reason(job.job_id, job.attempt, reason, unschedulable)
+                if isinstance(step, Place):
+                    await self.commit(step.job, step.attempt, step.tasks, step.borrowed)
+                else:
+                    await self.set_reason(step.job.job_id, step.job.attempt, step.reason, step.unschedulable)
 
-        results = await asyncio.gather(*(one(job, n) for job, n in waiting), return_exceptions=True)
+        results = await asyncio.gather(*(one(step) for step in decision.steps), return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             log.warning("scheduler.commit_errors", count=len(failures), first=repr(failures[0])[:300])
             self.wake.set()
-        # In queue order; what is shrunk for reads the first PREEMPT_TRIES of them only.
-        blocked = (job for job, _ in waiting) if order is None else self._in_order(order)
-        return list(
-            itertools.islice(
-                (
-                    job
-                    for job in blocked
-                    if job.job_id in plan.pending
-                    and job.job_id not in plan.unschedulable
-                    and job.job_id not in held_back
-                ),
-                PREEMPT_TRIES,
-            )
-        )
-
-    def _in_order(self, order: quota.Order[placement.PendingJob]) -> Iterator[Job]:
-        """The waiting jobs in sharing order, taken from `order` as far as they are read."""
-        for pending in order.ordered():
-            job = self.jobs.get(pending.job_id)
-            if job is not None:
-                yield job
-
-    # ------------------------------------------------------------ elastic roles (elastic.py)
-
-    async def _resize(self, blocked: list[Job], at: datetime) -> None:
-        """Shrink elastic roles for the first waiting job that removing their newest tasks would
-        let in; else (nothing waits, or nothing waiting could be let in so) grow them into free
-        capacity, which no waiting job can use now."""
-        ready = []
-        for key in sorted(self.view.elastic):
-            record = self.attempts.get(key)
-            job = self.jobs.get(record.job_id) if record is not None else None
-            if record is not None and job is not None and elastic.settled(record, at):
-                ready.append((job, record))
-        if not ready:
+        if lost is not None and lost.is_set():
             return
-        if blocked:
-            for waiting in blocked[:PREEMPT_TRIES]:
-                pending = placement.PendingJob(waiting.job_id, waiting.config.smallest())
-                running = [(job.config, record) for job, record in ready if job.job_id != waiting.job_id]
-                chosen = elastic.shrink_for(self.view.cluster, pending, running)
-                if chosen:
-                    await self._shrink(chosen, waiting)
-                    return
-        ledger = None
-        if self.vcs:  # a VC that may not borrow: its elastic jobs grow only within its quota
-            capacity = quota.capacity_of(self.view.capacity.cluster.nodes.values())
-            ledger = quota.Ledger(quota.limits(self.vcs, capacity), self.view.running(at))
-        for job, record in ready:
-            added = elastic.grow(self.view.cluster, job.config, record)
-            if added and ledger is not None and not ledger.limit(job.config.virtualCluster).borrow:
-                kept = []
-                for spec in added:
-                    one = quota.task_need(job.config, spec.role_no)
-                    if not ledger.within(job.config.virtualCluster, one):
-                        break
-                    ledger.take(job.config.virtualCluster, job.user, one)
-                    kept.append(spec)
-                added = kept
-            if added:
-                await self._grow(job, record, added)
+        if decision.shrink is not None:
+            await self._shrink(decision.shrink.tasks, decision.shrink.for_job)
+        for g in decision.grow:
+            await self._grow(g.job, g.record, g.added)
+
+    # ------------------------------------------------------------ applying elastic changes (elastic.py)
 
     async def _grow(self, job: Job, record: AttemptRecord, added: list[TaskSpec]) -> None:
         at = now()
@@ -398,10 +309,8 @@ class Scheduler:
                     grace=ELASTIC_GRACE,
                     tasks=mine,
                 )
-                await self.js.publish(
-                    subjects.kill(node),
-                    order.to_bytes(),
-                    headers={Headers.MSG_ID: f"kill:{key}:{node}:{','.join(mine)}"},
+                await bus.publish_once(
+                    self.js, subjects.kill(node), order.to_bytes(), f"kill:{key}:{node}:{','.join(mine)}"
                 )
             await self.js.publish(
                 subjects.attempt_members(updated.job_id, updated.attempt), MembersChanged().to_bytes()
@@ -419,96 +328,20 @@ class Scheduler:
             log.info("scheduler.shrank", attempt=key, tasks=sorted(keys), for_job=waiting.job_id)
 
     async def _event(self, job: Job, kind: JobEventKind, attempt: int, detail: str, msg_id: str) -> None:
-        await self.js.publish(
-            subjects.job_event(job.job_id, kind),
-            JobEvent(
-                job_id=job.job_id,
-                job_name=job.job_name,
-                kind=kind,
-                state=job.state,
-                attempt=attempt,
-                detail=detail,
-            ).to_bytes(),
-            headers={Headers.MSG_ID: msg_id},
+        event = JobEvent(
+            job_id=job.job_id,
+            job_name=job.job_name,
+            kind=kind,
+            state=job.state,
+            attempt=attempt,
+            detail=detail,
         )
+        await bus.publish_once(self.js, subjects.job_event(job.job_id, kind), event.to_bytes(), msg_id)
 
-    def _sharing(
-        self, waiting: list[tuple[Job, int]], at: datetime
-    ) -> tuple[quota.Order[placement.PendingJob], quota.Ledger, list[quota.Running]]:
-        """With virtual clusters or priorities in use: the queue in sharing order (quota.py),
-        made as the planner takes it; the ledger; what runs."""
-        running = self.view.running(at)
-        capacity = quota.capacity_of(self.view.capacity.cluster.nodes.values())
-        ledger = quota.Ledger(quota.limits(self.vcs, capacity), running)
-        fixed = self.fixed.of
-        order = quota.Order(
-            ledger,
-            (
-                (
-                    fixed(j.job_id, j.config, j.user, j.submitted_at),
-                    placement.PendingJob(j.job_id, j.config.smallest()),
-                )
-                for j, _ in waiting
-            ),
-        )
-        self.fixed.next_cycle()
-        return order, ledger, running
-
-    async def _preempt_for(
-        self,
-        waiting: Iterable[Job],
-        plan: placement.Plan,
-        ledger: quota.Ledger,
-        running: list[quota.Running],
-    ) -> None:
-        """The first waiting job (in queue order) that cannot run now but would if some gangs
-        stopped gets them stopped. None while any gang is still stopping (preempted, or ended and
-        tearing down): what it frees may be enough, and choosing more victims before it is
-        would stop more than needed. Read from the records, so a new leader keeps to it too."""
-        stopping = [r for r in running if r.stopping]
-        if stopping:
-            for job_id in plan.pending:
-                n = sum(1 for r in stopping if r.preempted_by == job_id)
-                if n:
-                    plan.pending[job_id] = f"waiting for {n} preempted gang(s) to stop"
-            return
-        tried = 0
-        for job in waiting:
-            if job.job_id not in plan.pending or job.job_id in plan.unschedulable:
-                continue
-            tried += 1
-            if tried > PREEMPT_TRIES:
-                return
-            w = quota.Waiting(
-                job.job_id,
-                job.config.virtualCluster,
-                job.user,
-                rank(job.config.priority),
-                job.config,
-                job.submitted_at,
-            )
-            options = quota.candidates(w, ledger, running)
-            victims = quota.choose_victims(self.view.cluster, w, options)
-            if not victims:
-                continue
-            await asyncio.gather(*(self._preempt(job, v) for v in victims))
-            plan.pending[job.job_id] = (
-                f"preempted {', '.join(v.job_id for v in victims)} to make room; waiting for them to stop"
-            )
-            return
-
-    async def _preempt(self, job: Job, victim: quota.Running) -> None:
+    async def _preempt(self, p: Preempt) -> None:
         """End the victim's attempt as preempted (the supervisor then re-queues it, uncharged)
         and tell its nodes to stop it: SIGTERM, SIGKILL after PREEMPT_GRACE."""
-        if victim.vc == job.config.virtualCluster:
-            why = f"preempted by {job.job_id} ({job.config.priority} priority, {job.user})"
-            label = "priority"
-        else:
-            why = (
-                f"preempted by {job.job_id}: virtual cluster {job.config.virtualCluster} reclaims "
-                f"the capacity {victim.vc} borrowed"
-            )
-            label = "reclaim"
+        job, victim, why = p.for_job, p.victim, p.why
         at = now()
 
         def end(a: AttemptRecord) -> AttemptRecord | None:
@@ -523,11 +356,11 @@ class Scheduler:
             return  # it ended by itself meanwhile
         self.attempts[record.key] = record
         self.view.attempt_changed(record.key)
-        PREEMPTIONS.labels(label).inc()
+        PREEMPTIONS.labels(p.kind).inc()
         order = KillOrder(job_id=record.job_id, attempt=record.attempt, reason=why, grace=PREEMPT_GRACE)
         for node in sorted({t.node for t in record.tasks if not t.state.ended}):
-            await self.js.publish(
-                subjects.kill(node), order.to_bytes(), headers={Headers.MSG_ID: f"kill:{record.key}:{node}"}
+            await bus.publish_once(
+                self.js, subjects.kill(node), order.to_bytes(), f"kill:{record.key}:{node}"
             )
         victim_job = self.jobs.get(record.job_id)  # a victim is a job the view runs: it is there
         if victim_job is not None:
@@ -610,10 +443,8 @@ class Scheduler:
                 gang=on.get(node, []),
                 node=node,
             )
-            await self.js.publish(
-                subjects.assign(node),
-                order.to_bytes(),
-                headers={Headers.MSG_ID: f"assign:{record.key}:{node}{version}"},
+            await bus.publish_once(
+                self.js, subjects.assign(node), order.to_bytes(), f"assign:{record.key}:{node}{version}"
             )
 
     async def _secrets(self, job: Job) -> dict[str, Any]:

@@ -24,8 +24,8 @@ import structlog
 
 from services.scheduler import placement, quota
 from services.scheduler.avoid import AVOID_WINDOW
-from services.supervisor.policy import attempt_to_place
 from shared.jobconfig import JobConfig, rank
+from shared.lifecycle import attempt_to_place
 from shared.liveness import Beats
 from shared.messages import (
     AttemptRecord,

@@ -3,8 +3,8 @@
 `decide`: given a job config and the states of an attempt's tasks, has the attempt ended, how,
 and by which rule? `classify`: what failed it (user, platform or configuration, with the
 evidence; read from each task's typed cause). `next_step`: after an ended attempt, does the job
-end or run again, and is that retry charged to retryCount? `attempt_to_place`: may the
-scheduler place the job's next attempt now?
+end or run again, and is that retry charged to retryCount? (Whether the scheduler may place the
+job's next attempt now, `attempt_to_place`, is shared/lifecycle.py: both services read it.)
 
 Rules, in the order they are checked after each task state change (OpenPAI v1 semantics):
 1. killAllOnCompletedTaskNumber N > 0: N tasks succeeded -> SUCCEEDED, kill the rest.
@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 from shared import mpi, subjects
 from shared.jobconfig import JobConfig
@@ -260,44 +260,6 @@ def _describe(failure: Failure | None) -> str:
     if failure.exit_code not in (None, -1) and not failure.reason:
         return f"{failure.task} on {failure.node} exited {failure.exit_code}"
     return f"{failure.task} on {failure.node}: {failure.reason or f'exit {failure.exit_code}'}"
-
-
-# ------------------------------------------------------------------ the next attempt
-
-
-class Placeable(Protocol):
-    """What `attempt_to_place` reads of a job: a `JobRecord`, or the scheduler's slim copy."""
-
-    @property
-    def state(self) -> JobState: ...
-    @property
-    def attempt(self) -> int: ...
-    @property
-    def settled(self) -> int: ...
-    @property
-    def not_before(self) -> datetime | None: ...
-
-
-def attempt_to_place(job: Placeable, current: AttemptRecord | None, at: datetime) -> int | None:
-    """Which attempt of a WAITING job may be placed now, or None: the first when never placed;
-    the current one when the job was moved to it but its record was never written (a leader
-    died mid-commit); the next once the current one has ended, the supervisor has settled it as
-    a retry, every one of its tasks has ended (reported by its agent, or declared lost with its
-    node), and the backoff has passed."""
-    if job.state != JobState.WAITING:
-        return None
-    if job.attempt == 0:
-        return 1
-    if current is None:
-        return job.attempt
-    if (
-        current.ended
-        and job.settled >= job.attempt
-        and all(t.state.ended for t in current.tasks)
-        and (job.not_before is None or job.not_before <= at)
-    ):
-        return job.attempt + 1
-    return None
 
 
 # ------------------------------------------------------------------ applying facts to records

@@ -1,0 +1,375 @@
+"""One scheduling cycle as data, a pure core: `decide(view, vcs, fixed, at)` reads the scheduler's
+view (waiting jobs, attempts, nodes as the placement index has them), the virtual clusters and
+the sharing order's per-job cache, and returns a `Decision`; the service (service.py) applies it
+(KV writes, kill orders, assignments, events). No I/O here: the view's in-memory index is read,
+and changed only tentatively (every tentative allocation is undone before `decide` returns), and
+`fixed`, a cache across cycles, moves on by one cycle.
+
+What a cycle decides, in the order the service applies it:
+1. **Preemptions.** With virtual clusters or priorities in use (quota.py): the first waiting job,
+   in sharing order, that does not fit now but would if some gangs stopped gets them stopped —
+   lower-priority gangs of its own VC ("priority"), or borrowed gangs of other VCs when it is
+   within its quota ("reclaim"). None while any gang is still stopping.
+2. **Placements and reasons**, in queue order: the plan of the waiting queue (placement.py, a
+   bounded backfill window, around nodes to avoid), each placement marked `borrowed` when its VC
+   is beyond its quota, counted in sharing order; every other waiting job's reason, when it
+   differs from the one its record has (and whether it can never run on these nodes).
+3. **Elastic roles** (elastic.py): newest tasks removed so that the first blocked waiting job
+   fits (a shrink), or else elastic roles grown into capacity no waiting job can use (grows),
+   within the quota of a VC that may not borrow. Read as the cluster will be once step 2's
+   placements are held.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from services.scheduler import elastic, placement, quota
+from services.scheduler.avoid import nodes_to_avoid, plan_around
+from services.scheduler.view import Job, View
+from shared import settings
+from shared.jobconfig import JobConfig, rank
+from shared.messages import AttemptRecord, TaskSpec, VirtualCluster
+
+# Jobs behind the head that one plan tries at most (Slurm's bf_max_job_test); later ones wait.
+BACKFILL_WINDOW = settings.number("MUSTER_BACKFILL_WINDOW", 500, int, low=0)
+PREEMPT_TRIES = 16  # waiting jobs one cycle looks at for a preemption that would let them run
+
+
+@dataclass(frozen=True)
+class Place:
+    """Place attempt `attempt` of `job` on `tasks`; `borrowed`: beyond its VC's quota."""
+
+    job: Job
+    attempt: int
+    tasks: list[TaskSpec]
+    borrowed: bool = False
+
+
+@dataclass(frozen=True)
+class Wait:
+    """`job` waits: its record's reason becomes `reason` (written only when it changed)."""
+
+    job: Job
+    reason: str
+    unschedulable: bool = False
+
+
+@dataclass(frozen=True)
+class Preempt:
+    """Stop `victim` (a running gang) for the waiting job `for_job`; `kind`: "priority" (same
+    VC, lower priority) or "reclaim" (capacity another VC borrowed); `why`: its attempt's rule."""
+
+    victim: quota.Running
+    for_job: Job
+    kind: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Shrink:
+    """Remove these tasks of running elastic attempts, so that `for_job` fits."""
+
+    for_job: Job
+    tasks: list[tuple[AttemptRecord, TaskSpec]]
+
+
+@dataclass(frozen=True)
+class Grow:
+    """Add `added` to the running elastic attempt `record` of `job`."""
+
+    job: Job
+    record: AttemptRecord
+    added: list[TaskSpec]
+
+
+@dataclass
+class Decision:
+    queued: int = 0  # jobs whose next attempt may be placed now (planned when > 0)
+    preempt: list[Preempt] = field(default_factory=list)
+    steps: list[Place | Wait] = field(default_factory=list)  # in queue order
+    shrink: Shrink | None = None
+    grow: list[Grow] = field(default_factory=list)
+    reasons: dict[str, str] = field(default_factory=dict)  # every waiting job left waiting: why
+    blocked: list[Job] = field(default_factory=list)  # could run here, do not fit now (first few)
+
+    def lines(self) -> list[str]:
+        """The decision, one short line per act, in the order they are applied (for tests and
+        logs): `preempt V for J (kind)`, `place J.n on node[gpus],... [borrowed]`,
+        `wait J: reason [unschedulable]`, `shrink A role.i@node for J`, `grow A +role.i@node`."""
+        out = [f"preempt {p.victim.key} for {p.for_job.job_id} ({p.kind})" for p in self.preempt]
+        for step in self.steps:
+            if isinstance(step, Place):
+                on = " ".join(
+                    f"{t.role}.{t.index}@{t.node}{list(t.gpus) if t.gpus else ''}" for t in step.tasks
+                )
+                out.append(
+                    f"place {step.job.job_id}.{step.attempt} {on}{' borrowed' if step.borrowed else ''}"
+                )
+            else:
+                out.append(
+                    f"wait {step.job.job_id}: {step.reason}{' [unschedulable]' if step.unschedulable else ''}"
+                )
+        if self.shrink is not None:
+            for record, t in self.shrink.tasks:
+                out.append(
+                    f"shrink {record.key} {t.role}.{t.index}@{t.node} for {self.shrink.for_job.job_id}"
+                )
+        for g in self.grow:
+            out += [f"grow {g.record.key} +{t.role}.{t.index}@{t.node}" for t in g.added]
+        return out
+
+
+def decide(
+    view: View,
+    vcs: Mapping[str, VirtualCluster],
+    fixed: quota.Fixeds,
+    at: datetime,
+    window: int = BACKFILL_WINDOW,
+    tries: int = PREEMPT_TRIES,
+) -> Decision:
+    """What this cycle does (module docstring). `window`: jobs behind the head one plan tries;
+    `tries`: waiting jobs looked at for a preemption, or a shrink, that would let them in."""
+    waiting = view.queue(at)
+    decision = Decision(queued=len(waiting))
+    if waiting:
+        _place(view, vcs, fixed, waiting, at, window, tries, decision)
+    if view.elastic:
+        _resize(view, vcs, at, tries, decision)
+    return decision
+
+
+# ------------------------------------------------------------------ placing the queue
+
+
+def _place(
+    view: View,
+    vcs: Mapping[str, VirtualCluster],
+    fixed: quota.Fixeds,
+    waiting: list[tuple[Job, int]],
+    at: datetime,
+    window: int,
+    tries: int,
+    decision: Decision,
+) -> None:
+    held_back: dict[str, str] = {}
+    order: quota.Order[placement.PendingJob] | None = None
+    queue: list[placement.PendingJob] | quota.Order[placement.PendingJob]
+    if vcs or view.ranked:
+        order, ledger, running = _sharing(view, vcs, fixed, waiting, at)
+        queue = order
+    else:
+        queue = [placement.PendingJob(j.job_id, j.config.smallest()) for j, _ in waiting]
+    avoid = nodes_to_avoid(view.avoid_candidates(at), at)
+    plan = plan_around(view.cluster, view.capacity, queue, avoid, window)
+    borrowed: set[str] = set()
+    jobs: dict[str, Job] = {}
+    if order is not None:
+        jobs = {job.job_id: job for job, _ in waiting}
+        held_back = order.held()
+        placed = [p.job_id for p in order.taken if p.job_id in plan.placements]
+        if len(placed) < len(plan.placements):  # the second plan (around avoided nodes) placed more
+            placed = order.in_order(plan.placements)
+        for job_id in placed:  # in queue order: who is within its quota, placements counted
+            job = jobs[job_id]
+            use = quota.need(job.config)
+            if not ledger.within(job.config.virtualCluster, use):
+                borrowed.add(job.job_id)
+            ledger.take(job.config.virtualCluster, job.user, use)
+        decision.preempt = _preempt_for(view, _in_order(order, jobs), plan, ledger, running, tries)
+        plan.pending.update(held_back)
+    # With no node registered at all, the cluster is starting, not too small.
+    registered = bool(view.capacity.cluster.nodes)
+    for job, n in waiting:
+        if job.job_id in plan.placements:
+            decision.steps.append(Place(job, n, plan.placements[job.job_id], job.job_id in borrowed))
+        elif job.job_id in plan.pending:
+            reason = plan.pending[job.job_id]
+            unschedulable = job.job_id in plan.unschedulable and registered
+            if (job.reason, job.unschedulable) != (reason, unschedulable):
+                decision.steps.append(Wait(job, reason, unschedulable))
+    decision.reasons = dict(plan.pending)
+    # In queue order; what is shrunk for reads the first `tries` of them only.
+    blocked = (job for job, _ in waiting) if order is None else _in_order(order, jobs)
+    decision.blocked = list(
+        itertools.islice(
+            (
+                job
+                for job in blocked
+                if job.job_id in plan.pending
+                and job.job_id not in plan.unschedulable
+                and job.job_id not in held_back
+            ),
+            tries,
+        )
+    )
+
+
+def _in_order(order: quota.Order[placement.PendingJob], jobs: Mapping[str, Job]) -> Iterator[Job]:
+    """The waiting jobs in sharing order, taken from `order` as far as they are read."""
+    for pending in order.ordered():
+        job = jobs.get(pending.job_id)
+        if job is not None:
+            yield job
+
+
+def _sharing(
+    view: View,
+    vcs: Mapping[str, VirtualCluster],
+    fixed: quota.Fixeds,
+    waiting: list[tuple[Job, int]],
+    at: datetime,
+) -> tuple[quota.Order[placement.PendingJob], quota.Ledger, list[quota.Running]]:
+    """With virtual clusters or priorities in use: the queue in sharing order (quota.py), made
+    as the planner takes it; the ledger; what runs."""
+    running = view.running(at)
+    capacity = quota.capacity_of(view.capacity.cluster.nodes.values())
+    ledger = quota.Ledger(quota.limits(vcs, capacity), running)
+    of = fixed.of
+    order = quota.Order(
+        ledger,
+        (
+            (
+                of(j.job_id, j.config, j.user, j.submitted_at),
+                placement.PendingJob(j.job_id, j.config.smallest()),
+            )
+            for j, _ in waiting
+        ),
+    )
+    fixed.next_cycle()
+    return order, ledger, running
+
+
+def _preempt_for(
+    view: View,
+    waiting: Iterable[Job],
+    plan: placement.Plan,
+    ledger: quota.Ledger,
+    running: list[quota.Running],
+    tries: int,
+) -> list[Preempt]:
+    """The first waiting job (in queue order) that cannot run now but would if some gangs
+    stopped gets them stopped. None while any gang is still stopping (preempted, or ended and
+    tearing down): what it frees may be enough, and choosing more victims before it is would
+    stop more than needed. Read from the records, so a new leader keeps to it too. Sets the
+    reasons in `plan.pending` that say so."""
+    stopping = [r for r in running if r.stopping]
+    if stopping:
+        for job_id in plan.pending:
+            n = sum(1 for r in stopping if r.preempted_by == job_id)
+            if n:
+                plan.pending[job_id] = f"waiting for {n} preempted gang(s) to stop"
+        return []
+    tried = 0
+    for job in waiting:
+        if job.job_id not in plan.pending or job.job_id in plan.unschedulable:
+            continue
+        tried += 1
+        if tried > tries:
+            return []
+        w = quota.Waiting(
+            job.job_id,
+            job.config.virtualCluster,
+            job.user,
+            rank(job.config.priority),
+            job.config,
+            job.submitted_at,
+        )
+        options = quota.candidates(w, ledger, running)
+        victims = quota.choose_victims(view.cluster, w, options)
+        if not victims:
+            continue
+        plan.pending[job.job_id] = (
+            f"preempted {', '.join(v.job_id for v in victims)} to make room; waiting for them to stop"
+        )
+        return [_preempt(job, v) for v in victims]
+    return []
+
+
+def _preempt(job: Job, victim: quota.Running) -> Preempt:
+    if victim.vc == job.config.virtualCluster:
+        why = f"preempted by {job.job_id} ({job.config.priority} priority, {job.user})"
+        return Preempt(victim, job, "priority", why)
+    why = (
+        f"preempted by {job.job_id}: virtual cluster {job.config.virtualCluster} reclaims "
+        f"the capacity {victim.vc} borrowed"
+    )
+    return Preempt(victim, job, "reclaim", why)
+
+
+# ------------------------------------------------------------------ elastic roles (elastic.py)
+
+
+def _resize(
+    view: View, vcs: Mapping[str, VirtualCluster], at: datetime, tries: int, decision: Decision
+) -> None:
+    """Shrink elastic roles for the first blocked job that removing their newest tasks would
+    let in; else (nothing waits, or nothing waiting could be let in so) grow them into free
+    capacity, which no waiting job can use now. Read with this cycle's placements held, and
+    without the gangs it preempts (their attempts end)."""
+    stopped = {p.victim.key for p in decision.preempt}
+    ready = []
+    for key in sorted(view.elastic):
+        record = view.attempts.get(key)
+        job = view.jobs.get(record.job_id) if record is not None else None
+        if record is not None and job is not None and key not in stopped and elastic.settled(record, at):
+            ready.append((job, record))
+    if not ready:
+        return
+    placed = [step for step in decision.steps if isinstance(step, Place)]
+    held: list[tuple[JobConfig, list[TaskSpec]]] = []  # tentative allocations, undone below
+    try:
+        for step in placed:  # as the cluster will be once they are committed
+            view.cluster.allocate(step.job.config, step.tasks)
+            held.append((step.job.config, step.tasks))
+        _shrink_or_grow(view, vcs, at, tries, decision, ready, placed, held)
+    finally:
+        for config, tasks in held:
+            view.cluster.release(config, tasks)
+
+
+def _shrink_or_grow(
+    view: View,
+    vcs: Mapping[str, VirtualCluster],
+    at: datetime,
+    tries: int,
+    decision: Decision,
+    ready: list[tuple[Job, AttemptRecord]],
+    placed: list[Place],
+    held: list[tuple[JobConfig, list[TaskSpec]]],
+) -> None:
+    for waiting in decision.blocked[:tries]:
+        pending = placement.PendingJob(waiting.job_id, waiting.config.smallest())
+        running = [(job.config, record) for job, record in ready if job.job_id != waiting.job_id]
+        chosen = elastic.shrink_for(view.cluster, pending, running)
+        if chosen:
+            decision.shrink = Shrink(waiting, chosen)
+            return
+    ledger = None
+    if vcs:  # a VC that may not borrow: its elastic jobs grow only within its quota
+        capacity = quota.capacity_of(view.capacity.cluster.nodes.values())
+        ledger = quota.Ledger(quota.limits(vcs, capacity), view.running(at))
+        for step in placed:  # what this cycle places holds too
+            ledger.take(
+                step.job.config.virtualCluster,
+                step.job.user,
+                quota.held(step.job.config, step.tasks, view.model_of),
+            )
+    for job, record in ready:
+        added = elastic.grow(view.cluster, job.config, record)
+        if added and ledger is not None and not ledger.limit(job.config.virtualCluster).borrow:
+            kept = []
+            for spec in added:
+                one = quota.task_need(job.config, spec.role_no)
+                if not ledger.within(job.config.virtualCluster, one):
+                    break
+                ledger.take(job.config.virtualCluster, job.user, one)
+                kept.append(spec)
+            added = kept
+        if added:
+            decision.grow.append(Grow(job, record, added))
+            view.cluster.allocate(job.config, added)  # held once applied: the next grows see it
+            held.append((job.config, added))

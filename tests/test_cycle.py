@@ -1,0 +1,316 @@
+"""The scheduler's cycle as data (services/scheduler/cycle.py `decide`), table-tested with no bus:
+each row is a cluster, its virtual clusters, what runs and what waits, and the decision expected,
+one line per act in the order the service applies them (`Decision.lines()`):
+
+    preempt <victim attempt> for <job> (priority|reclaim)
+    place <job>.<attempt> <role>.<index>@<node>[<gpus>] ... [borrowed]
+    wait <job>: <reason> [unschedulable]
+    shrink <attempt> <role>.<index>@<node> for <job>
+    grow <attempt> +<role>.<index>@<node>
+
+Expected lines are patterns (a reason is long; `*` stands for the rest of it). Every node
+has GPUs of model V100, 16 CPUs and 64 GB; jobs ask for 1 CPU and 1 GB per task."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from services.scheduler import quota
+from services.scheduler.cycle import Decision, decide
+from services.scheduler.view import Job, View
+from shared.jobconfig import JobConfig
+from shared.messages import (
+    AttemptRecord,
+    GpuDevice,
+    JobRecord,
+    JobState,
+    NodeInfo,
+    TaskState,
+    TaskStatus,
+    VirtualCluster,
+)
+
+NOW = datetime(2026, 1, 1, 12, tzinfo=UTC)
+LONG_AGO = NOW - timedelta(hours=1)  # past every elastic dwell
+
+
+@dataclass(frozen=True)
+class J:
+    """A job: `tasks` tasks of role w with `gpus` GPUs each; `elastic`: (min, max) of w."""
+
+    id: str
+    tasks: int = 1
+    gpus: int = 1
+    vc: str = "default"
+    user: str = "u"
+    priority: str = "normal"
+    at: int = 0  # submitted, seconds after LONG_AGO
+    elastic: tuple[int, int] | None = None
+
+    def config(self) -> JobConfig:
+        role: dict[str, object] = {
+            "name": "w", "taskNumber": self.tasks, "cpuNumber": 1, "memoryMB": 1024,
+            "gpuNumber": self.gpus, "command": "x",
+        }  # fmt: skip
+        if self.elastic:
+            role |= {"minTaskNumber": self.elastic[0], "maxTaskNumber": self.elastic[1]}
+            role["taskNumber"] = self.elastic[0]
+        return JobConfig.model_validate(
+            {
+                "jobName": self.id,
+                "image": "x",
+                "priority": self.priority,
+                "virtualCluster": self.vc,
+                "taskRoles": [role],
+            }
+        )
+
+
+@dataclass(frozen=True)
+class R:
+    """A running attempt 1 of `job`, one task per entry of `on` ("node:gpu,gpu")."""
+
+    job: J
+    on: tuple[str, ...]
+    borrowed: bool = False
+
+
+@dataclass
+class Row:
+    name: str
+    nodes: dict[str, int]  # node -> V100 GPUs
+    queue: list[J]
+    expect: list[str]
+    running: list[R] = field(default_factory=list)
+    vcs: dict[str, tuple[int, bool]] = field(default_factory=dict)  # VC -> (V100 quota, may borrow)
+
+
+ROWS = [
+    Row(
+        "plain placement: a gang goes where the fewest GPUs remain free",
+        nodes={"a": 4, "b": 2},
+        queue=[J("j1", tasks=2, gpus=1)],
+        expect=["place j1.1 w.0@b[0] w.1@b[1]"],
+    ),
+    Row(
+        "a gang that does not fit waits with its reason; one that never can says so",
+        nodes={"a": 4},
+        running=[R(J("r", gpus=2), ("a:0,1",))],
+        queue=[J("big", tasks=2, gpus=2), J("huge", gpus=8)],
+        expect=[
+            "wait big: *",
+            "wait huge: can never run on the current nodes: * [unschedulable]",
+        ],
+    ),
+    Row(
+        "backfill: a later small job runs beside a waiting head that it does not delay",
+        nodes={"a": 4, "b": 4, "c": 2},
+        running=[R(J("r", gpus=2), ("a:0,1",))],
+        queue=[J("head", tasks=2, gpus=4, at=1), J("small", gpus=2, at=2)],
+        expect=["wait head: *holding resources on a, b", "place small.1 w.0@c[0, 1]"],
+    ),
+    Row(
+        "quota borrowing: a VC beyond its quota runs on idle GPUs, marked borrowed",
+        nodes={"a": 4},
+        vcs={"x": (1, True), "y": (3, True)},
+        queue=[J("x1", gpus=1, vc="x", at=1), J("x2", gpus=2, vc="x", at=2)],
+        expect=["place x1.1 w.0@a[0]", "place x2.1 w.0@a[1, 2] borrowed"],
+    ),
+    Row(
+        "a VC that may not borrow waits for its own quota while another's job runs on the idle GPUs",
+        nodes={"a": 4},
+        vcs={"x": (1, False), "y": (3, True)},
+        running=[R(J("x1", gpus=1, vc="x"), ("a:0",))],
+        queue=[J("x2", gpus=1, vc="x", at=2), J("y1", gpus=1, vc="y", at=3)],
+        expect=["wait x2: waiting for virtual cluster x's quota *", "place y1.1 w.0@a[1]"],
+    ),
+    Row(
+        "reclaim: a job within its VC's quota preempts another VC's borrowed gang",
+        nodes={"a": 4},
+        vcs={"x": (2, True), "y": (2, True)},
+        running=[
+            R(J("x1", gpus=2, vc="x"), ("a:0,1",)),
+            R(J("x2", gpus=2, vc="x", at=1), ("a:2,3",), borrowed=True),
+        ],
+        queue=[J("y1", gpus=2, vc="y", at=5)],
+        expect=[
+            "preempt x2.1 for y1 (reclaim)",
+            "wait y1: preempted x2 to make room; waiting for them to stop",
+        ],
+    ),
+    Row(
+        "a job beyond its own quota may not reclaim borrowed work",
+        nodes={"a": 4},
+        vcs={"x": (3, True), "y": (1, True)},
+        running=[R(J("x1", gpus=4, vc="x"), ("a:0,1,2,3",), borrowed=True)],
+        queue=[J("y1", gpus=2, vc="y", at=5)],
+        expect=["wait y1: *"],
+    ),
+    Row(
+        "priority: a high job preempts the cheapest low gang of its own VC that makes room",
+        nodes={"a": 2, "b": 2},
+        running=[
+            R(J("old", gpus=2, priority="low"), ("a:0,1",)),
+            R(J("new", gpus=2, priority="low", at=30), ("b:0,1",)),
+        ],
+        queue=[J("hi", gpus=2, priority="high", at=60)],
+        expect=[
+            "preempt new.1 for hi (priority)",  # it has run the shorter time: the fewest GPU-seconds lost
+            "wait hi: preempted new to make room; waiting for them to stop",
+        ],
+    ),
+    Row(
+        "no priority preemption of an equal priority gang",
+        nodes={"a": 2},
+        running=[R(J("r", gpus=2), ("a:0,1",))],
+        queue=[J("same", gpus=2, at=60)],
+        expect=["wait same: *"],
+    ),
+    Row(
+        "elastic grow: a running elastic role grows into idle GPUs up to its maximum",
+        nodes={"a": 4},
+        running=[R(J("e", gpus=1, elastic=(1, 3)), ("a:0",))],
+        queue=[],
+        expect=["grow e.1 +w.1@a", "grow e.1 +w.2@a"],
+    ),
+    Row(
+        "elastic grow stops at what this cycle places",
+        nodes={"a": 4},
+        running=[R(J("e", gpus=1, elastic=(1, 4)), ("a:0",))],
+        queue=[J("j", gpus=2, at=5)],
+        expect=["place j.1 w.0@a[1, 2]", "grow e.1 +w.1@a"],
+    ),
+    Row(
+        "elastic grows one after the other: the second sees what the first took",
+        nodes={"a": 3},
+        running=[
+            R(J("e1", gpus=1, elastic=(1, 3)), ("a:0",)),
+            R(J("e2", gpus=1, elastic=(1, 3)), ("a:1",)),
+        ],
+        queue=[],
+        expect=["grow e1.1 +w.1@a"],
+    ),
+    Row(
+        "elastic grow within a quota that may not be exceeded",
+        nodes={"a": 4},
+        vcs={"x": (2, False)},
+        running=[R(J("e", gpus=1, vc="x", elastic=(1, 4)), ("a:0",))],
+        queue=[],
+        expect=["grow e.1 +w.1@a"],
+    ),
+    Row(
+        "elastic shrink: the newest tasks above the minimum go so that a waiting job fits",
+        nodes={"a": 4},
+        running=[R(J("e", gpus=1, elastic=(1, 4)), ("a:0", "a:1", "a:2", "a:3"))],
+        queue=[J("j", gpus=2, at=5)],
+        expect=["wait j: *", "shrink e.1 w.3@a for j", "shrink e.1 w.2@a for j"],
+    ),
+    Row(
+        "no shrink below the minimum: the waiting job waits and nothing grows",
+        nodes={"a": 4},
+        running=[R(J("e", gpus=1, elastic=(3, 4)), ("a:0", "a:1", "a:2", "a:3"))],
+        queue=[J("j", gpus=2, at=5)],
+        expect=["wait j: *"],
+    ),
+]
+
+
+def view_of(row: Row) -> tuple[View, dict[str, VirtualCluster]]:
+    v = View(node_timeout=30)
+    for name, gpus in row.nodes.items():
+        v.nodes[name] = NodeInfo(
+            node=name, address="10.0.0.1", cpus=16, memory_mb=65536, runtime="sim", agent_id=name,
+            gpus=[GpuDevice(index=i, model="V100") for i in range(gpus)], heartbeat_at=NOW,
+        )  # fmt: skip
+        v.node_changed(name, NOW)
+
+    def put_job(j: J, state: JobState, attempt: int) -> None:
+        record = JobRecord(
+            job_id=j.id, job_name=j.id, submission_id=j.id, user=j.user, config=j.config(),
+            submitted_at=LONG_AGO + timedelta(seconds=j.at), state=state, attempt=attempt,
+        )  # fmt: skip
+        v.jobs[j.id] = Job.of(record)
+        v.job_changed(j.id)
+
+    for r in row.running:
+        put_job(r.job, JobState.RUNNING, 1)
+        tasks = []
+        for i, where in enumerate(r.on):
+            node, gpus = where.split(":")
+            tasks.append(
+                TaskStatus(
+                    role="w",
+                    role_no=0,
+                    index=i,
+                    node=node,
+                    gpus=[int(g) for g in gpus.split(",") if g],
+                    state=TaskState.RUNNING,
+                    started_at=LONG_AGO + timedelta(seconds=r.job.at),
+                )
+            )
+        record = AttemptRecord(
+            job_id=r.job.id, attempt=1, tasks=tasks, borrowed=r.borrowed, placed_at=LONG_AGO,
+            elastic=["w"] if r.job.elastic else [],
+        )  # fmt: skip
+        v.attempts[record.key] = record
+        v.attempt_changed(record.key)
+    for j in row.queue:
+        put_job(j, JobState.WAITING, 0)
+    vcs = {
+        name: VirtualCluster.model_validate({"name": name, "quota": {"gpus": {"V100": n}}, "borrow": borrow})
+        for name, (n, borrow) in row.vcs.items()
+    }
+    return v, vcs
+
+
+def matches(lines: list[str], expect: list[str]) -> bool:
+    """Each line matches its pattern, in order; `*` is the only wildcard."""
+
+    def glob(pattern: str) -> re.Pattern[str]:
+        return re.compile(".*".join(re.escape(part) for part in pattern.split("*")) + r"\Z", re.DOTALL)
+
+    return len(lines) == len(expect) and all(
+        glob(e).match(line) for line, e in zip(lines, expect, strict=True)
+    )
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
+def test_a_cycle_decides(row: Row) -> None:
+    v, vcs = view_of(row)
+    before = {n.name: (n.used_cpus, set(n.used_gpus)) for n in v.cluster.nodes.values()}
+    decision = decide(v, vcs, quota.Fixeds(), NOW)
+    lines = decision.lines()
+    assert matches(lines, row.expect), "\n".join(["decided:", *lines, "expected:", *row.expect])
+    # The view's index is left as it was: every tentative allocation was undone.
+    assert {n.name: (n.used_cpus, set(n.used_gpus)) for n in v.cluster.nodes.values()} == before
+
+
+def test_the_apply_order_is_preemptions_then_queue_order_then_resize() -> None:
+    row = next(r for r in ROWS if r.name.startswith("elastic grow stops"))
+    v, vcs = view_of(row)
+    d = decide(v, vcs, quota.Fixeds(), NOW)
+    assert isinstance(d, Decision) and d.queued == 1 and not d.preempt and d.shrink is None
+    assert [s.job.job_id for s in d.steps] == ["j"] and [g.record.key for g in d.grow] == ["e.1"]
+
+
+def test_a_reason_already_on_the_record_is_not_written_again() -> None:
+    row = ROWS[1]
+    v, vcs = view_of(row)
+    first = decide(v, vcs, quota.Fixeds(), NOW)
+    for step in first.steps:  # as if the service had written them
+        job = v.jobs[step.job.job_id]
+        job.reason, job.unschedulable = step.reason, step.unschedulable  # type: ignore[union-attr]
+    assert decide(v, vcs, quota.Fixeds(), NOW).lines() == []
+
+
+def test_nothing_is_decided_while_a_preempted_gang_is_still_stopping() -> None:
+    row = next(r for r in ROWS if r.name.startswith("reclaim"))
+    v, vcs = view_of(row)
+    stopping = v.attempts["x2.1"].model_copy(update={"preempted_by": "y1", "ended_at": NOW})
+    v.attempts["x2.1"] = stopping
+    v.attempt_changed("x2.1")
+    assert decide(v, vcs, quota.Fixeds(), NOW).lines() == ["wait y1: waiting for 1 preempted gang(s) to stop"]
