@@ -2,7 +2,8 @@
 # Build the Muster services image (muster/muster:<version> and :latest) from deploy/Dockerfile,
 # for machines that cannot pull from a registry: the base image is the local muster/base:bookworm
 # (built by deploy/build-base-image.sh when missing), and muster with its runtime dependencies
-# comes from a wheelhouse made here with `pip wheel` (no torch, no test extras).
+# comes from a wheelhouse made here with `pip wheel`: the dependencies at the versions and hashes of
+# requirements.lock, muster itself without resolving anything (no torch, no test extras).
 #
 # Usage: deploy/build-image.sh [--force]
 #   --force   rebuild even if muster/muster:<version> exists and was built from the same sources
@@ -55,7 +56,7 @@ fi
 # What the image is made of: the sources, the Dockerfile and the base image's id.
 SOURCE="$(
   cd "$ROOT"
-  { find pyproject.toml README.md shared services deploy/Dockerfile -type f \
+  { find pyproject.toml requirements.lock README.md shared services deploy/Dockerfile -type f \
       -not -path '*/__pycache__/*' -not -name '*.pyc' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum
     docker image inspect -f '{{.Id}}' "$BASE"
   } | sha256sum | cut -c1-16
@@ -71,11 +72,12 @@ CTX="$(mktemp -d "${TMPDIR:-/tmp}/muster-image.XXXXXX")"
 trap 'rm -rf "$CTX"' EXIT
 
 # Build the wheel from a copy of the sources, so that setuptools leaves nothing in the checkout.
-log "making the wheelhouse (muster $VERSION and its runtime dependencies) with $PIP"
+log "making the wheelhouse (muster $VERSION and its runtime dependencies from requirements.lock) with $PIP"
 mkdir -p "$CTX/src" "$CTX/wheels"
 cp -r "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/shared" "$ROOT/services" "$CTX/src/"
 find "$CTX/src" -name __pycache__ -prune -exec rm -rf {} +
-if ! "$PIP" wheel --disable-pip-version-check -q "$CTX/src" -w "$CTX/wheels" >"$CTX/pip.log" 2>&1; then
+if ! { "$PIP" wheel --disable-pip-version-check -q --require-hashes -r "$ROOT/requirements.lock" -w "$CTX/wheels" &&
+       "$PIP" wheel --disable-pip-version-check -q --no-deps "$CTX/src" -w "$CTX/wheels"; } >"$CTX/pip.log" 2>&1; then
   grep -v 'is ignored: it is neither a file nor a directory' "$CTX/pip.log" | tail -n 30 >&2 || true
   die "pip wheel failed"
 fi

@@ -111,7 +111,10 @@ def test_readme_first_command_as_written(tmp_path):
     `.venv` this environment's): `muster up` in the background and `muster submit --wait` at
     once beside it, with no MUSTER_NATS_URL; whether 4222 is free or taken, the job SUCCEEDS."""
     readme = (ROOT / "README.md").read_text()
-    install = "python3 -m venv .venv && .venv/bin/pip install -q -e . && "
+    install = (
+        "python3 -m venv .venv && .venv/bin/pip install -q --require-hashes -r requirements.lock"
+        " && .venv/bin/pip install -q --no-deps -e . && "
+    )
     (line,) = [x for x in readme.splitlines() if x.startswith(install)]
     command = line.removeprefix(install)
     assert command.startswith("{ .venv/bin/muster up ") and "& } && .venv/bin/muster submit " in command
