@@ -14,6 +14,7 @@ import time
 import pytest
 
 from services.agent.inventory import PortPool, discover_gpus, parse_gpus, short_model
+from services.agent.service import begin_reading
 from shared import bus, client, subjects
 from shared.messages import JobRecord, JobState, NodeInfo
 from shared.natsserver import NatsServer
@@ -198,3 +199,17 @@ async def test_gpu_tasks_get_disjoint_devices_of_the_right_type(cluster, nats_ur
         assert "A100" in job.reason and "T4" in job.reason and "V100" in job.reason, job.reason
     finally:
         await nc.close()
+
+
+def test_an_agent_that_crashes_before_its_first_heartbeat_leaves_where_to_read_on_from(tmp_path):
+    """A successor of an agent killed before its first heartbeat reads its tasks' output on
+    from where that agent began (or from where it had been told to), not from its own start:
+    what the tasks wrote in between is not lost."""
+    root = str(tmp_path)
+    before = time.time()
+    assert begin_reading(root) is None  # a first start
+    first = begin_reading(root)  # the next agent, after a crash before any heartbeat
+    assert first is not None and first <= before
+    assert begin_reading(root) == first  # and the one after it, crashed as early: still from there
+    assert begin_reading(root, note=False) == first  # a runtime that adopts nothing notes nothing
+    assert begin_reading(root) is None

@@ -149,12 +149,25 @@ def stopped_reading(work_root: str) -> float | None:
     return found
 
 
-def _note_read_through(work_root: str) -> None:
+def begin_reading(work_root: str, note: bool = True) -> float | None:
+    """At start: where the agent before this one stopped reading its tasks' output
+    (`stopped_reading`), and a note for a successor should this agent crash before its first
+    heartbeat notes more: to read on from where this one began (a task adopted from an earlier
+    point is read again from there), never from when the successor starts, which would lose what
+    the tasks wrote meanwhile (seen: an MPI launcher's whole output, when the agent was killed
+    within its first heartbeat period and the job ended before the next agent came)."""
+    at = stopped_reading(work_root)
+    if note:  # a runtime whose tasks a successor can adopt
+        _note_read_through(work_root, at)
+    return at
+
+
+def _note_read_through(work_root: str, at: float | None = None) -> None:
     """Every heartbeat: what the output read so far covers, for a successor after a crash."""
     path = Path(work_root) / READ_THROUGH
     tmp = path.with_name(f".{READ_THROUGH}.tmp")
     with contextlib.suppress(OSError):
-        tmp.write_text(f"{time.time() - READ_SLACK:.6f}")
+        tmp.write_text(f"{time.time() - READ_SLACK if at is None else at:.6f}")
         os.replace(tmp, path)
 
 
@@ -289,7 +302,7 @@ class Agent:
         self.reporter.start()
         if self.runtime.name != "sim":  # simulated tasks run no MPI daemons
             await self.rsh.start()  # before adopting: an adopted launcher may call at once
-        self.reconciler.read_from = stopped_reading(self.opts.work_root)
+        self.reconciler.read_from = begin_reading(self.opts.work_root, note=self.runtime.can_adopt)
         await self.reconciler.at_start(placed)
         self.tasks.workdirs.start()  # what nothing adopted uses may go (services/agent/workdirs.py)
         # From here on, tasks do not outlive this agent unless it detaches on purpose.
