@@ -536,11 +536,18 @@ def header(msg: Any, name: str) -> str | None:
     return (msg.headers or {}).get(name)
 
 
-async def publish_once(js: JetStreamContext, subject: str, data: bytes, msg_id: str) -> api.PubAck:
+async def publish_once(
+    js: JetStreamContext,
+    subject: str,
+    data: bytes,
+    msg_id: str,
+    headers: dict[str, str] | None = None,
+) -> api.PubAck:
     """Publish to a stream at most once per `msg_id` within the stream's duplicate window: a
     retried or replayed publish of the same fact (a restarted service, a second replica) is
-    dropped by the server. Every de-duplicated publish in Muster goes through here."""
-    return await js.publish(subject, data, headers={subjects.Headers.MSG_ID: msg_id})
+    dropped by the server. Every de-duplicated publish in Muster goes through here; `headers`
+    are sent with it (the id is added to them)."""
+    return await js.publish(subject, data, headers={**(headers or {}), subjects.Headers.MSG_ID: msg_id})
 
 
 async def durable(

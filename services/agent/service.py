@@ -63,7 +63,6 @@ from shared.messages import (
     attempt_key,
     now,
 )
-from shared.subjects import Headers
 
 HEARTBEATS_MISSED = Counter(
     "muster_agent_heartbeats_missed_total", "Heartbeats this agent could not send to the bus", ["node"]
@@ -448,7 +447,8 @@ class Agent:
             endpoint = Endpoint.of(spec, self.opts.address, ports, role.portList)
             try:
                 await self.tasks.specs.expect(a.job_id, a.attempt)  # before the endpoint goes out
-                await self.js.publish(
+                await bus.publish_once(
+                    self.js,
                     subjects.task_event(
                         a.job_id, a.attempt, spec.role, spec.index, "endpoint", self.opts.node
                     ),
@@ -458,7 +458,7 @@ class Agent:
                         gang_size=a.config.total_tasks,
                         endpoint=endpoint,
                     ).to_bytes(),
-                    headers={Headers.MSG_ID: f"endpoint:{a.job_id}.{a.attempt}.{spec.key}"},
+                    f"endpoint:{a.job_id}.{a.attempt}.{spec.key}",
                 )
             except Exception:
                 self.tasks.ports.release(ports)

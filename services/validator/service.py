@@ -354,10 +354,11 @@ class Validator:
                 user=record.user,
             )
             sends.append(
-                self.js.publish(
+                bus.publish_once(
+                    self.js,
                     subjects.job_event(record.job_id, kind),
                     event.to_bytes(),
-                    headers={Headers.MSG_ID: f"{record.job_id}:{kind}"},
+                    f"{record.job_id}:{kind}",
                 )
             )
         verdict = Verdict(
@@ -441,10 +442,11 @@ class Validator:
         # One verdict per submission id and payload: a redelivery is deduplicated, while another
         # payload under a used id gets its own (stored) verdict.
         payload_id = hashlib.sha256(data).hexdigest()[:16]
-        await self.js.publish(
+        await bus.publish_once(
+            self.js,
             subjects.verdict(verdict.user, verdict.submission_id),
             verdict.to_bytes(),
-            headers={Headers.MSG_ID: f"verdict:{verdict.submission_id}:{payload_id}"},
+            f"verdict:{verdict.submission_id}:{payload_id}",
         )
 
 
