@@ -46,7 +46,7 @@ DEFAULT_URL = "nats://127.0.0.1:4222"
 # subjects, built of 64-character tokens, stay under 400.
 MAX_SUBJECT = 1024
 _SUBJECT = re.compile(r"[^\x00-\x20\x7f]{1," + str(MAX_SUBJECT) + "}")  # no space or control character
-LEASE_TTL = 4.0  # seconds a leader's lease lives without renewal
+LEASE_TTL = subjects.LEASE_TTL
 LOGS_MAX_BYTES = settings.number("MUSTER_LOGS_MAX_BYTES", 1 << 30, int, low=1)
 METRICS_MAX_BYTES = settings.number("MUSTER_METRICS_MAX_BYTES", 256 << 20, int, low=1)
 log = structlog.get_logger()
@@ -252,17 +252,7 @@ STREAMS = (
     subjects.LOGS_STREAM,
     subjects.METRICS_STREAM,
 )
-BUCKETS: dict[str, tuple[int, float]] = {
-    subjects.JOBS_BUCKET: (5, 0),
-    subjects.JOB_NAMES_BUCKET: (1, 0),
-    subjects.NODES_BUCKET: (1, 0),
-    subjects.ATTEMPTS_BUCKET: (5, 0),
-    subjects.RENDEZVOUS_BUCKET: (1, 0),
-    subjects.SECRETS_BUCKET: (1, 0),
-    subjects.VCS_BUCKET: (5, 0),
-    subjects.DATASETS_BUCKET: (5, 0),
-    subjects.LEASES_BUCKET: (1, LEASE_TTL),
-}
+BUCKETS = subjects.BUCKETS  # each bucket's (history, ttl): in shared/subjects.py, beside the names
 
 
 class JetStream(JetStreamContext):

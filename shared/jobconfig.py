@@ -556,7 +556,9 @@ PORT_RULES: tuple[PortRule, ...] = (_port_label_is_unique, _port_range_ends_by_6
 
 def _ports_follow_port_rules(roles: list[Any], i: int, role: dict[str, Any]) -> Iterator[FieldError]:
     ports = role.get("portList")
-    for j, port in enumerate(ports if isinstance(ports, list) else []):
+    if not isinstance(ports, list):
+        return
+    for j, port in enumerate(ports):
         if isinstance(port, dict):
             for rule in PORT_RULES:
                 yield from rule(ports, f"taskRoles[{i}]", j, port)

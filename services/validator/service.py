@@ -42,6 +42,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Awaitable
 from datetime import datetime
 from typing import Any
 
@@ -343,7 +344,7 @@ class Validator:
     ) -> Verdict:
         """Announce an accepted job (again, on a redelivery: every publish is deduplicated).
         The three publishes leave in this order and their acks are awaited together."""
-        sends = []
+        sends: list[Awaitable[object]] = []
         for kind in (JobEventKind.SUBMITTED, JobEventKind.ACCEPTED):
             event = JobEvent(
                 job_id=record.job_id,
