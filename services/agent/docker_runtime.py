@@ -97,6 +97,8 @@ def missed(came: list[bytes], tail: bytes) -> tuple[list[bytes], bytes | None]:
 class DockerTask:
     """One started container: its output stream, exit code, stop and removal."""
 
+    can_exec = True
+
     def __init__(
         self,
         container: Container,

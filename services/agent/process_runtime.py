@@ -67,6 +67,9 @@ log = structlog.get_logger(service="agent")
 
 
 class ProcessTask:
+    oom_killed = False  # no memory limit is enforced on a process (memoryMB is only counted)
+    can_exec = True
+
     def __init__(
         self, name: str, proc: asyncio.subprocess.Process, reader: asyncio.Task[None], record: Path | None
     ) -> None:

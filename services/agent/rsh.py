@@ -427,10 +427,10 @@ class Rsh:
             # Polled: a task's start has no event of its own to wait on.
             while task.handle is None and key in self.tasks.live and loop.time() < deadline:  # noqa: ASYNC110
                 await asyncio.sleep(0.2)
-            run = getattr(task.handle, "exec", None)
-            if run is None or key not in self.tasks.live:
-                why = "the task is not running" if run is None or task.handle is None else "the task ended"
-                if task.handle is not None and run is None:
+            handle = task.handle
+            if handle is None or not handle.can_exec or key not in self.tasks.live:
+                why = "the task is not running" if handle is None else "the task ended"
+                if handle is not None and not handle.can_exec:
                     why = "this node's runtime cannot run commands in a task"
                 await self._reply(caller, reply("error", error=why))
                 return
@@ -444,7 +444,7 @@ class Rsh:
                     await self._reply(caller, reply("out", data=text[i : i + MAX_EXEC_CHUNK]))
 
             self.log.info("agent.exec_started", caller=caller, task=task.name)
-            code = await run(ask.command, output)
+            code = await handle.exec(ask.command, output)
             self.log.info("agent.exec_ended", caller=caller, task=task.name, exit_code=code)
             await self._reply(caller, reply("exit", code=code))
         except asyncio.CancelledError:  # cancelled by the caller, the task ended, or we leave
