@@ -649,11 +649,15 @@ async def consume(
     logger: Any,
     batch: int = 64,
     parallel: int = 1,
+    renew: Callable[[], Awaitable[Any]] | None = None,
 ) -> None:
-    """Pull from a durable consumer and handle each message until `stop`, up to `parallel`
-    at a time (their round trips overlap; handlers in flight are waited for before returning).
-    A fetch that fails (disconnected, server restarting) is logged once per outage and retried;
-    nats-py resumes the subscription after a reconnect."""
+    """The one loop that reads a pull consumer (`consume.serve` adds typed handling to it): pull
+    from `sub` and handle each message until `stop`, up to `parallel` at a time (their round
+    trips overlap; handlers in flight are waited for before returning). A fetch that fails
+    (disconnected, server restarting) is logged once per outage and retried; nats-py resumes the
+    subscription after a reconnect. `renew`, where given, makes a fresh subscription when
+    fetches keep failing while connected (every 4th failure): the consumer or its stream is
+    gone, the bus lost its state."""
     if parallel > 1:
         slots = asyncio.Semaphore(parallel)
         running: set[asyncio.Task[None]] = set()
@@ -673,38 +677,37 @@ async def consume(
             task.add_done_callback(running.discard)
 
         try:
-            await consume(sub, take, stop, logger, batch)
+            await consume(sub, take, stop, logger, batch, renew=renew)
         finally:
             if running:
                 await asyncio.wait(list(running))
         return
     puller = Puller(sub, batch)
     try:
-        await _pull(puller, handle, stop, logger)
+        failures = 0
+        while not stop.is_set():
+            try:
+                msgs = await puller.next()
+            except (nats.errors.TimeoutError, TimeoutError):
+                continue
+            except Exception as exc:
+                failures += 1
+                if failures == 1:
+                    logger.warning("consumer.fetch_failed", error=str(exc) or type(exc).__name__)
+                await asyncio.sleep(0.5)
+                if renew is not None and failures % 4 == 0 and puller.sub._nc.is_connected:
+                    with contextlib.suppress(Exception):
+                        fresh = Puller(await renew(), batch)
+                        await puller.close()
+                        puller = fresh
+                continue
+            if failures:
+                logger.info("consumer.fetch_restored")
+            failures = 0
+            for msg in msgs:
+                try:
+                    await handle(msg)
+                except Exception:  # a handler that failed to ack or nak must not end the loop
+                    logger.error("consumer.handler_failed", subject=msg.subject, exc_info=True)
     finally:
         await puller.close()
-
-
-async def _pull(
-    puller: Puller, handle: Callable[[Any], Awaitable[None]], stop: asyncio.Event, logger: Any
-) -> None:
-    failing = False
-    while not stop.is_set():
-        try:
-            msgs = await puller.next()
-        except (nats.errors.TimeoutError, TimeoutError):
-            continue
-        except Exception as exc:
-            if not failing:
-                logger.warning("consumer.fetch_failed", error=str(exc) or type(exc).__name__)
-            failing = True
-            await asyncio.sleep(0.5)
-            continue
-        if failing:
-            logger.info("consumer.fetch_restored")
-        failing = False
-        for msg in msgs:
-            try:
-                await handle(msg)
-            except Exception:  # a handler that failed to ack or nak must not end the loop
-                logger.error("consumer.handler_failed", subject=msg.subject, exc_info=True)
