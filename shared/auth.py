@@ -190,9 +190,8 @@ def _bucket(bucket: str, write: bool) -> list[str]:
 
 def _lookup_all() -> list[str]:
     """Stream info of every Muster stream and bucket: how a client checks Muster is set up."""
-    from shared.bus import BUCKETS
-
-    return [f"$JS.API.STREAM.INFO.{s}" for s in STREAMS] + [f"$JS.API.STREAM.INFO.{kv(b)}" for b in BUCKETS]
+    buckets = subjects.BUCKETS
+    return [f"$JS.API.STREAM.INFO.{s}" for s in STREAMS] + [f"$JS.API.STREAM.INFO.{kv(b)}" for b in buckets]
 
 
 def permissions(ident: Identity | Credentials) -> dict[str, Any]:

@@ -46,7 +46,7 @@ DEFAULT_URL = "nats://127.0.0.1:4222"
 # subjects, built of 64-character tokens, stay under 400.
 MAX_SUBJECT = 1024
 _SUBJECT = re.compile(r"[^\x00-\x20\x7f]{1," + str(MAX_SUBJECT) + "}")  # no space or control character
-LEASE_TTL = 4.0  # seconds a leader's lease lives without renewal
+LEASE_TTL = subjects.LEASE_TTL
 LOGS_MAX_BYTES = settings.number("MUSTER_LOGS_MAX_BYTES", 1 << 30, int, low=1)
 METRICS_MAX_BYTES = settings.number("MUSTER_METRICS_MAX_BYTES", 256 << 20, int, low=1)
 log = structlog.get_logger()
@@ -252,17 +252,7 @@ STREAMS = (
     subjects.LOGS_STREAM,
     subjects.METRICS_STREAM,
 )
-BUCKETS: dict[str, tuple[int, float]] = {
-    subjects.JOBS_BUCKET: (5, 0),
-    subjects.JOB_NAMES_BUCKET: (1, 0),
-    subjects.NODES_BUCKET: (1, 0),
-    subjects.ATTEMPTS_BUCKET: (5, 0),
-    subjects.RENDEZVOUS_BUCKET: (1, 0),
-    subjects.SECRETS_BUCKET: (1, 0),
-    subjects.VCS_BUCKET: (5, 0),
-    subjects.DATASETS_BUCKET: (5, 0),
-    subjects.LEASES_BUCKET: (1, LEASE_TTL),
-}
+BUCKETS = subjects.BUCKETS  # each bucket's (history, ttl): in shared/subjects.py, beside the names
 
 
 class JetStream(JetStreamContext):
@@ -536,11 +526,18 @@ def header(msg: Any, name: str) -> str | None:
     return (msg.headers or {}).get(name)
 
 
-async def publish_once(js: JetStreamContext, subject: str, data: bytes, msg_id: str) -> api.PubAck:
+async def publish_once(
+    js: JetStreamContext,
+    subject: str,
+    data: bytes,
+    msg_id: str,
+    headers: dict[str, str] | None = None,
+) -> api.PubAck:
     """Publish to a stream at most once per `msg_id` within the stream's duplicate window: a
     retried or replayed publish of the same fact (a restarted service, a second replica) is
-    dropped by the server. Every de-duplicated publish in Muster goes through here."""
-    return await js.publish(subject, data, headers={subjects.Headers.MSG_ID: msg_id})
+    dropped by the server. Every de-duplicated publish in Muster goes through here; `headers`
+    are sent with it (the id is added to them)."""
+    return await js.publish(subject, data, headers={**(headers or {}), subjects.Headers.MSG_ID: msg_id})
 
 
 async def durable(
@@ -652,11 +649,15 @@ async def consume(
     logger: Any,
     batch: int = 64,
     parallel: int = 1,
+    renew: Callable[[], Awaitable[Any]] | None = None,
 ) -> None:
-    """Pull from a durable consumer and handle each message until `stop`, up to `parallel`
-    at a time (their round trips overlap; handlers in flight are waited for before returning).
-    A fetch that fails (disconnected, server restarting) is logged once per outage and retried;
-    nats-py resumes the subscription after a reconnect."""
+    """The one loop that reads a pull consumer (`consume.serve` adds typed handling to it): pull
+    from `sub` and handle each message until `stop`, up to `parallel` at a time (their round
+    trips overlap; handlers in flight are waited for before returning). A fetch that fails
+    (disconnected, server restarting) is logged once per outage and retried; nats-py resumes the
+    subscription after a reconnect. `renew`, where given, makes a fresh subscription when
+    fetches keep failing while connected (every 4th failure): the consumer or its stream is
+    gone, the bus lost its state."""
     if parallel > 1:
         slots = asyncio.Semaphore(parallel)
         running: set[asyncio.Task[None]] = set()
@@ -676,38 +677,37 @@ async def consume(
             task.add_done_callback(running.discard)
 
         try:
-            await consume(sub, take, stop, logger, batch)
+            await consume(sub, take, stop, logger, batch, renew=renew)
         finally:
             if running:
                 await asyncio.wait(list(running))
         return
     puller = Puller(sub, batch)
     try:
-        await _pull(puller, handle, stop, logger)
+        failures = 0
+        while not stop.is_set():
+            try:
+                msgs = await puller.next()
+            except (nats.errors.TimeoutError, TimeoutError):
+                continue
+            except Exception as exc:
+                failures += 1
+                if failures == 1:
+                    logger.warning("consumer.fetch_failed", error=str(exc) or type(exc).__name__)
+                await asyncio.sleep(0.5)
+                if renew is not None and failures % 4 == 0 and puller.sub._nc.is_connected:
+                    with contextlib.suppress(Exception):
+                        fresh = Puller(await renew(), batch)
+                        await puller.close()
+                        puller = fresh
+                continue
+            if failures:
+                logger.info("consumer.fetch_restored")
+            failures = 0
+            for msg in msgs:
+                try:
+                    await handle(msg)
+                except Exception:  # a handler that failed to ack or nak must not end the loop
+                    logger.error("consumer.handler_failed", subject=msg.subject, exc_info=True)
     finally:
         await puller.close()
-
-
-async def _pull(
-    puller: Puller, handle: Callable[[Any], Awaitable[None]], stop: asyncio.Event, logger: Any
-) -> None:
-    failing = False
-    while not stop.is_set():
-        try:
-            msgs = await puller.next()
-        except (nats.errors.TimeoutError, TimeoutError):
-            continue
-        except Exception as exc:
-            if not failing:
-                logger.warning("consumer.fetch_failed", error=str(exc) or type(exc).__name__)
-            failing = True
-            await asyncio.sleep(0.5)
-            continue
-        if failing:
-            logger.info("consumer.fetch_restored")
-        failing = False
-        for msg in msgs:
-            try:
-                await handle(msg)
-            except Exception:  # a handler that failed to ack or nak must not end the loop
-                logger.error("consumer.handler_failed", subject=msg.subject, exc_info=True)

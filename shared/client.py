@@ -73,13 +73,12 @@ async def submit_json(
     try:
         if bus.identity(nc) is None:
             await bus.open_jetstream(nc, wait=timeout)
-        await nc.jetstream(timeout=10).publish(
+        await bus.publish_once(
+            nc.jetstream(timeout=10),
             subjects.submit(user),
             data,
-            headers={
-                Headers.SUBMISSION_ID: sid,
-                Headers.MSG_ID: f"{user}:{sid}:{hashlib.sha256(data).hexdigest()[:16]}",
-            },
+            f"{user}:{sid}:{hashlib.sha256(data).hexdigest()[:16]}",
+            headers={Headers.SUBMISSION_ID: sid},
         )
         left = deadline - asyncio.get_running_loop().time()
         return sid, await _wait_verdict(nc, sub, sid, left, user)

@@ -9,12 +9,12 @@ checked by the validator service, not here.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable, Iterator
 from typing import Annotated, Any, Literal, TypeGuard
 
 from pydantic import (
     AfterValidator,
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     StringConstraints,
@@ -24,7 +24,8 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-from shared import trainmetrics
+from shared import mpi, trainmetrics
+from shared.fielderror import FieldError as FieldError  # re-exported: its home breaks the mpi circle
 
 # Names end up in container names, NATS subjects, KV keys and paths: letters, digits, '_' and '-'.
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
@@ -348,28 +349,6 @@ class JobConfig(_Model):
         return list(dict.fromkeys([self.image, *(r.image for r in self.taskRoles if r.image)]))
 
 
-def _cut(limit: int) -> Any:
-    """A validator cutting a string to `limit` characters (a path naming a user's 10,000-character
-    key, a reason quoting a value): errors stay small enough to send."""
-
-    def cut(value: Any) -> Any:
-        return value[: limit - 1] + "…" if isinstance(value, str) and len(value) > limit else value
-
-    return BeforeValidator(cut)
-
-
-class FieldError(BaseModel):
-    """One reason a config was rejected: `path` as users write it (`taskRoles[1].memoryMB`)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    path: Annotated[str, _cut(300)]
-    reason: Annotated[str, _cut(2000)]
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.reason}" if self.path else self.reason
-
-
 def format_path(loc: tuple[Any, ...]) -> str:
     out = ""
     for part in loc:
@@ -499,84 +478,110 @@ def _extras_errors(data: dict[str, Any]) -> list[FieldError]:
     return []
 
 
-def _cross_field_errors(data: dict[str, Any]) -> list[FieldError]:
-    """Rules that span fields, checked on the raw data so they are reported alongside field errors."""
-    from shared import mpi  # extras.mpi's rules (shared/mpi.py imports this module)
+# Cross-field rules: each a small named function yielding the errors of one rule. The checker runs
+# them in the order listed (the order errors are reported in). A role rule runs on each role in
+# turn (all role rules on role 0, then on role 1, ...), a port rule on each port of a role.
+JobRule = Callable[[dict[str, Any]], Iterable[FieldError]]
+RoleRule = Callable[[list[Any], int, dict[str, Any]], Iterable[FieldError]]
+PortRule = Callable[[list[Any], str, int, dict[str, Any]], Iterable[FieldError]]
 
-    errors: list[FieldError] = _extras_errors(data) + mpi.errors(data)
-    roles = data.get("taskRoles")
-    if not isinstance(roles, list):
-        return errors
-    seen: dict[str, int] = {}
-    total = 0
-    counting = bool(roles)  # no roles: the total is unknown, taskRoles already reports it
+
+def _extras_elastic_is_a_known_signal(data: dict[str, Any]) -> Iterable[FieldError]:
+    return _extras_errors(data)
+
+
+def _extras_mpi_names_its_roles(data: dict[str, Any]) -> Iterable[FieldError]:
+    return mpi.errors(data)
+
+
+def _role_name_is_unique(roles: list[Any], i: int, role: dict[str, Any]) -> Iterator[FieldError]:
+    name = role.get("name")
+    if not isinstance(name, str):
+        return
+    first = next(
+        (j for j, other in enumerate(roles[:i]) if isinstance(other, dict) and other.get("name") == name),
+        None,
+    )
+    if first is not None:
+        yield FieldError(
+            path=f"taskRoles[{i}].name", reason=f"duplicate role name {name!r} (also taskRoles[{first}])"
+        )
+
+
+def _elastic_role_bounds_hold(roles: list[Any], i: int, role: dict[str, Any]) -> Iterable[FieldError]:
+    return _elastic_errors(role, i)
+
+
+def _completion_counts_fit_task_number(
+    roles: list[Any], i: int, role: dict[str, Any]
+) -> Iterator[FieldError]:
+    """minFailedTaskCount and minSucceededTaskCount ≤ taskNumber."""
+    n = role.get("taskNumber")
+    if not (_is_int(n) and n >= 1):
+        return
+    for key in ("minFailedTaskCount", "minSucceededTaskCount"):
+        v = role.get(key)
+        if _is_int(v) and v > n:
+            yield FieldError(path=f"taskRoles[{i}].{key}", reason=f"must be ≤ taskNumber ({n}), got {v}")
+
+
+def _shm_fits_memory(roles: list[Any], i: int, role: dict[str, Any]) -> Iterator[FieldError]:
+    shm, mem = role.get("shmMB"), role.get("memoryMB")
+    if _is_int(shm) and _is_int(mem) and shm > mem >= 100:
+        yield FieldError(path=f"taskRoles[{i}].shmMB", reason=f"must be ≤ memoryMB ({mem}), got {shm}")
+
+
+def _port_label_is_unique(ports: list[Any], at: str, j: int, port: dict[str, Any]) -> Iterator[FieldError]:
+    label = port.get("label")
+    if isinstance(label, str) and any(
+        isinstance(other, dict) and other.get("label") == label for other in ports[:j]
+    ):
+        yield FieldError(path=f"{at}.portList[{j}].label", reason=f"duplicate port label {label!r}")
+
+
+def _port_range_ends_by_65535(
+    ports: list[Any], at: str, j: int, port: dict[str, Any]
+) -> Iterator[FieldError]:
+    begin, count = port.get("beginAt"), port.get("portNumber")
+    if isinstance(begin, str) and begin.strip().isdigit():
+        begin = int(begin.strip())  # OpenPAI's number as a string
+    if _is_int(begin) and _is_int(count) and 0 < begin <= 65535 and count >= 1 and begin + count - 1 > 65535:
+        yield FieldError(
+            path=f"{at}.portList[{j}].portNumber", reason=f"ports {begin}..{begin + count - 1} run past 65535"
+        )
+
+
+PORT_RULES: tuple[PortRule, ...] = (_port_label_is_unique, _port_range_ends_by_65535)
+
+
+def _ports_follow_port_rules(roles: list[Any], i: int, role: dict[str, Any]) -> Iterator[FieldError]:
+    ports = role.get("portList")
+    if not isinstance(ports, list):
+        return
+    for j, port in enumerate(ports):
+        if isinstance(port, dict):
+            for rule in PORT_RULES:
+                yield from rule(ports, f"taskRoles[{i}]", j, port)
+
+
+ROLE_RULES: tuple[RoleRule, ...] = (
+    _role_name_is_unique,
+    _elastic_role_bounds_hold,
+    _completion_counts_fit_task_number,
+    _shm_fits_memory,
+    _ports_follow_port_rules,
+)
+
+
+def _roles_follow_role_rules(data: dict[str, Any]) -> Iterator[FieldError]:
+    roles = data["taskRoles"]
     for i, role in enumerate(roles):
-        if not isinstance(role, dict):
-            counting = False
-            continue
-        name = role.get("name")
-        if isinstance(name, str):
-            if name in seen:
-                errors.append(
-                    FieldError(
-                        path=f"taskRoles[{i}].name",
-                        reason=f"duplicate role name {name!r} (also taskRoles[{seen[name]}])",
-                    )
-                )
-            else:
-                seen[name] = i
-        n = role.get("taskNumber")
-        errors.extend(_elastic_errors(role, i))
-        if _is_int(n) and n >= 1:
-            top = role.get("maxTaskNumber")
-            total += top if _is_int(top) and top > n else n
-            for key in ("minFailedTaskCount", "minSucceededTaskCount"):
-                v = role.get(key)
-                if _is_int(v) and v > n:
-                    errors.append(
-                        FieldError(
-                            path=f"taskRoles[{i}].{key}",
-                            reason=f"must be ≤ taskNumber ({n}), got {v}",
-                        )
-                    )
-        else:
-            counting = False
-        shm, mem = role.get("shmMB"), role.get("memoryMB")
-        if _is_int(shm) and _is_int(mem) and shm > mem >= 100:
-            errors.append(
-                FieldError(path=f"taskRoles[{i}].shmMB", reason=f"must be ≤ memoryMB ({mem}), got {shm}")
-            )
-        ports = role.get("portList")
-        if isinstance(ports, list):
-            labels: set[str] = set()
-            for j, port in enumerate(ports):
-                if not isinstance(port, dict):
-                    continue
-                label, begin, count = port.get("label"), port.get("beginAt"), port.get("portNumber")
-                if isinstance(label, str):
-                    if label in labels:
-                        errors.append(
-                            FieldError(
-                                path=f"taskRoles[{i}].portList[{j}].label",
-                                reason=f"duplicate port label {label!r}",
-                            )
-                        )
-                    labels.add(label)
-                if isinstance(begin, str) and begin.strip().isdigit():
-                    begin = int(begin.strip())  # OpenPAI's number as a string
-                if (
-                    _is_int(begin)
-                    and _is_int(count)
-                    and 0 < begin <= 65535
-                    and count >= 1
-                    and begin + count - 1 > 65535
-                ):
-                    errors.append(
-                        FieldError(
-                            path=f"taskRoles[{i}].portList[{j}].portNumber",
-                            reason=f"ports {begin}..{begin + count - 1} run past 65535",
-                        )
-                    )
+        if isinstance(role, dict):
+            for rule in ROLE_RULES:
+                yield from rule(roles, i, role)
+
+
+def _data_targets_are_unique(data: dict[str, Any]) -> Iterator[FieldError]:
     mounts = data.get("data")
     targets: dict[str, int] = {}
     for i, entry in enumerate(mounts if isinstance(mounts, list) else []):
@@ -585,35 +590,68 @@ def _cross_field_errors(data: dict[str, Any]) -> list[FieldError]:
         except ValueError:
             continue
         if target in targets:
-            errors.append(
-                FieldError(
-                    path=f"data[{i}]", reason=f"{target} is already mounted by data[{targets[target]}]"
-                )
+            yield FieldError(
+                path=f"data[{i}]", reason=f"{target} is already mounted by data[{targets[target]}]"
             )
         elif target is not None:
             targets[target] = i
+
+
+def _code_sync_gives_branch_or_commit(data: dict[str, Any]) -> Iterator[FieldError]:
     sync = data.get("codeSync")
     if isinstance(sync, dict) and sync.get("branch") is not None and sync.get("commit") is not None:
-        errors.append(FieldError(path="codeSync.commit", reason="give a branch or a commit, not both"))
+        yield FieldError(path="codeSync.commit", reason="give a branch or a commit, not both")
+
+
+def _total_tasks(roles: list[Any]) -> int | None:
+    """The most tasks the job can have (an elastic role counts its maxTaskNumber), or None where
+    a role's count is unknown (no roles: taskRoles already reports it; a role not an object, or
+    without a taskNumber ≥ 1)."""
+    total = 0
+    for role in roles:
+        n = role.get("taskNumber") if isinstance(role, dict) else None
+        if not (_is_int(n) and n >= 1):
+            return None
+        top = role.get("maxTaskNumber")
+        total += top if _is_int(top) and top > n else n
+    return total if roles else None
+
+
+def _kill_all_fits_total_tasks(data: dict[str, Any]) -> Iterator[FieldError]:
     kill_all = data.get("killAllOnCompletedTaskNumber")
-    if counting and _is_int(kill_all) and kill_all > total:
-        errors.append(
-            FieldError(
-                path="killAllOnCompletedTaskNumber",
-                reason=f"must be ≤ the job's total tasks ({total}), got {kill_all}",
-            )
+    total = _total_tasks(data["taskRoles"])
+    if total is not None and _is_int(kill_all) and kill_all > total:
+        yield FieldError(
+            path="killAllOnCompletedTaskNumber",
+            reason=f"must be ≤ the job's total tasks ({total}), got {kill_all}",
         )
+
+
+def _job_envs_leave_muster_names(data: dict[str, Any]) -> Iterator[FieldError]:
     envs = data.get("jobEnvs")
-    if isinstance(envs, dict):
-        for key in envs:
-            if isinstance(key, str) and key.startswith(REFUSED_ENV_PREFIXES):
-                errors.append(
-                    FieldError(
-                        path=f"jobEnvs.{key}",
-                        reason="names starting with MUSTER_ are set by the platform",
-                    )
-                )
-    return errors
+    for key in envs if isinstance(envs, dict) else []:
+        if isinstance(key, str) and key.startswith(REFUSED_ENV_PREFIXES):
+            yield FieldError(
+                path=f"jobEnvs.{key}", reason="names starting with MUSTER_ are set by the platform"
+            )
+
+
+# Checked on any config.
+JOB_RULES: tuple[JobRule, ...] = (_extras_elastic_is_a_known_signal, _extras_mpi_names_its_roles)
+# Checked only where taskRoles is a list (otherwise its field error is reported alone, as before).
+JOB_RULES_WITH_ROLES: tuple[JobRule, ...] = (
+    _roles_follow_role_rules,
+    _data_targets_are_unique,
+    _code_sync_gives_branch_or_commit,
+    _kill_all_fits_total_tasks,
+    _job_envs_leave_muster_names,
+)
+
+
+def _cross_field_errors(data: dict[str, Any]) -> list[FieldError]:
+    """Rules that span fields, checked on the raw data so they are reported alongside field errors."""
+    rules = JOB_RULES + (JOB_RULES_WITH_ROLES if isinstance(data.get("taskRoles"), list) else ())
+    return [error for rule in rules for error in rule(data)]
 
 
 def job_warnings(data: Any) -> list[FieldError]:

@@ -14,8 +14,8 @@ import json
 import re
 from typing import Any
 
-MAX_CONFIG_BYTES = 1024 * 1024
-MAX_YAML_ALIASES = 100
+from shared.configlimits import MAX_CONFIG_BYTES as MAX_CONFIG_BYTES
+from shared.configlimits import MAX_YAML_ALIASES as MAX_YAML_ALIASES
 
 
 class ConfigSyntaxError(ValueError):
@@ -126,7 +126,9 @@ def _path_of(root: Any, target: Any) -> str:
 
 
 def _yaml(text: str) -> Any:
-    from shared.yamlload import ConfigYAMLError, load  # PyYAML only for YAML: a JSON submit skips it
+    # Not a circle (shared/yamlload.py imports only shared/configlimits.py): PyYAML is loaded only
+    # for YAML, a JSON submit skips it.
+    from shared.yamlload import ConfigYAMLError, load
 
     try:
         return load(text)

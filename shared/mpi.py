@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shared.jobconfig import FieldError, JobConfig
+from shared.fielderror import FieldError
+
+if TYPE_CHECKING:  # only named in annotations: shared/jobconfig.py runs this module's `errors`
+    from shared.jobconfig import JobConfig
 
 KEY = "mpi"  # extras.mpi
 FIELDS = ("launcher", "workers")

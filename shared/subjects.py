@@ -207,6 +207,20 @@ DATASETS_BUCKET = "muster_datasets"  # datasets jobs may mount (`data`), as oper
 SECRETS_BUCKET = "muster_secrets"  # jobEnvs values whose names look secret, kept out of job records
 LEASES_BUCKET = "muster_leases"
 SCHEDULER_LEASE = "scheduler"
+LEASE_TTL = 4.0  # seconds a leader's lease lives without renewal
+# Every bucket Muster keeps, with its (history, ttl): made by shared/bus.py, named in every
+# identity's rights by shared/auth.py (here, below both, so neither imports the other).
+BUCKETS: dict[str, tuple[int, float]] = {
+    JOBS_BUCKET: (5, 0),
+    JOB_NAMES_BUCKET: (1, 0),
+    NODES_BUCKET: (1, 0),
+    ATTEMPTS_BUCKET: (5, 0),
+    RENDEZVOUS_BUCKET: (1, 0),
+    SECRETS_BUCKET: (1, 0),
+    VCS_BUCKET: (5, 0),
+    DATASETS_BUCKET: (5, 0),
+    LEASES_BUCKET: (1, LEASE_TTL),
+}
 
 
 class Headers:

@@ -10,7 +10,7 @@ import yaml
 from yaml.composer import ComposerError
 from yaml.error import Mark
 
-from shared.loader import MAX_CONFIG_BYTES, MAX_YAML_ALIASES
+from shared.configlimits import MAX_CONFIG_BYTES, MAX_YAML_ALIASES
 
 
 class ConfigYAMLError(ValueError):

@@ -31,7 +31,7 @@ from docker.models.containers import Container
 from docker.types import DeviceRequest
 from docker.types import Mount as DockerMount
 
-from services.agent import fence
+from services.agent import fence_handle
 from services.agent.runtime import FoundTask, LaunchError, OutputSink, RegistryAuth, TaskLaunch
 from shared.messages import TaskCause
 
@@ -97,6 +97,8 @@ def missed(came: list[bytes], tail: bytes) -> tuple[list[bytes], bytes | None]:
 class DockerTask:
     """One started container: its output stream, exit code, stop and removal."""
 
+    can_exec = True
+
     def __init__(
         self,
         container: Container,
@@ -142,7 +144,11 @@ class DockerTask:
                 buffer = self._catch_up(list(recent), buffer, since)
             if buffer:
                 self._emit(buffer)
-            self._call(lambda: self._logs_done.done() or self._logs_done.set_result(None))
+            self._call(self._logs_ended)
+
+    def _logs_ended(self) -> None:  # on the loop
+        if not self._logs_done.done():
+            self._logs_done.set_result(None)
 
     def _catch_up(self, got: list[bytes], buffer: bytes, since: float | None) -> bytes:
         """The engine can end a follow stream before the last output of a container that has
@@ -580,14 +586,14 @@ class DockerRuntime:
         """If the agent dies without detaching and no new agent comes within `wait` seconds,
         its task containers are stopped, reported and removed (see `services.agent.fence`)."""
         if self._fence is None:
-            self._fence = fence.start_fence("docker", home, pidfile, f"{wait:g}", bus_url=bus_url)
+            self._fence = fence_handle.start_fence("docker", home, pidfile, f"{wait:g}", bus_url=bus_url)
 
     def detach(self) -> None:
         self.detached = True
-        fence.detach(self._fence)
+        fence_handle.detach(self._fence)
 
     async def close(self) -> None:
-        fence.close(self._fence)
+        fence_handle.close(self._fence)
         self._fence = None
         await asyncio.to_thread(self._client.close)
 

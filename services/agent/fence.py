@@ -31,45 +31,26 @@ import asyncio
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from shared.messages import TaskEvent
+from services.agent.fence_handle import DETACH
+from services.agent.process_runtime import ended_at, exit_file, records, settle
+from services.agent.reconcile import Assignments, key_of
+from services.agent.reporting import OUTBOX, Reporter, keep
+from services.agent.runtime import LABEL_ATTEMPT, LABEL_INDEX, LABEL_JOB, LABEL_NODE, LABEL_ROLE, FoundTask
+from services.agent.tasks import LAST_LINES
+from shared import bus
+from shared.messages import TaskCause, TaskEvent, TaskEventKind, now
+from shared.secrets import Masker
 
-DETACH = b"detach\n"
+# Only a Docker node's fence loads the Docker SDK (and services/agent/docker_runtime.py, which
+# imports it): the functions of the docker mode import them where they run.
+
 REASON = "ended as its agent died"
-
-
-def start_fence(mode: str, *args: str, bus_url: str = "") -> subprocess.Popen[bytes]:
-    """The fence of this process (the agent); `bus_url`: where the agent is connected (the
-    fence reports there, as the agent)."""
-    return subprocess.Popen(
-        # The agent's pid, not the fence's parent when it starts: on a loaded machine the
-        # agent may die before the fence has started.
-        [sys.executable, "-m", "services.agent.fence", mode, str(os.getpid()), *args],
-        stdin=subprocess.PIPE,
-        start_new_session=True,  # a signal to the agent's process group does not reach it
-        env={**os.environ, "MUSTER_NATS_URL": bus_url} if bus_url else None,
-    )
-
-
-def detach(fence: subprocess.Popen[bytes] | None) -> None:
-    """The agent stops on purpose and its tasks are to be adopted: stand down."""
-    if fence is not None and fence.stdin is not None:
-        with contextlib.suppress(OSError):
-            fence.stdin.write(DETACH)
-            fence.stdin.flush()
-
-
-def close(fence: subprocess.Popen[bytes] | None) -> None:
-    if fence is not None and fence.stdin is not None:
-        with contextlib.suppress(OSError):
-            fence.stdin.close()
 
 
 def _new_agent(pidfile: Path, old: int) -> bool:
@@ -86,9 +67,6 @@ def exited(
 ) -> TaskEvent | None:
     """The report of a task (known by its labels) that ended by itself with exit `code` at
     `at`; None when its labels do not name a task."""
-    from services.agent.runtime import LABEL_ATTEMPT, LABEL_INDEX, LABEL_JOB, LABEL_NODE, LABEL_ROLE
-    from shared.messages import TaskCause, TaskEvent, TaskEventKind, now
-
     try:
         return TaskEvent(
             job_id=labels[LABEL_JOB],
@@ -111,8 +89,6 @@ def _fence_processes(state_dir: Path, agent: int) -> tuple[list[TaskEvent], list
     """Kill what is left of the dead agent's tasks (only those: a new agent may already run
     tasks, this fence may read the end of its pipe late on a loaded machine); the reports of
     those that had ended by themselves, and their records."""
-    from services.agent.process_runtime import ended_at, exit_file, records, settle
-
     mine = [rec for rec in records(state_dir) if rec.get("agent", agent) == agent]
     codes = [settle(state_dir / f"{rec['name']}.json") for rec in mine]  # all killed first
     events, told = [], []
@@ -137,7 +113,7 @@ def _containers(client: Any, home: str, before: float) -> list[Any]:
 
 def _container_exited(c: Any, code: int, home: str) -> TaskEvent | None:
     """The report of container `c`, which ended by itself with exit `code`."""
-    from services.agent.docker_runtime import finished_at
+    from services.agent.docker_runtime import finished_at  # Docker nodes only (see above)
 
     state = c.attrs.get("State") or {}
     oom = bool(state.get("OOMKilled"))
@@ -163,7 +139,7 @@ def _remove_containers(client: Any, home: str, before: float, told: set[str]) ->
     in the outbox before the containers, which held them, are gone."""
     import docker
 
-    from services.agent.docker_runtime import settle_container
+    from services.agent.docker_runtime import settle_container  # Docker nodes only (see above)
 
     settled = []
     for c in _containers(client, home, before):
@@ -184,11 +160,6 @@ def _remove_containers(client: Any, home: str, before: float, told: set[str]) ->
 def _last_lines(container: Any, home: Path) -> list[str]:
     """What an ended container wrote last, its job's secret values cut out (as its agent would
     have: the job's order, kept on the node, names them); none when the order is not there."""
-    from services.agent.reconcile import Assignments, key_of
-    from services.agent.runtime import FoundTask
-    from services.agent.tasks import LAST_LINES
-    from shared.secrets import Masker
-
     key = key_of(FoundTask(container.name, dict(container.labels), False, None))
     order = Assignments(home / "assignments").load(key[0], key[1]) if key else None
     if order is None:
@@ -207,8 +178,6 @@ def _created(attrs: dict[str, Any]) -> float:
 
 def _write(home: Path, events: list[TaskEvent]) -> None:
     """Into the outbox, in the order they ended (the policy reads ends in order)."""
-    from services.agent.reporting import OUTBOX, keep
-
     outbox = home / OUTBOX
     outbox.mkdir(parents=True, exist_ok=True)
     for event in sorted(events, key=lambda e: e.at):
@@ -218,9 +187,6 @@ def _write(home: Path, events: list[TaskEvent]) -> None:
 async def _send(home: Path, timeout: float) -> bool:
     """Publish everything in the agent's outbox within about `timeout` seconds: whether all of
     it went (what did not stays for the next agent)."""
-    from services.agent.reporting import OUTBOX, Reporter
-    from shared import bus
-
     if not any((home / OUTBOX).glob("*.json")):
         return True
     try:
@@ -288,11 +254,11 @@ def main(argv: list[str]) -> None:
                 record.with_suffix(".exit").unlink(missing_ok=True)
                 record.unlink(missing_ok=True)
     elif mode == "docker":
-        home, pidfile, wait = args[0], Path(args[1]), float(args[2])
+        root, pidfile, wait = args[0], Path(args[1]), float(args[2])
         try:
-            _fence_docker(home, pidfile, wait, agent, died, timeout)
+            _fence_docker(root, pidfile, wait, agent, died, timeout)
         finally:  # whatever the engine did, what the agent left unsent goes
-            asyncio.run(_send(Path(home), timeout))
+            asyncio.run(_send(Path(root), timeout))
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ from typing import Any
 
 import structlog
 
-from services.agent import fence
+from services.agent import fence_handle
 from services.agent.runtime import FoundTask, LaunchError, OutputSink, TaskLaunch
 
 TASK_ENV = "MUSTER_TASK"  # in every task's environment: how a leftover is recognised
@@ -67,6 +67,9 @@ log = structlog.get_logger(service="agent")
 
 
 class ProcessTask:
+    oom_killed = False  # no memory limit is enforced on a process (memoryMB is only counted)
+    can_exec = True
+
     def __init__(
         self, name: str, proc: asyncio.subprocess.Process, reader: asyncio.Task[None], record: Path | None
     ) -> None:
@@ -168,10 +171,10 @@ class ProcessRuntime:
     def start_fence(self, home: str, pidfile: str, wait: float, bus_url: str = "") -> None:
         """Tasks die with the agent, at once: a process cannot be adopted."""
         if self.state_dir and self._fence is None:
-            self._fence = fence.start_fence("process", home, str(self.state_dir), bus_url=bus_url)
+            self._fence = fence_handle.start_fence("process", home, str(self.state_dir), bus_url=bus_url)
 
     def detach(self) -> None:
-        fence.detach(self._fence)
+        fence_handle.detach(self._fence)
 
     containers = False  # tasks see host paths: a Mount's container path means nothing here
 
@@ -275,7 +278,7 @@ class ProcessRuntime:
 
     async def close(self) -> None:
         """The agent is stopping cleanly, its tasks stopped: the fence has nothing left to do."""
-        fence.close(self._fence)
+        fence_handle.close(self._fence)
         self._fence = None
 
 

@@ -16,9 +16,8 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.errors import BadRequestError
 
-from shared import subjects
+from shared import bus, subjects
 from shared.messages import TaskEvent
-from shared.subjects import Headers
 
 log = structlog.get_logger(service="agent")
 OUTBOX = "outbox"  # under the agent's work root
@@ -102,7 +101,7 @@ class Reporter:
         delay, failing = 0.2, False
         while True:
             try:
-                await self.js.publish(subject, data, headers={Headers.MSG_ID: msg_id})
+                await bus.publish_once(self.js, subject, data, msg_id)
                 break
             except BadRequestError as exc:  # the server refuses it: retrying cannot help
                 log.error("agent.report_refused", subject=subject, error=str(exc))

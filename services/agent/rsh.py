@@ -41,27 +41,55 @@ import re
 import socket
 import stat
 import uuid
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from prometheus_client import Counter
 
+from services.agent.runtime import RunningTask
+from services.agent.sharing import Specs
 from shared import mpi, shapes, subjects
 from shared.messages import (
     EXEC_SESSION_RE,
     MAX_EXEC_CHUNK,
     MAX_EXEC_COMMAND,
+    Assignment,
     ClusterSpec,
     Endpoint,
     ExecReply,
     ExecRequest,
 )
 
-if TYPE_CHECKING:
-    from services.agent.tasks import LocalTask, Tasks
+
+# The seam between this module and the agent's tasks (services/agent/tasks.py, which starts
+# Rsh and, through launch.py, imports this module): what Rsh reads of them, declared here and
+# met by tasks.Tasks and tasks.LocalTask, so this module does not import tasks.py.
+class ExecTask(Protocol):
+    """A task this agent runs, as Rsh sees it."""
+
+    @property
+    def assignment(self) -> Assignment: ...
+    @property
+    def cluster(self) -> ClusterSpec | None: ...  # the spec it was started with (None: adopted)
+    @property
+    def handle(self) -> RunningTask | None: ...
+    @property
+    def name(self) -> str: ...
+
+
+class ExecTasks(Protocol):
+    """The tasks this agent runs, by (job id, attempt, role, index), and their cluster specs."""
+
+    @property
+    def live(self) -> Mapping[tuple[str, int, str, int], ExecTask]: ...
+    @property
+    def specs(self) -> Specs: ...
+    def of_attempt(self, job_id: str, attempt: int) -> Sequence[ExecTask]: ...
+
 
 log = structlog.get_logger(service="agent")
 
@@ -116,7 +144,7 @@ def _session_in(data: bytes) -> str | None:
 
 
 class Rsh:
-    def __init__(self, nc: NATS, node: str, tasks: Tasks):
+    def __init__(self, nc: NATS, node: str, tasks: ExecTasks):
         self.nc, self.node, self.tasks = nc, node, tasks
         self.servers: dict[tuple[str, int], asyncio.AbstractServer] = {}
         self.waiting: dict[str, asyncio.Queue[ExecReply]] = {}  # caller: session -> its replies
@@ -302,7 +330,7 @@ class Rsh:
                     cancel = ExecRequest(kind="cancel", session=session)
                     await self.nc.publish(subjects.exec_request(target.node, self.node), cancel.to_bytes())
 
-    async def _spec(self, task: LocalTask) -> ClusterSpec | None:
+    async def _spec(self, task: ExecTask) -> ClusterSpec | None:
         if task.cluster is not None:
             return task.cluster
         a = task.assignment
@@ -354,7 +382,7 @@ class Rsh:
         with contextlib.suppress(Exception):
             await self.nc.publish(subjects.exec_reply(caller, self.node), reply.to_bytes())
 
-    async def _refusal(self, caller: str, ask: ExecRequest) -> tuple[LocalTask | None, str]:
+    async def _refusal(self, caller: str, ask: ExecRequest) -> tuple[ExecTask | None, str]:
         key = (ask.job_id, ask.attempt, ask.role, ask.index)
         task = self.tasks.live.get(key)
         # The agent reports a task's endpoint just before it takes the task on: an ask right
@@ -399,10 +427,10 @@ class Rsh:
             # Polled: a task's start has no event of its own to wait on.
             while task.handle is None and key in self.tasks.live and loop.time() < deadline:  # noqa: ASYNC110
                 await asyncio.sleep(0.2)
-            run = getattr(task.handle, "exec", None)
-            if run is None or key not in self.tasks.live:
-                why = "the task is not running" if run is None or task.handle is None else "the task ended"
-                if task.handle is not None and run is None:
+            handle = task.handle
+            if handle is None or not handle.can_exec or key not in self.tasks.live:
+                why = "the task is not running" if handle is None else "the task ended"
+                if handle is not None and not handle.can_exec:
                     why = "this node's runtime cannot run commands in a task"
                 await self._reply(caller, reply("error", error=why))
                 return
@@ -416,7 +444,7 @@ class Rsh:
                     await self._reply(caller, reply("out", data=text[i : i + MAX_EXEC_CHUNK]))
 
             self.log.info("agent.exec_started", caller=caller, task=task.name)
-            code = await run(ask.command, output)
+            code = await handle.exec(ask.command, output)
             self.log.info("agent.exec_ended", caller=caller, task=task.name, exit_code=code)
             await self._reply(caller, reply("exit", code=code))
         except asyncio.CancelledError:  # cancelled by the caller, the task ended, or we leave

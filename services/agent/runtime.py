@@ -3,7 +3,7 @@ runtime (docker, process, sim) implements. The agent decides *what* runs; a runt
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -58,8 +58,26 @@ class TaskLaunch:
 OutputSink = Callable[[str], None]
 
 
+# Called with each piece of output of a command run in a task (`RunningTask.exec`).
+ExecOutput = Callable[[str], Awaitable[None]]
+
+
 class RunningTask(Protocol):
+    """A started (or adopted) task: all the agent asks of it. Every runtime's handle has all of
+    it; what a runtime cannot do, it says (`can_exec`) rather than lacks."""
+
     name: str
+
+    @property
+    def oom_killed(self) -> bool:
+        """Whether the kernel killed it for using more memory than its limit (known once `wait`
+        returned)."""
+        ...
+
+    @property
+    def can_exec(self) -> bool:
+        """Whether `exec` can run a command in it (mpirun's daemons, through muster-rsh)."""
+        ...
 
     async def wait(self) -> int:
         """Block until the task ends; its exit code (128+N when killed by signal N)."""
@@ -71,6 +89,16 @@ class RunningTask(Protocol):
 
     async def signal(self, sig: int) -> None:
         """Send `sig` to the task (an elastic job's opt-in resize signal); nothing if it ended."""
+        ...
+
+    async def exec(self, command: str, output: ExecOutput) -> int:
+        """Run `command` (by /bin/sh -c) in the running task, its output to `output`; its exit
+        code. Only where `can_exec`."""
+        ...
+
+    async def remove(self) -> None:
+        """Remove what is left of the ended task (its record, its container). Idempotent; the
+        agent calls it once it has reported the end."""
         ...
 
 

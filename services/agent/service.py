@@ -32,7 +32,6 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -63,7 +62,6 @@ from shared.messages import (
     attempt_key,
     now,
 )
-from shared.subjects import Headers
 
 HEARTBEATS_MISSED = Counter(
     "muster_agent_heartbeats_missed_total", "Heartbeats this agent could not send to the bus", ["node"]
@@ -461,7 +459,8 @@ class Agent:
             endpoint = Endpoint.of(spec, self.opts.address, ports, role.portList)
             try:
                 await self.tasks.specs.expect(a.job_id, a.attempt)  # before the endpoint goes out
-                await self.js.publish(
+                await bus.publish_once(
+                    self.js,
                     subjects.task_event(
                         a.job_id, a.attempt, spec.role, spec.index, "endpoint", self.opts.node
                     ),
@@ -471,7 +470,7 @@ class Agent:
                         gang_size=a.config.total_tasks,
                         endpoint=endpoint,
                     ).to_bytes(),
-                    headers={Headers.MSG_ID: f"endpoint:{a.job_id}.{a.attempt}.{spec.key}"},
+                    f"endpoint:{a.job_id}.{a.attempt}.{spec.key}",
                 )
             except Exception:
                 self.tasks.ports.release(ports)
@@ -544,34 +543,16 @@ async def pull_orders(
     logger: Any,
     batch: int = 16,
 ) -> None:
-    """Fetch orders from the pull consumer `subscribe` makes and `take` each, until `stop`. A
-    fetch that keeps failing while connected means the consumer (or its stream) is gone: the
-    bus lost its state, so JetStream is set up again and the consumer made again."""
-    puller = bus.Puller(await subscribe(), batch)
-    failures = 0
-    try:
-        while not stop.is_set():
-            try:
-                msgs = await puller.next()
-                failures = 0
-            except (nats.errors.TimeoutError, TimeoutError):
-                continue
-            except Exception as exc:
-                failures += 1
-                if failures == 1:
-                    logger.warning("agent.fetch_failed", error=str(exc) or type(exc).__name__)
-                await asyncio.sleep(0.5)
-                if failures % 4 == 0 and nc.is_connected:
-                    with contextlib.suppress(Exception):
-                        await bus.setup(nc, wait=0)
-                        fresh = bus.Puller(await subscribe(), batch)
-                        await puller.close()
-                        puller = fresh
-                continue
-            for msg in msgs:
-                await take(msg)
-    finally:
-        await puller.close()
+    """Fetch orders from the pull consumer `subscribe` makes and `take` each, until `stop`
+    (`bus.consume`). A fetch that keeps failing while connected means the consumer (or its
+    stream) is gone: the bus lost its state, so JetStream is set up again and the consumer made
+    again."""
+
+    async def renew() -> Any:
+        await bus.setup(nc, wait=0)
+        return await subscribe()
+
+    await bus.consume(await subscribe(), take, stop, logger, batch, renew=renew)
 
 
 async def check_declaration(options: AgentOptions, runtime: Runtime) -> None:

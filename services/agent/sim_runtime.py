@@ -26,7 +26,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from services.agent.runtime import LABEL_INDEX, LABEL_ROLE, FoundTask, LaunchError, OutputSink, TaskLaunch
+from services.agent.runtime import (
+    LABEL_INDEX,
+    LABEL_ROLE,
+    ExecOutput,
+    FoundTask,
+    LaunchError,
+    OutputSink,
+    TaskLaunch,
+)
 from shared.messages import TaskCause
 
 STOPPED = 143  # 128 + SIGTERM: what a stopped task exits with
@@ -133,6 +141,15 @@ class SimTask:
     async def signal(self, sig: int) -> None:
         if not self._ended.done():
             self._output(f"sim: signal {sig}")
+
+    oom_killed = False  # a timer uses no memory
+    can_exec = False  # nothing runs in a simulated task
+
+    async def exec(self, command: str, output: ExecOutput) -> int:
+        raise NotImplementedError("the sim runtime cannot run commands in a task")
+
+    async def remove(self) -> None:
+        """Nothing is left of it."""
 
 
 class SimRuntime:

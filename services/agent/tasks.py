@@ -259,7 +259,7 @@ class Tasks:
                 cause, reason = task.kill_cause, task.kill_reason
             elif task.kill_reason:
                 cause, reason = TaskCause.KILLED, f"killed: {task.kill_reason}"
-            elif getattr(task.handle, "oom_killed", False):
+            elif task.handle.oom_killed:
                 limit = task.assignment.config.role(task.spec.role).memoryMB
                 cause, reason = TaskCause.OOM, f"out of memory (limit {limit} MB)"
             else:
@@ -286,10 +286,9 @@ class Tasks:
         if task.shipper is not None:  # its last lines (and what was cut) before its end is told
             await task.shipper.close()
         self.report_ended(task.assignment, task.spec, cause, code, reason, list(task.lines))
-        remove = getattr(task.handle, "remove", None)
-        if remove is not None:
+        if task.handle is not None:
             with contextlib.suppress(Exception):
-                await remove()
+                await task.handle.remove()
         a = task.assignment
         if not self.of_attempt(a.job_id, a.attempt):  # its last task here: its directory may go
             self.workdirs.ended(a.job_id, a.attempt)

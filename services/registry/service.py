@@ -48,7 +48,6 @@ from shared.messages import (
     membership,
 )
 from shared.store import BAD_RECORDS, GroupCommit, Store
-from shared.subjects import Headers
 
 log = structlog.get_logger(service="registry")
 SPECS = Counter("muster_registry_specs_total", "Cluster specs published")
@@ -309,10 +308,11 @@ class Registry:
 
     async def publish(self, spec: ClusterSpec, tasks: int) -> None:
         version = "" if spec.version <= 1 else f".v{spec.version}"
-        await self.js.publish(
+        await bus.publish_once(
+            self.js,
             subjects.cluster_spec(spec.job_id, spec.attempt),
             spec.to_bytes(),
-            headers={Headers.MSG_ID: f"spec:{spec.job_id}.{spec.attempt}{version}"},
+            f"spec:{spec.job_id}.{spec.attempt}{version}",
         )
         SPECS.inc()
         log.info(

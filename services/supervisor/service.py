@@ -55,7 +55,6 @@ from shared.messages import (
     now,
 )
 from shared.store import GroupCommit, Store
-from shared.subjects import Headers
 
 log = structlog.get_logger(service="supervisor")
 RECENT_RECORDS = 16384  # job and attempt records kept as bytes, each (see Supervisor.jobs)
@@ -409,8 +408,8 @@ class Supervisor:
             grace=self.kill_grace if grace is None else grace,
         )
         for node in nodes:
-            await self.js.publish(
-                subjects.kill(node), order.to_bytes(), headers={Headers.MSG_ID: f"kill:{attempt.key}:{node}"}
+            await bus.publish_once(
+                self.js, subjects.kill(node), order.to_bytes(), f"kill:{attempt.key}:{node}"
             )
 
     # ------------------------------------------------------------ once a second
@@ -548,7 +547,8 @@ class Supervisor:
         mark = f"{attempt.key}/{task.key}"
         if mark in self.declared:
             return
-        await self.js.publish(
+        await bus.publish_once(
+            self.js,
             subjects.task_event(
                 attempt.job_id,
                 attempt.attempt,
@@ -567,7 +567,7 @@ class Supervisor:
                 cause=cause,
                 reason=reason,
             ).to_bytes(),
-            headers={Headers.MSG_ID: f"{tag}:{mark}"},
+            f"{tag}:{mark}",
         )
         self.declared.add(mark)
         log.warning(
@@ -622,7 +622,8 @@ class Supervisor:
     # ------------------------------------------------------------ shared
 
     async def event(self, job: JobRecord, kind: JobEventKind, detail: str) -> None:
-        await self.js.publish(
+        await bus.publish_once(
+            self.js,
             subjects.job_event(job.job_id, kind),
             JobEvent(
                 job_id=job.job_id,
@@ -632,7 +633,7 @@ class Supervisor:
                 attempt=job.attempt,
                 detail=detail,
             ).to_bytes(),
-            headers={Headers.MSG_ID: f"{job.job_id}:{job.attempt}:{kind}"},
+            f"{job.job_id}:{job.attempt}:{kind}",
         )
         log.info(
             "supervisor.job_state", job_id=job.job_id, attempt=job.attempt, state=job.state, reason=detail

@@ -42,6 +42,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Awaitable
 from datetime import datetime
 from typing import Any
 
@@ -343,7 +344,7 @@ class Validator:
     ) -> Verdict:
         """Announce an accepted job (again, on a redelivery: every publish is deduplicated).
         The three publishes leave in this order and their acks are awaited together."""
-        sends = []
+        sends: list[Awaitable[object]] = []
         for kind in (JobEventKind.SUBMITTED, JobEventKind.ACCEPTED):
             event = JobEvent(
                 job_id=record.job_id,
@@ -354,10 +355,11 @@ class Validator:
                 user=record.user,
             )
             sends.append(
-                self.js.publish(
+                bus.publish_once(
+                    self.js,
                     subjects.job_event(record.job_id, kind),
                     event.to_bytes(),
-                    headers={Headers.MSG_ID: f"{record.job_id}:{kind}"},
+                    f"{record.job_id}:{kind}",
                 )
             )
         verdict = Verdict(
@@ -441,10 +443,11 @@ class Validator:
         # One verdict per submission id and payload: a redelivery is deduplicated, while another
         # payload under a used id gets its own (stored) verdict.
         payload_id = hashlib.sha256(data).hexdigest()[:16]
-        await self.js.publish(
+        await bus.publish_once(
+            self.js,
             subjects.verdict(verdict.user, verdict.submission_id),
             verdict.to_bytes(),
-            headers={Headers.MSG_ID: f"verdict:{verdict.submission_id}:{payload_id}"},
+            f"verdict:{verdict.submission_id}:{payload_id}",
         )
 
 
