@@ -41,8 +41,8 @@ from nats.aio.msg import Msg
 
 from bench import chain
 from bench.cluster import BENCH_USER, Mesh
-from shared import subjects
-from shared.subjects import Headers
+from muster.shared import subjects
+from muster.shared.subjects import Headers
 
 IMAGE = "muster/bench:sim"  # never pulled: the sim runtime starts nothing
 

@@ -36,8 +36,8 @@ from nats.aio.client import Client as NATS
 from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
 
 from bench.cluster import cpu_seconds
-from shared import auth, bus
-from shared.natsserver import NatsServer, die_with_parent
+from muster.shared import auth, bus
+from muster.shared.natsserver import NatsServer, die_with_parent
 
 DONE = "bench.chain.done"
 NUMBERS = itertools.count()

@@ -24,9 +24,9 @@ from pathlib import Path
 
 from nats.aio.client import Client as NATS
 
-from services.agent import sim
-from shared import auth, bus, subjects
-from shared.natsserver import NatsServer, die_with_parent, free_port
+from muster.services.agent import sim
+from muster.shared import auth, bus, subjects
+from muster.shared.natsserver import NatsServer, die_with_parent, free_port
 
 SERVICES = ("validator", "scheduler", "registry", "supervisor", "gateway")
 DOCKER_NODE = "bench-docker"  # the one real agent of a `docker=True` mesh
@@ -127,12 +127,12 @@ class Mesh:
             self.workdir / "nats", auth_config=self.keys.server_config, monitor_port=free_port()
         ).start()
         for name in SERVICES:
-            self._spawn(name, name, f"services.{name}")
+            self._spawn(name, name, f"muster.services.{name}")
         if self.runtime != "sim":
             self._spawn(
                 "agent",
                 agent,
-                "services.agent",
+                "muster.services.agent",
                 f"--runtime={self.runtime}",
                 f"--node={self.node}",
                 "--address=127.0.0.1",
@@ -144,7 +144,7 @@ class Mesh:
         self._spawn(
             "sim",
             agent,
-            "services.agent",
+            "muster.services.agent",
             "--runtime=sim",
             f"--sim-nodes={self.nodes}",
             f"--gpus={self.gpus}",

@@ -20,9 +20,9 @@ import statistics
 import time
 from typing import Any
 
-from services.scheduler import placement
-from shared.jobconfig import JobConfig
-from shared.messages import GpuDevice
+from muster.services.scheduler import placement
+from muster.shared.jobconfig import JobConfig
+from muster.shared.messages import GpuDevice
 from tests import reference_placement as before
 
 WINDOW = 500  # the scheduler service's default backfill window (MUSTER_BACKFILL_WINDOW)

@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.cluster import Mesh
-from shared import client, subjects
-from shared.messages import AttemptRecord, JobRecord, TaskState, attempt_key
+from muster.shared import client, subjects
+from muster.shared.messages import AttemptRecord, JobRecord, TaskState, attempt_key
 
 BUCKETS = {"attempts": subjects.ATTEMPTS_BUCKET, "rendezvous": subjects.RENDEZVOUS_BUCKET}
 

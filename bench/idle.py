@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.cluster import Mesh
-from services.agent.service import REFRESH
-from shared import subjects
+from muster.services.agent.service import REFRESH
+from muster.shared import subjects
 
 
 async def measure(nodes: int, settle: float, window: float, workdir: Path) -> dict[str, Any]:

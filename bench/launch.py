@@ -41,8 +41,8 @@ from nats.aio.msg import Msg
 
 from bench.bus import pct
 from bench.cluster import BENCH_USER, Mesh
-from shared import subjects
-from shared.subjects import Headers
+from muster.shared import subjects
+from muster.shared.subjects import Headers
 
 TASK_COMMAND = "sleep 0.3"
 
@@ -195,13 +195,13 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             # writes it (not counted) when this shell says not to.
             env.pop("PYTHONDONTWRITEBYTECODE", None)
             cli: dict[str, list[float]] = {"muster_submit": [], "python_start": []}
-            await asyncio.to_thread(timed, [sys.executable, "-m", "services.cli.main", "--help"], env)
+            await asyncio.to_thread(timed, [sys.executable, "-m", "muster.services.cli.main", "--help"], env)
             for i in range(args.cli_rounds):
                 config.write_text(json.dumps(job(f"cli-{i}", args.image)))
                 cli["python_start"].append(
                     1000 * await asyncio.to_thread(timed, [sys.executable, "-c", "pass"], env)
                 )
-                argv = [sys.executable, "-m", "services.cli.main", "submit", str(config)]
+                argv = [sys.executable, "-m", "muster.services.cli.main", "submit", str(config)]
                 cli["muster_submit"].append(1000 * await asyncio.to_thread(timed, argv, env))
                 await events.wait(f"cli-{i}", "ended", 120)  # the node is free for the next
         finally:

@@ -42,11 +42,11 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
-from services.gateway.listing import Listing, Summary
-from shared import bus, client, subjects
-from shared.jobconfig import JobConfig
-from shared.messages import JobRecord, JobState
-from shared.natsserver import NatsServer, die_with_parent
+from muster.services.gateway.listing import Listing, Summary
+from muster.shared import bus, client, subjects
+from muster.shared.jobconfig import JobConfig
+from muster.shared.messages import JobRecord, JobState
+from muster.shared.natsserver import NatsServer, die_with_parent
 
 ROOT = Path(__file__).resolve().parents[1]
 FINISHED = [JobState.SUCCEEDED] * 16 + [JobState.FAILED] * 3 + [JobState.STOPPED]
@@ -130,7 +130,7 @@ class Gateway:
     def __init__(self, url: str, workdir: Path, name: str) -> None:
         log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 (the child keeps it)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.gateway"],
+            [sys.executable, "-m", "muster.services.gateway"],
             env={
                 **os.environ,
                 "MUSTER_NATS_URL": url,
@@ -171,7 +171,7 @@ def run_status(url: str, *args: str) -> tuple[float, float, int, int]:
     code; lines printed."""
     start = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "status", *args],
+        [sys.executable, "-m", "muster.services.cli.main", "status", *args],
         env={**os.environ, "MUSTER_NATS_URL": url, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -35,8 +35,8 @@ from typing import Any
 
 from bench.cluster import BENCH_USER, Mesh, cpu_seconds
 from bench.listing import rss
-from services.agent.output import ENV, OutputLimits, output_path, parse_size
-from shared import client, subjects
+from muster.services.agent.output import ENV, OutputLimits, output_path, parse_size
+from muster.shared import client, subjects
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,7 +84,7 @@ def read_logs(env: dict[str, str], job_id: str, timeout: float) -> dict[str, Any
     """`muster logs JOB` as a process: seconds to its first line and to its end, lines."""
     start = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "logs", job_id],
+        [sys.executable, "-m", "muster.services.cli.main", "logs", job_id],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

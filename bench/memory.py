@@ -5,7 +5,7 @@ the job's spec (its config, which any scheduler must keep to place it).
 
 For each size, N single-task job records are decoded from their wire form (as the KV watcher
 does), kept as the scheduler keeps them (`view.Job`) and fed to its view
-(`services.scheduler.view.View`); tracemalloc counts the bytes allocated and still held.
+(`muster.services.scheduler.view.View`); tracemalloc counts the bytes allocated and still held.
 The floor, measured beside it: the same N configs decoded alone.
 Per job beyond the spec = (view - configs) / N.
 
@@ -23,10 +23,10 @@ import tracemalloc
 from datetime import timedelta
 from typing import Any
 
-from services.scheduler.view import Job, View
-from services.supervisor.policy import Finished
-from shared.jobconfig import JobConfig
-from shared.messages import JobRecord, JobState, now
+from muster.services.scheduler.view import Job, View
+from muster.services.supervisor.policy import Finished
+from muster.shared.jobconfig import JobConfig
+from muster.shared.messages import JobRecord, JobState, now
 
 
 def wire(n: int) -> bytes:

@@ -43,7 +43,7 @@ from typing import Any
 from bench.replay_policies import POLICIES, Need, Policy, fits, needs
 from bench.replay_trace import Trace, TraceError, TraceTask, adjustments, load, uniform_nodes
 from bench.replay_vcs import ORDERS, Sharing, facts_for, vcs_for
-from services.scheduler.placement import NodeState, PendingJob, allocate, plan, release
+from muster.services.scheduler.placement import NodeState, PendingJob, allocate, plan, release
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "alibaba-gpu-2023"

@@ -1,6 +1,6 @@
 """The placement policies `bench.replay` compares, each as `(nodes, queue) -> {job_id: [TaskSpec]}`.
 
-  * `muster`: the scheduler's own core, `services.scheduler.placement.plan` (FIFO, best fit,
+  * `muster`: the scheduler's own core, `muster.services.scheduler.placement.plan` (FIFO, best fit,
     backfill around a reserved head), with the service's backfill window.
   * `fifo`: strict FIFO. Jobs start in arrival order only; the first that does not fit blocks
     every later one (no backfill). Nodes are chosen by the same best-fit rank as Muster's.
@@ -24,7 +24,7 @@ import bisect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from services.scheduler.placement import (
+from muster.services.scheduler.placement import (
     FED_CPUS,
     Capacity,
     Cluster,
@@ -35,8 +35,8 @@ from services.scheduler.placement import (
     release,
     starved,
 )
-from shared.jobconfig import JobConfig
-from shared.messages import TaskSpec
+from muster.shared.jobconfig import JobConfig
+from muster.shared.messages import TaskSpec
 
 Placements = dict[str, list[TaskSpec]]
 Decide = Callable[[Mapping[str, NodeState], Sequence[PendingJob]], Placements]

@@ -41,9 +41,9 @@ from typing import Any
 
 from bench.replay import DEFAULT_TRACE, SAMPLE_TRACE, never_fits, summary
 from bench.replay_trace import Trace, TraceError, load
-from services.scheduler import elastic, placement, quota
-from shared.jobconfig import JobConfig
-from shared.messages import AttemptRecord, TaskSpec, TaskState, TaskStatus
+from muster.services.scheduler import elastic, placement, quota
+from muster.shared.jobconfig import JobConfig
+from muster.shared.messages import AttemptRecord, TaskSpec, TaskState, TaskStatus
 
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
 SCENARIOS = {"base": (False, False), "preempt": (True, False), "elastic": (False, True), "both": (True, True)}

@@ -43,9 +43,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from services.scheduler.placement import NodeState
-from shared.jobconfig import JobConfig
-from shared.messages import GpuDevice
+from muster.services.scheduler.placement import NodeState
+from muster.shared.jobconfig import JobConfig
+from muster.shared.messages import GpuDevice
 
 ALIBABA_TASKS = "openb_pod_list_default.csv"
 ALIBABA_NODES = "openb_node_list_gpu_node.csv"

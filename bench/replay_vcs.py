@@ -29,9 +29,9 @@ from datetime import UTC, datetime, timedelta
 
 from bench.replay_policies import WINDOW, MusterKept, Placements
 from bench.replay_trace import Trace
-from services.scheduler import quota
-from services.scheduler.placement import NodeState, PendingJob
-from shared.messages import TaskSpec, VirtualCluster
+from muster.services.scheduler import quota
+from muster.services.scheduler.placement import NodeState, PendingJob
+from muster.shared.messages import TaskSpec, VirtualCluster
 
 T0 = datetime(2023, 1, 1, tzinfo=UTC)
 RANKS = {"LS": 2, "BE": 0}  # the trace's QoS class -> priority (high, low); others normal (1)

@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.cluster import BENCH_USER, Mesh
-from services.agent import workdirs
-from services.agent.output import output_path
-from services.agent.workdirs import Workdirs
-from shared import subjects
-from shared.subjects import Headers
+from muster.services.agent import workdirs
+from muster.services.agent.output import output_path
+from muster.services.agent.workdirs import Workdirs
+from muster.shared import subjects
+from muster.shared.subjects import Headers
 
 OUTPUT_BYTES = 4096  # a task's output kept on the node, per attempt here
 

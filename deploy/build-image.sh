@@ -108,7 +108,7 @@ fi
 docker image prune -f --filter "label=muster.stage=install" >/dev/null 2>&1 || true
 
 docker run --rm --network none "$IMAGE" \
-  python3 -c "import services.validator.service, nats, pydantic, docker, pynvml" \
+  python3 -c "import muster.services.validator.service, nats, pydantic, docker, pynvml" \
   || die "$IMAGE was built but the services do not import in it"
 docker run --rm --network none "$IMAGE" nats-server --version >/dev/null \
   || die "$IMAGE was built but nats-server does not run in it"

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from shared import subjects
+from muster.shared import subjects
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 SERVICES = ("validator", "scheduler", "registry", "supervisor", "gateway")

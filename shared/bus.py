@@ -38,7 +38,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
-from shared import auth, settings, subjects
+from muster.shared import auth, settings, subjects
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 # The longest subject (or reply subject) sent. The server reads at most 4096 bytes of a control
@@ -78,7 +78,7 @@ class Client(NATS):
     MAX_SUBJECT, or holding a space or control character. nats-py sends what it is given, and a
     connection the server closes is closed for good (see `closed`): one subject built from a
     forged id stopped a whole service. Messages are checked where they are decoded
-    (`shared.shapes`); this is the net under that.
+    (`muster.shared.shapes`); this is the net under that.
 
     `closed_on_purpose`: whether `close()` closed it (else the server did, or nothing has)."""
 
@@ -120,7 +120,7 @@ async def connect(
     (see `tls_context`). A server's refusals (permission violations) are logged and kept in
     `refusals(nc)`. A connection the server closes (nats-py does not reconnect after a server
     error other than a stale connection or a permissions violation) is logged as an error and
-    `closed(nc)` is set: a service then exits, to be restarted (see `shared.service`)."""
+    `closed(nc)` is set: a service then exits, to be restarted (see `muster.shared.service`)."""
     url = url or nats_url()
     if credentials is None:
         try:

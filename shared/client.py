@@ -18,12 +18,12 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import NotFoundError
 
-from shared import bus, subjects
-from shared.auth import NAME_RE
-from shared.subjects import Headers
+from muster.shared import bus, subjects
+from muster.shared.auth import NAME_RE
+from muster.shared.subjects import Headers
 
 if TYPE_CHECKING:
-    from shared.messages import Verdict
+    from muster.shared.messages import Verdict
 
 
 def submitter(nc: NATS) -> str:
@@ -99,7 +99,7 @@ async def stored_verdict(nc: NATS, sid: str, user: str | None = None) -> Verdict
 
 
 def _model(verdict: dict[str, Any] | None) -> Verdict | None:
-    from shared.messages import Verdict
+    from muster.shared.messages import Verdict
 
     return None if verdict is None else Verdict.model_validate(verdict)
 

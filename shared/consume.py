@@ -1,6 +1,6 @@
 """Typed, concurrent handling of what a service consumes: a message that does not decode is
 terminated and counted, never redelivered; handlers run concurrently, in order per key; a handler
-that keeps failing is given up on. Apart from `shared.bus` (connecting, streams, buckets) so that
+that keeps failing is given up on. Apart from `muster.shared.bus` (connecting, streams, buckets) so that
 clients that only publish and ask (the CLI) never load the metrics machinery."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any, Generic, TypeVar
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge
 
-from shared import settings, shapes, subjects
-from shared.bus import consume
+from muster.shared import settings, shapes, subjects
+from muster.shared.bus import consume
 
 M = TypeVar("M")
 

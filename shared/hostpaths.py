@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import posixpath
 
-from shared.jobconfig import FieldError, JobConfig
+from muster.shared.jobconfig import FieldError, JobConfig
 
 DIR_FIELDS = ("dataDir", "codeDir", "outputDir", "authFile")
 USER = "{user}"

@@ -24,8 +24,8 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-from shared import mpi, trainmetrics
-from shared.fielderror import FieldError as FieldError  # re-exported: its home breaks the mpi circle
+from muster.shared import mpi, trainmetrics
+from muster.shared.fielderror import FieldError as FieldError  # re-exported: its home breaks the mpi circle
 
 # Names end up in container names, NATS subjects, KV keys and paths: letters, digits, '_' and '-'.
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
@@ -800,7 +800,7 @@ def split_secrets(config: JobConfig) -> tuple[JobConfig, dict[str, EnvValue]]:
     REDACTED, and a codeSync URL's credentials (`https://user:token@host/...`) cut out as in
     logs, and those values apart (the URL under GIT_SECRET): records, events and views get the
     first, only the task's node the second."""
-    from shared.secrets import is_secret
+    from muster.shared.secrets import is_secret
 
     hidden: dict[str, EnvValue] = {k: v for k, v in config.jobEnvs.items() if is_secret(k)}
     update: dict[str, Any] = {}

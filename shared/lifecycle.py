@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Protocol
 
-from shared.messages import AttemptRecord, JobState
+from muster.shared.messages import AttemptRecord, JobState
 
 
 class Placeable(Protocol):

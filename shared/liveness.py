@@ -20,8 +20,8 @@ from datetime import datetime, timedelta
 
 from nats.aio.client import Client as NATS
 
-from shared import subjects
-from shared.messages import now
+from muster.shared import subjects
+from muster.shared.messages import now
 
 PREFIX = subjects.beat("")  # "muster.beat."
 

@@ -14,8 +14,8 @@ import json
 import re
 from typing import Any
 
-from shared.configlimits import MAX_CONFIG_BYTES as MAX_CONFIG_BYTES
-from shared.configlimits import MAX_YAML_ALIASES as MAX_YAML_ALIASES
+from muster.shared.configlimits import MAX_CONFIG_BYTES as MAX_CONFIG_BYTES
+from muster.shared.configlimits import MAX_YAML_ALIASES as MAX_YAML_ALIASES
 
 
 class ConfigSyntaxError(ValueError):
@@ -128,7 +128,7 @@ def _path_of(root: Any, target: Any) -> str:
 def _yaml(text: str) -> Any:
     # Not a circle (shared/yamlload.py imports only shared/configlimits.py): PyYAML is loaded only
     # for YAML, a JSON submit skips it.
-    from shared.yamlload import ConfigYAMLError, load
+    from muster.shared.yamlload import ConfigYAMLError, load
 
     try:
         return load(text)

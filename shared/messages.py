@@ -1,7 +1,7 @@
 """Every message Muster puts on the bus or in JetStream, as pydantic models.
 
-The job config itself (`shared.jobconfig.JobConfig`) travels raw on the submit subject: users
-publish the JSON they wrote, with metadata in headers (see `shared.subjects.Headers`).
+The job config itself (`muster.shared.jobconfig.JobConfig`) travels raw on the submit subject: users
+publish the JSON they wrote, with metadata in headers (see `muster.shared.subjects.Headers`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pydantic import (
     field_validator,
 )
 
-from shared.jobconfig import MAX_ROLES, FieldError, JobConfig, Priority
-from shared.shapes import (
+from muster.shared.jobconfig import MAX_ROLES, FieldError, JobConfig, Priority
+from muster.shared.shapes import (
     MAX_GANG,
     MAX_NODE_GPU_ENTRIES,
     Address,
@@ -58,7 +58,7 @@ class Message(BaseModel):
     """A fact or a record (an event, a KV record): unknown fields are ignored, so a record or
     event written by a newer version of Muster still decodes in an older replica during a
     rolling upgrade (nothing it does not know is acted on). Every field has a shape
-    (`shared.shapes`), checked on decode."""
+    (`muster.shared.shapes`), checked on decode."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -467,7 +467,7 @@ class TaskStatus(BaseModel):
     port: Port | None = None
     cause: TaskCause | None = None
     exit_code: ExitCode | None = None
-    reason: str = ""  # (free text in records: see shared.shapes)
+    reason: str = ""  # (free text in records: see muster.shared.shapes)
     last_lines: list[str] = Field(default_factory=list)
     started_at: AwareDatetime | None = None
     ended_at: AwareDatetime | None = None

@@ -23,10 +23,10 @@ import ipaddress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from shared.fielderror import FieldError
+from muster.shared.fielderror import FieldError
 
 if TYPE_CHECKING:  # only named in annotations: shared/jobconfig.py runs this module's `errors`
-    from shared.jobconfig import JobConfig
+    from muster.shared.jobconfig import JobConfig
 
 KEY = "mpi"  # extras.mpi
 FIELDS = ("launcher", "workers")

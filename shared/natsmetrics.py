@@ -5,7 +5,7 @@ One `NatsCollector` polls every server it is given (GET /varz and /jsz, each bou
 timeout) every few seconds and keeps the last answer; a scrape reads that copy, so a slow or dead
 server never slows /metrics: it reads `muster_nats_server_up{server} 0`. Hosted in two places:
 - `muster up` registers one for its embedded server, on its own /metrics;
-- compose runs `python -m shared.natsmetrics --monitor http://nats-1:8222,...` as the service
+- compose runs `python -m muster.shared.natsmetrics --monitor http://nats-1:8222,...` as the service
   `nats-exporter` (/metrics and /healthz on port 9100), one for the whole cluster.
 Labels: `server` (the monitoring address as given: bounded by the servers configured).
 
@@ -29,7 +29,7 @@ import prometheus_client
 import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from shared import settings
+from muster.shared import settings
 
 log = structlog.get_logger(service="nats-metrics")
 
@@ -211,7 +211,7 @@ async def _main(urls: list[str], port: int, every: float) -> None:
 
 
 def main() -> None:
-    from shared import logs
+    from muster.shared import logs
 
     p = argparse.ArgumentParser(
         description="Prometheus metrics of NATS servers, from their monitoring ports."

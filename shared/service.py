@@ -29,7 +29,7 @@ import structlog
 from nats.aio.client import Client as NATS
 from prometheus_client.core import CounterMetricFamily
 
-from shared import auth, bus, logs, settings
+from muster.shared import auth, bus, logs, settings
 
 NATS_CONNECTED = prometheus_client.Gauge(
     "muster_nats_connected", "1 while this service's NATS connection is up", ["service"]
@@ -139,7 +139,7 @@ def base_parser(description: str) -> argparse.ArgumentParser:
 # lives long enough to reach the oldest generation waits for one) and what the build made is
 # frozen out of them; young collections stay small (larger ones, 2000/20, paused longer: up to
 # 180 ms against 87 ms, three rounds of 150 jobs/s each). Only process entry points tune it
-# (`python -m services.<name>`, `muster up`), never a test or library process.
+# (`python -m muster.services.<name>`, `muster up`), never a test or library process.
 GC_THRESHOLDS = (700, 10, 1000)
 _gc_tuned = False
 
@@ -235,7 +235,7 @@ def _why(nc: NATS) -> str:
 
 
 def main(name: str, build: Callable[[NATS], Awaitable[Service]], description: str) -> None:
-    """Entry point of `python -m services.<name>`."""
+    """Entry point of `python -m muster.services.<name>`."""
     run_main(name, lambda: build, base_parser(description).parse_args())
 
 

@@ -60,7 +60,7 @@ _previous = sys.excepthook
 
 
 def _program() -> str:
-    """This process's name as its user knows it (`python -m services.validator`: validator)."""
+    """This process's name as its user knows it (`python -m muster.services.validator`: validator)."""
     path = sys.argv[0] if sys.argv and sys.argv[0] else "muster"
     base = os.path.basename(path)
     return os.path.basename(os.path.dirname(path)) if base == "__main__.py" else base

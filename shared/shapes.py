@@ -1,5 +1,5 @@
 """The shape of every value Muster's messages carry, defined once: ids, names, numbers and free
-text, each with a pattern or bounds that `shared.messages` enforces when a message is decoded.
+text, each with a pattern or bounds that `muster.shared.messages` enforces when a message is decoded.
 
 Whatever a service receives may be garbage or forged, and much of it becomes a NATS subject
 token or a KV key (a direct get names the key in its subject): a value that is too long, holds a
@@ -9,9 +9,9 @@ known alphabet, numbers are bounded, and free text (reasons, output lines) is cu
 real output fits, wherever a model is built or decoded, and refused beyond a hard cap.
 
 The patterns are the ones the rest of Muster already uses: user, node and job names are
-`shared.auth.NAME_RE` (the job config's `jobName` is the same set), submission ids
-`shared.subjects.SUBMISSION_ID_RE`, task role names the config's `IDENT_RE`, metric names
-`shared.trainmetrics.NAME_RE`.
+`muster.shared.auth.NAME_RE` (the job config's `jobName` is the same set), submission ids
+`muster.shared.subjects.SUBMISSION_ID_RE`, task role names the config's `IDENT_RE`, metric names
+`muster.shared.trainmetrics.NAME_RE`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, StringConstraints, WithJsonSchema
 
-from shared import auth, trainmetrics
-from shared.jobconfig import IDENT_RE, MAX_ROLES, MAX_TASKS_PER_ROLE
-from shared.subjects import SUBMISSION_ID_RE
+from muster.shared import auth, trainmetrics
+from muster.shared.jobconfig import IDENT_RE, MAX_ROLES, MAX_TASKS_PER_ROLE
+from muster.shared.subjects import SUBMISSION_ID_RE
 
 # ------------------------------------------------------------------ tokens
 

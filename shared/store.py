@@ -19,7 +19,7 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter
 from pydantic import ValidationError
 
-from shared.messages import Message
+from muster.shared.messages import Message
 
 M = TypeVar("M", bound=Message)
 OWN_KEPT = 64  # records a store wrote kept for its watcher (see Store._wrote)

@@ -2,7 +2,7 @@
 
 Facts read `muster.events.<entity>...` (past tense, kept in the MUSTER_EVENTS stream);
 commands read `muster.<entity>.<verb>`. The catalogue of channels (which message each carries),
-that `proto/asyncapi.yaml` is generated from, is `shared.proto.CHANNELS`: importing subjects
+that `proto/asyncapi.yaml` is generated from, is `muster.shared.proto.CHANNELS`: importing subjects
 costs no model, so the CLI starts fast.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from shared.messages import JobEventKind
+    from muster.shared.messages import JobEventKind
 
 # Commands. A user's requests carry the user's name as the last token: with authentication on,
 # the server lets an identity publish only under its own name, so the token is who sent it.

@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from shared.jobconfig import JobConfig
-from shared.messages import GpuDevice, Quota, TaskSpec, VirtualCluster
+from muster.shared.jobconfig import JobConfig
+from muster.shared.messages import GpuDevice, Quota, TaskSpec, VirtualCluster
 
 DEFAULT_VC = "default"
 ANY_MODEL = "*"  # in an Amount's gpus: every GPU, whatever its model

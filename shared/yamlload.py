@@ -1,4 +1,4 @@
-"""YAML job configs, read with PyYAML's safe loader under the limits of `shared.loader`: aliases
+"""YAML job configs, read with PyYAML's safe loader under the limits of `muster.shared.loader`: aliases
 counted, the size a node would expand to worked out as it is composed, keys written twice
 refused. Its own module so that only YAML submissions import PyYAML."""
 
@@ -10,7 +10,7 @@ import yaml
 from yaml.composer import ComposerError
 from yaml.error import Mark
 
-from shared.configlimits import MAX_CONFIG_BYTES, MAX_YAML_ALIASES
+from muster.shared.configlimits import MAX_CONFIG_BYTES, MAX_YAML_ALIASES
 
 
 class ConfigYAMLError(ValueError):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.natsserver import NatsServer
+from muster.shared.natsserver import NatsServer
 
 ROOT = Path(__file__).resolve().parents[1]
 # OpenPAI's example job configs, kept in the repo (tests/data/openpai-v1/README.md).
@@ -29,7 +29,7 @@ os.environ.setdefault("MUSTER_DATA_ROOTS", f"{ROOT},{tempfile.gettempdir()}")
 @pytest.fixture(scope="session")
 def base_image() -> str:
     """The local base image (deploy/build-base-image.sh); skips when there is no Docker engine."""
-    from services.agent.docker_runtime import DockerRuntime
+    from muster.services.agent.docker_runtime import DockerRuntime
 
     if not DockerRuntime.available():
         pytest.skip("no Docker engine answers a ping (start dockerd)")
@@ -81,7 +81,7 @@ class Procs:
         self, *args: str, timeout: float = 60, input: bytes | None = None
     ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "services.cli.main", *args],
+            [sys.executable, "-m", "muster.services.cli.main", *args],
             env=self.env(),
             capture_output=True,
             text=input is None,
@@ -104,11 +104,11 @@ def procs(nats_url: str, tmp_path: Path) -> Iterator[Procs]:
 
 
 CORE = (
-    "services.validator",
-    "services.scheduler",
-    "services.registry",
-    "services.supervisor",
-    "services.gateway",
+    "muster.services.validator",
+    "muster.services.scheduler",
+    "muster.services.registry",
+    "muster.services.supervisor",
+    "muster.services.gateway",
 )
 
 
@@ -123,7 +123,7 @@ class Cluster(Procs):
     def agent(self, node: str, *args: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
         work = self.log_dir / "work"
         return self.start(
-            "services.agent",
+            "muster.services.agent",
             "--node",
             node,
             "--runtime",

@@ -1,7 +1,7 @@
 """Placement core: a snapshot of nodes and a FIFO queue of gangs in, a plan out. No I/O.
 
 (The planner before the index, kept for tests/test_placement_differential.py. One change since
-the copy: the best-fit rank's starved-GPU key, `services.scheduler.placement.FED_CPUS`, a policy
+the copy: the best-fit rank's starved-GPU key, `muster.services.scheduler.placement.FED_CPUS`, a policy
 both planners share; the index must still find exactly what this pass over the nodes finds.)
 
 Owns per-node resource accounting (`NodeState`, `allocate`, `release`), gang placement of one job
@@ -35,9 +35,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
-from services.scheduler.placement import FED_CPUS
-from shared.jobconfig import JobConfig, TaskRole
-from shared.messages import GpuDevice, NodeInfo, TaskSpec
+from muster.services.scheduler.placement import FED_CPUS
+from muster.shared.jobconfig import JobConfig, TaskRole
+from muster.shared.messages import GpuDevice, NodeInfo, TaskSpec
 
 NEVER = "can never run on the current nodes: "
 

@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from services.agent.inventory import PortPool, discover_gpus, parse_gpus, short_model
-from services.agent.service import begin_reading
-from shared import bus, client, subjects
-from shared.messages import JobRecord, JobState, NodeInfo
-from shared.natsserver import NatsServer
+from muster.services.agent.inventory import PortPool, discover_gpus, parse_gpus, short_model
+from muster.services.agent.service import begin_reading
+from muster.shared import bus, client, subjects
+from muster.shared.messages import JobRecord, JobState, NodeInfo
+from muster.shared.natsserver import NatsServer
 from tests.test_jobs import attempt, role, run_job
 
 
@@ -51,7 +51,7 @@ def test_more_gpus_than_a_node_can_have_are_refused_in_a_line(bad):
 
 def test_an_agent_refuses_a_bad_gpu_declaration_in_one_line(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "services.agent", "--gpus", "1x" + "A" * 70, "--runtime", "process"],
+        [sys.executable, "-m", "muster.services.agent", "--gpus", "1x" + "A" * 70, "--runtime", "process"],
         capture_output=True,
         text=True,
         timeout=60,

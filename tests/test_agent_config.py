@@ -14,11 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.agent import config
-from services.agent.args import add_agent_arguments
-from services.agent.config import metrics_ports, node_name, serve_health_in_range
-from services.agent.service import default_node_name
-from shared.natsserver import free_port
+from muster.services.agent import config
+from muster.services.agent.args import add_agent_arguments
+from muster.services.agent.config import metrics_ports, node_name, serve_health_in_range
+from muster.services.agent.service import default_node_name
+from muster.shared.natsserver import free_port
 
 
 @pytest.fixture(autouse=True)

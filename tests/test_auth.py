@@ -22,8 +22,8 @@ import nats.js.errors
 import pytest
 from nats.aio.client import Client as NATS
 
-from shared import auth, bus, client, subjects
-from shared.messages import (
+from muster.shared import auth, bus, client, subjects
+from muster.shared.messages import (
     Assignment,
     AttemptRecord,
     ClusterSpec,
@@ -43,8 +43,8 @@ from shared.messages import (
     node_refusal,
     now,
 )
-from shared.natsserver import NatsServer, free_port
-from shared.subjects import Headers
+from muster.shared.natsserver import NatsServer, free_port
+from muster.shared.subjects import Headers
 from tests.conftest import CORE, Cluster
 
 
@@ -98,7 +98,7 @@ def secured(tmp_path_factory) -> Iterator[Secured]:
         for node in ("n1", "n2"):
             c.start_as(
                 auth.agent_name(node),
-                "services.agent",
+                "muster.services.agent",
                 "--node",
                 node,
                 "--runtime",
@@ -607,7 +607,7 @@ async def test_no_secret_in_any_record_event_log_status_or_metrics_page(secured)
         for args in (("status",), ("status", record.job_id, "--json"), ("status", "secretive")):
             r = await asyncio.to_thread(
                 subprocess.run,
-                [sys.executable, "-m", "services.cli.main", *args],
+                [sys.executable, "-m", "muster.services.cli.main", *args],
                 env=env,
                 capture_output=True,
                 timeout=60,
@@ -701,7 +701,7 @@ async def test_only_the_launchers_node_may_run_commands_in_an_mpi_jobs_workers(s
     """docs/mpi.md: an agent asks a peer's agent to run an MPI daemon in a task. The server lets
     it ask only as its own node and read only answers addressed to it; the peer runs a command
     only in a workers task of its own whose attempt's launcher runs on the asking node."""
-    from shared.messages import ExecReply, ExecRequest
+    from muster.shared.messages import ExecReply, ExecRequest
 
     alice = await connect(secured, "alice")
     agents = {node: await connect(secured, auth.agent_name(node)) for node in ("n1", "n2")}

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from services.scheduler.avoid import nodes_to_avoid, plan_around
-from services.scheduler.placement import Capacity, Cluster, NodeState, PendingJob
-from shared.jobconfig import JobConfig
-from shared.messages import AttemptRecord, Failure, FailureKind, GpuDevice, JobState, TaskStatus, now
+from muster.services.scheduler.avoid import nodes_to_avoid, plan_around
+from muster.services.scheduler.placement import Capacity, Cluster, NodeState, PendingJob
+from muster.shared.jobconfig import JobConfig
+from muster.shared.messages import AttemptRecord, Failure, FailureKind, GpuDevice, JobState, TaskStatus, now
 
 AT = now()
 

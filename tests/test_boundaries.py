@@ -38,7 +38,7 @@ def imported(path: Path, root: Path = ROOT) -> Iterator[tuple[int, str]]:
                 anchor = package.split(".")
                 anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join([*anchor, base] if base else anchor)
-            if base == "services":  # `from services import scheduler` imports a service's package
+            if base == "services":  # `from muster.services import scheduler` imports a service's package
                 for alias in node.names:
                     yield node.lineno, f"{base}.{alias.name}"
             else:
@@ -89,17 +89,17 @@ def test_no_service_imports_another_services_folder() -> None:
 
 CASES = [
     # (file under services/, its source, whether it crosses a boundary)
-    ("gateway/a.py", "from services.scheduler import quota\n", True),
-    ("gateway/a.py", "import services.scheduler.quota\n", True),
-    ("gateway/a.py", "def f():\n    from services.supervisor.policy import decide\n", True),
-    ("gateway/a.py", "from services import scheduler\n", True),
+    ("gateway/a.py", "from muster.services.scheduler import quota\n", True),
+    ("gateway/a.py", "import muster.services.scheduler.quota\n", True),
+    ("gateway/a.py", "def f():\n    from muster.services.supervisor.policy import decide\n", True),
+    ("gateway/a.py", "from muster.services import scheduler\n", True),
     ("gateway/a.py", "from ..scheduler import quota\n", True),
-    ("gateway/a.py", "import importlib\nimportlib.import_module('services.registry.service')\n", True),
-    ("gateway/a.py", "from services.gateway.listing import Listing\n", False),
+    ("gateway/a.py", "import importlib\nimportlib.import_module('muster.services.registry.service')\n", True),
+    ("gateway/a.py", "from muster.services.gateway.listing import Listing\n", False),
     ("gateway/a.py", "from .listing import Listing\n", False),
-    ("gateway/a.py", "from shared import vcquota\n", False),
-    ("cli/a.py", "from services.scheduler import quota\n", False),
-    ("agent/sim.py", "from services.agent.service import Agent\n", False),
+    ("gateway/a.py", "from muster.shared import vcquota\n", False),
+    ("cli/a.py", "from muster.services.scheduler import quota\n", False),
+    ("agent/sim.py", "from muster.services.agent.service import Agent\n", False),
 ]
 
 
@@ -119,7 +119,7 @@ def test_the_check_sees_every_kind_of_import(tmp_path: Path, where: str, source:
 def test_shared_may_not_import_a_service(tmp_path: Path) -> None:
     (tmp_path / "services").mkdir()
     (tmp_path / "shared").mkdir()
-    (tmp_path / "shared" / "x.py").write_text("def f():\n    import services.scheduler.placement\n")
+    (tmp_path / "shared" / "x.py").write_text("def f():\n    import muster.services.scheduler.placement\n")
     assert crossings(tmp_path) == [
-        "shared/x.py:2: imports services.scheduler.placement (shared/ may not import a service)"
+        "shared/x.py:2: imports muster.services.scheduler.placement (shared/ may not import a service)"
     ]

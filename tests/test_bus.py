@@ -1,4 +1,4 @@
-"""shared.bus against a real nats-server: pulling from a durable consumer."""
+"""muster.shared.bus against a real nats-server: pulling from a durable consumer."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import nats.errors
 import nats.js.errors
 import pytest
 
-from shared import bus
+from muster.shared import bus
 
 
 async def pull(nats_url: str, stream: str):
@@ -166,7 +166,7 @@ async def test_muster_jetstream_publishes_and_reads_as_nats_py_does(nats_url):
 async def test_muster_jetstream_times_out_and_goes_on_after_a_reconnect(tmp_path):
     """No ack: a nats TimeoutError at the timeout, not a hang. After the server is back (and the
     connection with it) publishes are acked again on the same context."""
-    from shared.natsserver import NatsServer
+    from muster.shared.natsserver import NatsServer
 
     server = NatsServer(tmp_path / "n").start()
     nc = await bus.connect("test", server.url)

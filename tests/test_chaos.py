@@ -27,17 +27,17 @@ from pathlib import Path
 import docker
 import pytest
 
-from shared import bus, client, subjects
-from shared.messages import AttemptRecord, FailureKind, JobRecord, JobState, TaskCause
+from muster.shared import bus, client, subjects
+from muster.shared.messages import AttemptRecord, FailureKind, JobRecord, JobState, TaskCause
 from tests.conftest import Cluster
 from tests.test_jobs import role
 
 SERVICES = (
-    "services.validator",
-    "services.scheduler",
-    "services.registry",
-    "services.supervisor",
-    "services.gateway",
+    "muster.services.validator",
+    "muster.services.scheduler",
+    "muster.services.registry",
+    "muster.services.supervisor",
+    "muster.services.gateway",
 )
 JOBS = int(os.environ.get("MUSTER_CHAOS_JOBS", "50"))
 DOCKER_JOBS = int(os.environ.get("MUSTER_CHAOS_DOCKER_JOBS", "25"))

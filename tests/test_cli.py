@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.mesh import local_identity
-from shared import bus, subjects
-from shared.messages import JobRecord, JobState
-from shared.natsserver import free_port
+from muster.services.cli.mesh import local_identity
+from muster.shared import bus, subjects
+from muster.shared.messages import JobRecord, JobState
+from muster.shared.natsserver import free_port
 from tests.conftest import CORPUS
 
 VALID = {
@@ -31,7 +31,7 @@ def muster(
     *args: str, env: dict[str, str] | None = None, timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli.main", *args],
+        [sys.executable, "-m", "muster.services.cli.main", *args],
         env=env or os.environ.copy(),
         capture_output=True,
         text=True,
@@ -93,7 +93,7 @@ def mesh(tmp_path):
         [
             sys.executable,
             "-m",
-            "services.cli.main",
+            "muster.services.cli.main",
             "up",
             "--data-dir",
             str(tmp_path / "data"),
@@ -188,9 +188,9 @@ def test_submit_imports_no_model(mesh, tmp_path):
     path = write(tmp_path, "light.json", json.dumps(job))
     probe = (
         "import atexit, sys\n"
-        "atexit.register(lambda: print('loaded:', sorted(m for m in ('pydantic', 'shared.messages', "
-        "'shared.jobconfig', 'services.scheduler.service') if m in sys.modules), file=sys.stderr))\n"
-        "from services.cli.main import main\n"
+        "atexit.register(lambda: print('loaded:', sorted(m for m in ('pydantic', 'muster.shared.messages', "
+        "'muster.shared.jobconfig', 'muster.services.scheduler.service') if m in sys.modules), file=sys.stderr))\n"
+        "from muster.services.cli.main import main\n"
         f"main(['submit', {path!r}])\n"
     )
     r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
@@ -205,7 +205,7 @@ async def test_submit_wait_follows_the_job_to_its_final_state(mesh, tmp_path):
     # No agent: the scheduler calls the job unschedulable ("no nodes registered"); --wait gives
     # an agent MUSTER_NODE_TIMEOUT to join before it says so, here longer than this test takes.
     waiter = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "submit", path, "--wait"],
+        [sys.executable, "-m", "muster.services.cli.main", "submit", path, "--wait"],
         env={**env, "MUSTER_NODE_TIMEOUT": "300"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -230,7 +230,7 @@ async def test_submit_wait_follows_the_job_to_its_final_state(mesh, tmp_path):
 def test_up_joins_an_existing_nats_with_muster_nats_url(nats_url, tmp_path):
     env = {**os.environ, "MUSTER_NATS_URL": nats_url}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "up", "--no-agent"],
+        [sys.executable, "-m", "muster.services.cli.main", "up", "--no-agent"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -255,7 +255,7 @@ def test_readme_first_command_runs_the_distributed_example_to_succeeded(tmp_path
         [
             sys.executable,
             "-m",
-            "services.cli.main",
+            "muster.services.cli.main",
             "up",
             "--runtime",
             "process",
@@ -274,7 +274,7 @@ def test_readme_first_command_runs_the_distributed_example_to_succeeded(tmp_path
         env["MUSTER_NATS_URL"] = f"nats://127.0.0.1:{port}"
         job = Path(__file__).resolve().parents[1] / "examples" / "ps-worker" / "job.json"
         r = subprocess.run(
-            [sys.executable, "-m", "services.cli.main", "submit", str(job), "--wait"],
+            [sys.executable, "-m", "muster.services.cli.main", "submit", str(job), "--wait"],
             env=env,
             cwd=tmp_path,
             capture_output=True,

@@ -11,10 +11,10 @@ from datetime import UTC, datetime
 
 import pytest
 
-from shared import bus, client, subjects
-from shared.jobconfig import check_job
-from shared.messages import AttemptRecord, JobRecord, JobState, TaskStatus
-from shared.natsserver import free_port
+from muster.shared import bus, client, subjects
+from muster.shared.jobconfig import check_job
+from muster.shared.messages import AttemptRecord, JobRecord, JobState, TaskStatus
+from muster.shared.natsserver import free_port
 from tests.test_cli import VALID, muster, write
 
 
@@ -63,7 +63,7 @@ def test_a_bad_argument_gets_one_line_naming_it_and_exit_2(args, named, tmp_path
 @pytest.fixture
 async def one_job(nats_url, procs):
     """A job record at attempt 1 in a bus the services declared (only the gateway runs)."""
-    procs.start("services.gateway")
+    procs.start("muster.services.gateway")
     nc = await bus.connect("test", nats_url)
     js, buckets = await bus.ensure_jetstream(nc)
     config, errors = check_job(
@@ -117,7 +117,7 @@ def _into_closed_pipe(*args: str, env: dict[str, str] | None = None) -> subproce
     os.close(read)
     try:
         return subprocess.run(
-            [sys.executable, "-m", "services.cli.main", *args],
+            [sys.executable, "-m", "muster.services.cli.main", *args],
             env=env or os.environ.copy(),
             stdout=write_end,
             stderr=subprocess.PIPE,

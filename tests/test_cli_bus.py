@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from shared import bus, client, subjects
-from shared.natsserver import free_port
+from muster.shared import bus, client, subjects
+from muster.shared.natsserver import free_port
 from tests.test_cli import VALID, muster, write
 
 
@@ -73,7 +73,7 @@ async def test_on_a_bare_nats_the_cli_says_what_is_missing_and_creates_nothing(n
         assert r.returncode == 0, r.stderr
         info = await nc.jetstream().stream_info(subjects.LOGS_STREAM)
         assert info.config.max_bytes == 4096
-        procs.start("services.gateway")  # what answers users' questions
+        procs.start("muster.services.gateway")  # what answers users' questions
         r = muster("status", "--connect-timeout", "20", env=env)
         assert (r.returncode, r.stdout.strip()) == (0, "no jobs"), r.stderr
     finally:
@@ -102,7 +102,7 @@ def test_a_server_list_whose_first_server_is_down_works_for_the_cli_and_up(nats_
     servers = f"nats://127.0.0.1:{free_port()}, {nats_url}"
     env = _env(servers)
     up = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "up", "--no-agent"],
+        [sys.executable, "-m", "muster.services.cli.main", "up", "--no-agent"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=open(tmp_path / "up.log", "wb"),  # noqa: SIM115

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from shared.natsserver import free_port
+from muster.shared.natsserver import free_port
 from tests.conftest import ROOT
 from tests.test_cli import VALID
 
@@ -36,7 +36,7 @@ def muster(
     env: dict[str, str], cwd: Path, *args: str, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli.main", *args],
+        [sys.executable, "-m", "muster.services.cli.main", *args],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -50,7 +50,17 @@ def start_up(env: dict[str, str], cwd: Path, *args: str) -> subprocess.Popen[str
     cwd.mkdir(parents=True, exist_ok=True)
     data = [] if "--data-dir" in args else ["--data-dir", ".muster"]
     return subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "up", "--no-agent", "--metrics-port", "0", *data, *args],
+        [
+            sys.executable,
+            "-m",
+            "muster.services.cli.main",
+            "up",
+            "--no-agent",
+            "--metrics-port",
+            "0",
+            *data,
+            *args,
+        ],
         cwd=cwd,
         env=env,
         stdout=subprocess.PIPE,
@@ -162,7 +172,7 @@ def test_submit_waits_for_a_mesh_that_is_starting(tmp_path):
         os.kill(up.pid, signal.SIGSTOP)
         try:
             submit = subprocess.Popen(
-                [sys.executable, "-m", "services.cli.main", "submit", job(tmp_path, "patient")],
+                [sys.executable, "-m", "muster.services.cli.main", "submit", job(tmp_path, "patient")],
                 cwd=checkout,
                 env=env,
                 stdout=subprocess.PIPE,

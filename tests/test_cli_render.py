@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from nats.js.api import StreamConfig
 
-from services.cli import render
-from shared.jobconfig import JobConfig
-from shared.messages import (
+from muster.services.cli import render
+from muster.shared.jobconfig import JobConfig
+from muster.shared.messages import (
     AttemptRecord,
     Dataset,
     GpuDevice,
@@ -21,7 +21,7 @@ from shared.messages import (
     TaskStatus,
     VirtualCluster,
 )
-from shared.trainmetrics import MetricFormat
+from muster.shared.trainmetrics import MetricFormat
 
 T0 = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
 

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from services.agent.prepare import CREDENTIAL_HELPER, _credentials, fetch_code
-from services.agent.runtime import LaunchError
-from shared.jobconfig import CodeSync
-from shared.messages import TaskCause
+from muster.services.agent.prepare import CREDENTIAL_HELPER, _credentials, fetch_code
+from muster.services.agent.runtime import LaunchError
+from muster.shared.jobconfig import CodeSync
+from muster.shared.messages import TaskCause
 from tests.test_contract import git
 
 TOKEN = "tok-Zq81xk3P0w7"  # what must never be on a command line

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from shared import auth, bus, client, subjects
-from shared.messages import JobRecord, JobState, KillRequest, NodeInfo, Verdict
+from muster.shared import auth, bus, client, subjects
+from muster.shared.messages import JobRecord, JobState, KillRequest, NodeInfo, Verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker-compose.yml"

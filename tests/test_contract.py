@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 
-from services.agent.launch import Where, build_launch, read_auth_file
-from services.agent.prepare import CodeSyncs, Prepared, data_var, fetch_code, resolve_datasets
-from services.agent.runtime import LaunchError
-from services.validator.service import Validator
-from shared import bus, client, subjects
-from shared.jobconfig import CodeSync, check_job, job_warnings
-from shared.messages import Assignment, ClusterSpec, Dataset, Endpoint, TaskCause, TaskSpec, Verdict
+from muster.services.agent.launch import Where, build_launch, read_auth_file
+from muster.services.agent.prepare import CodeSyncs, Prepared, data_var, fetch_code, resolve_datasets
+from muster.services.agent.runtime import LaunchError
+from muster.services.validator.service import Validator
+from muster.shared import bus, client, subjects
+from muster.shared.jobconfig import CodeSync, check_job, job_warnings
+from muster.shared.messages import Assignment, ClusterSpec, Dataset, Endpoint, TaskCause, TaskSpec, Verdict
 from tests.test_cli import mesh
 
 __all__ = ["mesh"]  # a fixture: `muster up --no-agent` (authenticated) on a free port
@@ -204,7 +204,7 @@ def test_muster_validate_prints_the_warnings_on_stderr(tmp_path):
     path.write_text(json.dumps(openpai_doc_config()))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "validate", str(path)],
+        [sys.executable, "-m", "muster.services.cli.main", "validate", str(path)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -629,7 +629,7 @@ def role_image(base_image: str, engine) -> Any:
 async def test_in_docker_each_role_runs_its_image_with_the_datasets_mounted_as_declared(
     base_image, role_image, engine, roots
 ):
-    from services.agent.docker_runtime import DockerRuntime
+    from muster.services.agent.docker_runtime import DockerRuntime
 
     shared = roots / "shared"
     (shared / "results").mkdir()
@@ -680,7 +680,7 @@ async def test_in_docker_each_role_runs_its_image_with_the_datasets_mounted_as_d
 
 @pytest.mark.docker
 async def test_in_docker_a_dataset_volume_that_does_not_exist_is_a_configuration_error(base_image, roots):
-    from services.agent.docker_runtime import DockerRuntime
+    from muster.services.agent.docker_runtime import DockerRuntime
 
     found = await records(Dataset(name="vol", source=f"muster-missing-{uuid.uuid4().hex[:8]}"))
     config = job(data=["vol:/vol"])
@@ -697,7 +697,7 @@ async def test_in_docker_a_dataset_volume_that_does_not_exist_is_a_configuration
 
 
 def test_a_local_code_sync_repository_outside_the_roots_is_refused_at_validation(roots):
-    from shared import hostpaths
+    from muster.shared import hostpaths
 
     allowed = [str(roots / "users" / "{user}"), str(roots / "shared")]
     for url, refused in (
@@ -738,8 +738,8 @@ def test_seed_001s_arena_shape_is_a_muster_config():
     """Arena's MPIJob step (seed 001), as examples/arena-mpijob/job.json writes it: an MPI job of
     workers with GPUs, CPU/memory limits, a data volume, env, git-synced code and a metric read
     from stdout. Every part of it is understood, not only accepted."""
-    from shared import mpi
-    from shared.loader import loads
+    from muster.shared import mpi
+    from muster.shared.loader import loads
 
     path = Path(__file__).resolve().parents[1] / "examples" / "arena-mpijob" / "job.json"
     config = loads(path.read_text(), str(path))
@@ -757,7 +757,7 @@ def test_seed_001s_arena_shape_is_a_muster_config():
 
 @pytest.mark.docker
 async def test_in_docker_the_synced_code_is_where_the_task_starts(base_image, engine, repo, roots):
-    from services.agent.docker_runtime import DockerRuntime
+    from muster.services.agent.docker_runtime import DockerRuntime
 
     config = job(codeSync={"git": str(repo), "branch": "main"})
     config["taskRoles"] = config["taskRoles"][:1]

@@ -19,11 +19,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from services.scheduler import quota
-from services.scheduler.cycle import Decision, decide
-from services.scheduler.view import Job, View
-from shared.jobconfig import JobConfig
-from shared.messages import (
+from muster.services.scheduler import quota
+from muster.services.scheduler.cycle import Decision, decide
+from muster.services.scheduler.view import Job, View
+from muster.shared.jobconfig import JobConfig
+from muster.shared.messages import (
     AttemptRecord,
     GpuDevice,
     JobRecord,

@@ -19,9 +19,9 @@ import docker
 import httpx
 import pytest
 
-from services.agent.config import make_runtime
-from services.agent.docker_runtime import DockerRuntime, DockerTask, missed
-from services.agent.runtime import (
+from muster.services.agent.config import make_runtime
+from muster.services.agent.docker_runtime import DockerRuntime, DockerTask, missed
+from muster.services.agent.runtime import (
     LABEL_INDEX,
     LABEL_JOB,
     LABEL_ROLE,
@@ -30,8 +30,8 @@ from services.agent.runtime import (
     RegistryAuth,
     TaskLaunch,
 )
-from services.agent.service import AgentOptions, check_declaration
-from shared.messages import TaskCause
+from muster.services.agent.service import AgentOptions, check_declaration
+from muster.shared.messages import TaskCause
 
 pytestmark = pytest.mark.docker
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from services.agent.environment import TaskContext, render_env
-from services.scheduler import elastic, placement
-from services.supervisor.policy import decide
-from shared.jobconfig import JobConfig, check_job
-from shared.messages import (
+from muster.services.agent.environment import TaskContext, render_env
+from muster.services.scheduler import elastic, placement
+from muster.services.supervisor.policy import decide
+from muster.shared.jobconfig import JobConfig, check_job
+from muster.shared.messages import (
     AttemptRecord,
     ClusterSpec,
     Endpoint,
@@ -190,8 +190,8 @@ def test_an_elastic_task_sees_the_gang_of_its_spec_version_and_where_to_rendezvo
 
 
 def test_an_elastic_tasks_env_file_is_rewritten_for_each_gang_without_the_jobs_own_values(tmp_path):
-    from services.agent.launch import Where, resize_signal, task_env
-    from shared.messages import Assignment
+    from muster.services.agent.launch import Where, resize_signal, task_env
+    from muster.shared.messages import Assignment
 
     cfg, errors = check_job(
         {

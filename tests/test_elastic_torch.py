@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from shared import bus, client, subjects
-from shared.messages import AttemptRecord, JobRecord, JobState, TaskState
+from muster.shared import bus, client, subjects
+from muster.shared.messages import AttemptRecord, JobRecord, JobState, TaskState
 
 TRAIN = """
 import json, os, time

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from services.agent.environment import Dirs, TaskContext, render_env, render_hostfile, resolve_dirs
-from shared.jobconfig import JobConfig, check_job
-from shared.loader import loads
-from shared.messages import ClusterSpec, Endpoint
+from muster.services.agent.environment import Dirs, TaskContext, render_env, render_hostfile, resolve_dirs
+from muster.shared.jobconfig import JobConfig, check_job
+from muster.shared.loader import loads
+from muster.shared.messages import ClusterSpec, Endpoint
 
 CORPUS = Path(__file__).resolve().parent / "data" / "openpai-v1"  # copied from OpenPAI: see its README
 CORPUS_FILES = sorted(CORPUS.glob("*.json"))

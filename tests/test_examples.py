@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.natsserver import free_port
+from muster.shared.natsserver import free_port
 from tests.conftest import ROOT
 from tests.test_mpi import mpi_image  # noqa: F401 - a fixture
 

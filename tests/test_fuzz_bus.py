@@ -1,6 +1,6 @@
 """Fuzzing the bus (issue 24): on a real mesh with authentication on (every service and two
 agents as their own processes and identities), every identity — a user, an agent, an admin —
-publishes, on every subject of the catalogue (`shared.proto.CHANNELS`) it may publish, messages
+publishes, on every subject of the catalogue (`muster.shared.proto.CHANNELS`) it may publish, messages
 with random, oversized, wrongly-typed and control-character values in every field, unknown
 fields, and payloads that are not the message at all. Afterwards every service is alive and
 healthy, the job that ran before runs on, the consumers hold nothing back, and a canary job
@@ -30,9 +30,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from shared import auth, bus, client, proto, subjects
-from shared.jobconfig import check_job
-from shared.messages import (
+from muster.shared import auth, bus, client, proto, subjects
+from muster.shared.jobconfig import check_job
+from muster.shared.messages import (
     Assignment,
     AttemptRecord,
     ClusterSpec,
@@ -60,7 +60,7 @@ from shared.messages import (
     VirtualCluster,
     now,
 )
-from shared.natsserver import NatsServer
+from muster.shared.natsserver import NatsServer
 from tests.conftest import CORE
 from tests.test_auth import Secured, creds
 
@@ -390,7 +390,7 @@ def mesh(tmp_path: Path) -> Iterator[Secured]:
         for node in (NODE, PEER):
             m.start_as(
                 auth.agent_name(node),
-                "services.agent",
+                "muster.services.agent",
                 *("--node", node, "--runtime", "process", "--cpus", "2", "--address", "127.0.0.1"),
                 *("--work-root", str(tmp_path / "work" / node), "--output-root", str(tmp_path / "output")),
             )

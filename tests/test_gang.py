@@ -14,15 +14,15 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from services.agent import environment
-from services.agent.service import Agent, AgentOptions
-from services.agent.sim_runtime import SimRuntime
-from services.registry.service import Registry
-from services.supervisor import policy
-from services.supervisor.service import Supervisor
-from shared import bus, subjects
-from shared.jobconfig import JobConfig
-from shared.messages import (
+from muster.services.agent import environment
+from muster.services.agent.service import Agent, AgentOptions
+from muster.services.agent.sim_runtime import SimRuntime
+from muster.services.registry.service import Registry
+from muster.services.supervisor import policy
+from muster.services.supervisor.service import Supervisor
+from muster.shared import bus, subjects
+from muster.shared.jobconfig import JobConfig
+from muster.shared.messages import (
     Assignment,
     AttemptRecord,
     ClusterSpec,

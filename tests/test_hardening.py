@@ -20,15 +20,15 @@ import docker
 import pytest
 import structlog
 
-from services.agent.args import add_agent_arguments
-from services.agent.config import check_task_settings, make_runtime
-from services.agent.docker_runtime import TASK_CAPS, DockerRuntime, parse_caps
-from services.agent.launch import Where, build_launch, image_registry, read_auth_file
-from services.agent.output import OutputLimits
-from services.agent.runtime import LaunchError, TaskLaunch
-from services.agent.tasks import LocalTask, Tasks
-from shared.jobconfig import check_job
-from shared.messages import Assignment, ClusterSpec, Endpoint, TaskCause, TaskSpec
+from muster.services.agent.args import add_agent_arguments
+from muster.services.agent.config import check_task_settings, make_runtime
+from muster.services.agent.docker_runtime import TASK_CAPS, DockerRuntime, parse_caps
+from muster.services.agent.launch import Where, build_launch, image_registry, read_auth_file
+from muster.services.agent.output import OutputLimits
+from muster.services.agent.runtime import LaunchError, TaskLaunch
+from muster.services.agent.tasks import LocalTask, Tasks
+from muster.shared.jobconfig import check_job
+from muster.shared.messages import Assignment, ClusterSpec, Endpoint, TaskCause, TaskSpec
 
 CAP_BITS = {"CHOWN": 0, "DAC_OVERRIDE": 1, "FOWNER": 3, "KILL": 5, "SETGID": 6, "SETUID": 7}
 PASSWORD = "hunter2-do-not-show"
@@ -273,7 +273,7 @@ def test_the_task_settings_are_checked_when_the_agent_starts():
 
 
 def test_the_agents_flags_reach_its_docker_runtime(base_image: str, tmp_path: Path):
-    """--task-caps, --task-user and --pids-limit as `python -m services.agent` parses them."""
+    """--task-caps, --task-user and --pids-limit as `python -m muster.services.agent` parses them."""
     parser = argparse.ArgumentParser()
     add_agent_arguments(parser)
     args = parser.parse_args(
@@ -474,7 +474,7 @@ async def test_a_task_printing_its_secrets_shows_them_masked(runtime, engine, ro
 def test_commands_refuse_unknown_fields_and_values_of_the_wrong_shape():
     from pydantic import ValidationError
 
-    from shared.messages import DrainOrder, KillOrder, KillRequest, TaskEvent
+    from muster.shared.messages import DrainOrder, KillOrder, KillRequest, TaskEvent
 
     assert DrainOrder.from_bytes(b'{"node": "n1"}').node == "n1"
     a = assignment(Path("/tmp"), "img")
@@ -501,8 +501,8 @@ def test_commands_refuse_unknown_fields_and_values_of_the_wrong_shape():
         with pytest.raises(ValidationError):
             model.from_bytes(data)
     # The CLI offers the graces an order may carry (it imports no model to say so).
-    from services.cli.main import MAX_GRACE
-    from shared import shapes
+    from muster.services.cli.main import MAX_GRACE
+    from muster.shared import shapes
 
     assert MAX_GRACE == shapes.MAX_GRACE
 
@@ -518,8 +518,8 @@ def task_event(**fields: object) -> dict:
 
 
 def test_free_text_is_cut_to_what_real_output_fits_and_facts_keep_unknown_fields():
-    from shared import shapes
-    from shared.messages import JobRecord, TaskEvent
+    from muster.shared import shapes
+    from muster.shared.messages import JobRecord, TaskEvent
 
     ev = TaskEvent.from_bytes(
         json_bytes(task_event(reason="r" * 5000, last_lines=[f"{i}" * 3000 for i in range(100)], new=1))
@@ -544,7 +544,7 @@ def _role() -> dict:
 
 
 def now_utc():
-    from shared.messages import now
+    from muster.shared.messages import now
 
     return now()
 
@@ -560,7 +560,7 @@ def test_a_lone_surrogate_anywhere_in_a_config_is_a_field_error():
     assert "must be valid Unicode text" in found["jobName"], errors
     assert "must be valid Unicode text" in found["taskRoles[0].command"], errors
     assert any(p.startswith("jobEnvs.K") for p in found), errors
-    from shared.messages import Verdict
+    from muster.shared.messages import Verdict
 
     Verdict(submission_id="s1", accepted=False, errors=errors).to_bytes()  # it can be sent
 
@@ -568,9 +568,9 @@ def test_a_lone_surrogate_anywhere_in_a_config_is_a_field_error():
 async def test_a_lone_surrogate_in_a_submission_gets_its_verdict_at_once(procs, nats_url):
     """Against a real validator: a field error naming jobName, not 'internal error' after
     seconds of retries."""
-    from shared import bus, client
+    from muster.shared import bus, client
 
-    procs.start("services.validator")
+    procs.start("muster.services.validator")
     nc = await bus.connect("test", nats_url, quiet=True)
     try:
         config = json_bytes({"jobName": "x", "image": "i", "taskRoles": [_role()]})
@@ -593,16 +593,16 @@ async def test_a_kill_request_with_a_huge_or_crooked_job_id_stops_nothing(cluste
     the next job completes."""
     import httpx
 
-    from shared import bus, subjects
-    from shared.messages import JobState
-    from shared.natsserver import free_port
+    from muster.shared import bus, subjects
+    from muster.shared.messages import JobState
+    from muster.shared.natsserver import free_port
     from tests.test_jobs import role, run_job
 
     port = free_port()
     monkeypatch.setenv("MUSTER_METRICS_PORT", str(port))
-    supervisor = cluster.start("services.supervisor")
+    supervisor = cluster.start("muster.services.supervisor")
     monkeypatch.delenv("MUSTER_METRICS_PORT")
-    for module in ("services.validator", "services.scheduler", "services.registry"):
+    for module in ("muster.services.validator", "muster.services.scheduler", "muster.services.registry"):
         cluster.start(module)
     cluster.agent("n1", "--address", "127.0.0.1", "--cpus", "2")
     nc = await bus.connect("test", cluster.url, quiet=True)
@@ -633,7 +633,7 @@ async def test_a_kill_request_with_a_huge_or_crooked_job_id_stops_nothing(cluste
 
 
 async def _until_declared(js) -> None:
-    from shared import subjects
+    from muster.shared import subjects
 
     deadline = time.monotonic() + 60
     while True:
@@ -650,8 +650,8 @@ async def test_a_forged_drain_drains_nothing(cluster):
     """Issue 24.4: any JSON object with a `node` field on a drain subject drained the node. An
     order with a field a drain order does not have, or naming another node, is refused; a real
     drain order still drains."""
-    from shared import bus, subjects
-    from shared.messages import DrainOrder, NodeInfo
+    from muster.shared import bus, subjects
+    from muster.shared.messages import DrainOrder, NodeInfo
 
     cluster.agent("n1", "--address", "127.0.0.1", "--cpus", "2")
     nc = await bus.connect("test", cluster.url, quiet=True)
@@ -698,8 +698,8 @@ async def test_a_forged_drain_drains_nothing(cluster):
 
 BAD_SETTINGS = {
     # read at import, at parsing the command line, at build
-    "services.registry": [("MUSTER_MAX_DELIVERIES", "0"), ("MUSTER_METRICS_PORT", "x")],
-    "services.supervisor": [
+    "muster.services.registry": [("MUSTER_MAX_DELIVERIES", "0"), ("MUSTER_METRICS_PORT", "x")],
+    "muster.services.supervisor": [
         ("MUSTER_METRICS_PORT", "70000"),
         ("MUSTER_NODE_TIMEOUT", "soon"),
         ("MUSTER_PLATFORM_RETRIES", "-1"),
@@ -746,9 +746,9 @@ async def test_a_service_whose_connection_the_server_closes_stops_and_is_restart
     import nats.errors
     from nats.aio.client import Client as NATS
 
-    from services.cli.mesh import supervise
-    from shared import bus
-    from shared.service import run_service
+    from muster.services.cli.mesh import supervise
+    from muster.shared import bus
+    from muster.shared.service import run_service
 
     connections: list = []
     stopped: list[bool] = []
@@ -796,7 +796,7 @@ async def test_a_service_whose_connection_the_server_closes_stops_and_is_restart
 async def test_the_bus_refuses_a_subject_the_server_would_close_the_connection_over(nats_url):
     import nats.errors
 
-    from shared import bus
+    from muster.shared import bus
 
     nc = await bus.connect("test", nats_url, quiet=True)
     try:
@@ -819,8 +819,8 @@ async def test_an_exec_request_of_the_wrong_shape_is_answered_with_its_refusal(c
     is answered with why (if it names its session), not left to time out."""
     import nats.errors
 
-    from shared import bus, subjects
-    from shared.messages import ExecReply
+    from muster.shared import bus, subjects
+    from muster.shared.messages import ExecReply
 
     cluster.agent("n1", "--address", "127.0.0.1", "--cpus", "2")
     nc = await bus.connect("test", cluster.url, quiet=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.hostpaths import (
+from muster.shared.hostpaths import (
     RootsError,
     check_dirs,
     lexical_problem,
@@ -15,7 +15,7 @@ from shared.hostpaths import (
     resolve_under_roots,
     roots_for,
 )
-from shared.jobconfig import check_job
+from muster.shared.jobconfig import check_job
 
 # ---------------------------------------------------------------- parse_roots
 

@@ -42,7 +42,7 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
             if isinstance(child, ast.Import):
                 found.update(alias.name for alias in child.names)
             elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
-                for alias in child.names:  # `from shared import mpi` imports shared.mpi
+                for alias in child.names:  # `from muster.shared import mpi` imports muster.shared.mpi
                     full = f"{child.module}.{alias.name}"
                     found.add(full if full in known else child.module)
             pending.append(child)
@@ -107,10 +107,10 @@ def test_circles_finds_a_circle_and_ignores_type_only_imports(tmp_path: Path) ->
     for package in PACKAGES:
         (tmp_path / package).mkdir()
         (tmp_path / package / "__init__.py").write_text("")
-    (tmp_path / "shared" / "low.py").write_text("def f():\n    from shared import high\n")
+    (tmp_path / "shared" / "low.py").write_text("def f():\n    from muster.shared import high\n")
     (tmp_path / "shared" / "high.py").write_text("from shared.low import f\n")
     (tmp_path / "shared" / "typed.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from services import user\n"
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from muster.services import user\n"
     )
     (tmp_path / "services" / "user.py").write_text("import shared.typed\n")
     assert circles(import_graph(tmp_path)) == [["shared.high", "shared.low"]]

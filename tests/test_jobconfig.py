@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from shared.jobconfig import FieldError, JobConfig, check_job
-from shared.loader import loads
+from muster.shared.jobconfig import FieldError, JobConfig, check_job
+from muster.shared.loader import loads
 
 CORPUS = Path(__file__).resolve().parent / "data" / "openpai-v1"  # copied from OpenPAI: see its README
 CORPUS_FILES = sorted(CORPUS.glob("*.json"))

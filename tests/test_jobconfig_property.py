@@ -11,8 +11,8 @@ from typing import Any
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from shared.jobconfig import FieldError, JobConfig, check_job
-from shared.loader import ConfigSyntaxError, loads
+from muster.shared.jobconfig import FieldError, JobConfig, check_job
+from muster.shared.loader import ConfigSyntaxError, loads
 
 CORPUS = Path(__file__).resolve().parent / "data" / "openpai-v1"  # copied from OpenPAI: see its README
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from shared.jobconfig import _cross_field_errors, check_job
+from muster.shared.jobconfig import _cross_field_errors, check_job
 
 ROLES: list[Any] = [
     {

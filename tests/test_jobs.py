@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from shared import bus, client, subjects
-from shared.messages import AttemptRecord, ClusterSpec, JobRecord, JobState, TaskState
-from shared.store import Store
+from muster.shared import bus, client, subjects
+from muster.shared.messages import AttemptRecord, ClusterSpec, JobRecord, JobState, TaskState
+from muster.shared.store import Store
 from tests.conftest import ROOT
 
 PY = sys.executable
@@ -208,9 +208,9 @@ async def _lease_holder(nc, timeout: float = 30) -> str:
 
 
 async def test_killing_the_active_scheduler_mid_stream_standby_takes_over(cluster, nc, tmp_path):
-    for module in ("services.validator", "services.registry", "services.supervisor"):
+    for module in ("muster.services.validator", "muster.services.registry", "muster.services.supervisor"):
         cluster.start(module)
-    schedulers = [cluster.start("services.scheduler"), cluster.start("services.scheduler")]
+    schedulers = [cluster.start("muster.services.scheduler"), cluster.start("muster.services.scheduler")]
     cluster.agent("n1", "--address", "127.0.0.1", "--cpus", "4")
     runs = tmp_path / "runs.log"
     jobs = []

@@ -10,7 +10,7 @@ from pathlib import Path
 import docker
 import pytest
 
-from shared.messages import JobState
+from muster.shared.messages import JobState
 from tests.conftest import ROOT
 from tests.test_jobs import attempt, nc, run_job  # noqa: F401 - nc is a fixture
 

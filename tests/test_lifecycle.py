@@ -13,8 +13,8 @@ import time
 import docker
 import pytest
 
-from shared import client, subjects
-from shared.messages import FailureKind, JobRecord, JobState, TaskState
+from muster.shared import client, subjects
+from muster.shared.messages import FailureKind, JobRecord, JobState, TaskState
 from tests.test_jobs import attempt, nc, role, run_job, wait_final  # noqa: F401 - nc is a fixture
 
 

@@ -13,10 +13,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from services.gateway.listing import Listing, Query, Summary, cursor_key, micros
-from shared import bus, client, subjects
-from shared.jobconfig import JobConfig
-from shared.messages import AttemptRecord, JobRecord, JobState, TaskStatus
+from muster.services.gateway.listing import Listing, Query, Summary, cursor_key, micros
+from muster.shared import bus, client, subjects
+from muster.shared.jobconfig import JobConfig
+from muster.shared.messages import AttemptRecord, JobRecord, JobState, TaskStatus
 from tests.test_cli import muster
 
 T0 = datetime(2024, 5, 1, tzinfo=UTC)
@@ -181,7 +181,7 @@ async def _records(nats_url, procs, records: list[JobRecord], attempts: list[Att
         await asyncio.gather(*(kv.put(r.job_id, r.to_bytes()) for r in records[i : i + 200]))
     for a in attempts:
         await buckets[subjects.ATTEMPTS_BUCKET].put(a.key, a.to_bytes())
-    gateway = procs.start("services.gateway")
+    gateway = procs.start("muster.services.gateway")
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 30
     while loop.time() < deadline:  # until it answers, with the whole list read

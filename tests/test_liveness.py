@@ -9,12 +9,12 @@ import contextlib
 import time
 from datetime import UTC, datetime, timedelta
 
-from services.agent import service as agent_service
-from services.agent.sim_runtime import SimRuntime
-from services.supervisor.service import Supervisor
-from shared import auth, bus, subjects
-from shared.liveness import Beats
-from shared.messages import AttemptRecord, NodeInfo, TaskState, TaskStatus, now
+from muster.services.agent import service as agent_service
+from muster.services.agent.sim_runtime import SimRuntime
+from muster.services.supervisor.service import Supervisor
+from muster.shared import auth, bus, subjects
+from muster.shared.liveness import Beats
+from muster.shared.messages import AttemptRecord, NodeInfo, TaskState, TaskStatus, now
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

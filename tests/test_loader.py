@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads, strip_json_comments
+from muster.shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads, strip_json_comments
 
 OK_CASES = [
     pytest.param('{"jobName": "a", "n": 1}', "job.json", {"jobName": "a", "n": 1}, id="strict-json"),
@@ -226,7 +226,7 @@ def test_a_few_aliases_within_the_size_limit_still_work() -> None:
 
 
 def test_more_aliases_than_the_limit_are_refused_even_when_small() -> None:
-    from shared.loader import MAX_YAML_ALIASES
+    from muster.shared.loader import MAX_YAML_ALIASES
 
     text = "a: &a x\nb: [" + ", ".join(["*a"] * (MAX_YAML_ALIASES + 1)) + "]\n"
     with pytest.raises(ConfigSyntaxError, match=f"more than {MAX_YAML_ALIASES} aliases"):

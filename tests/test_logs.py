@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from services.agent import output
-from services.agent.output import Budget, OutputLimits, Shipper, parse_size
-from shared import bus, client, subjects
-from shared.jobconfig import check_job
-from shared.messages import AttemptRecord, JobRecord, JobState, TaskStatus
+from muster.services.agent import output
+from muster.services.agent.output import Budget, OutputLimits, Shipper, parse_size
+from muster.shared import bus, client, subjects
+from muster.shared.jobconfig import check_job
+from muster.shared.messages import AttemptRecord, JobRecord, JobState, TaskStatus
 from tests.test_cli import VALID, muster
 from tests.test_jobs import nc, role, run_job  # noqa: F401 (nc is a fixture)
 
@@ -195,7 +195,7 @@ async def test_a_task_printing_10_mb_costs_the_stream_its_limit_and_keeps_it_all
 async def test_lines_from_another_node_or_for_a_task_the_attempt_has_not_are_not_shown(nats_url, procs):
     """Agent n1 may publish output under its own node's name only, but for any task: lines for a
     task placed on n2, and for a task the job does not have, are skipped (and counted)."""
-    procs.start("services.gateway")
+    procs.start("muster.services.gateway")
     nc = await bus.connect("test", nats_url)  # noqa: F811 (not the fixture)
     try:
         js, buckets = await bus.ensure_jetstream(nc)
@@ -257,7 +257,7 @@ async def test_lines_from_another_node_or_for_a_task_the_attempt_has_not_are_not
 async def test_logs_page_through_a_stream_a_bounded_page_at_a_time(nats_url, procs):
     """5,000 messages of 1 KB: pages of at most `limit` lines and 512 KiB follow one another to
     the end, each line once, in order."""
-    procs.start("services.gateway")
+    procs.start("muster.services.gateway")
     nc = await bus.connect("test", nats_url)  # noqa: F811 (not the fixture)
     try:
         js, buckets = await bus.ensure_jetstream(nc)

@@ -19,8 +19,8 @@ import prometheus_client
 import pytest
 import yaml
 
-from shared.natsmetrics import NatsCollector
-from shared.natsserver import NatsServer, free_port
+from muster.shared.natsmetrics import NatsCollector
+from muster.shared.natsserver import NatsServer, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -136,9 +136,9 @@ def test_cluster_gauges_follow_the_schedulers_view() -> None:
 
     from test_scheduler_view import T0, attempt, job, node, put_attempt, put_job, put_node
 
-    from services.scheduler.metrics import families, snapshot
-    from services.scheduler.view import View
-    from shared.messages import GpuDevice, JobState, TaskState
+    from muster.services.scheduler.metrics import families, snapshot
+    from muster.services.scheduler.view import View
+    from muster.shared.messages import GpuDevice, JobState, TaskState
 
     v = View(node_timeout=5)
     put_node(v, node("a", gpus=4))
@@ -175,7 +175,7 @@ def test_muster_up_serves_metrics_of_everything_it_runs(tmp_path: Path) -> None:
 
     port, metrics = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "MUSTER_NATS_URL"}
-    cmd = [sys.executable, "-m", "services.cli.main", "up", "--data-dir", str(tmp_path / "data")]
+    cmd = [sys.executable, "-m", "muster.services.cli.main", "up", "--data-dir", str(tmp_path / "data")]
     cmd += ["--port", str(port), "--metrics-port", str(metrics), "--runtime", "process", "--node", "sd-n1"]
     log = open(tmp_path / "up.log", "wb")  # noqa: SIM115 - owned by the child
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -220,8 +220,8 @@ def test_muster_up_serves_metrics_of_everything_it_runs(tmp_path: Path) -> None:
 
 
 def test_agent_targets_list_each_node_that_serves_metrics() -> None:
-    from services.supervisor.service import agent_targets
-    from shared.messages import NodeInfo
+    from muster.services.supervisor.service import agent_targets
+    from muster.shared.messages import NodeInfo
 
     def node(name: str, address: str, port: int | None) -> NodeInfo:
         info = dict(cpus=4, memory_mb=4096, runtime="docker", agent_id="a")

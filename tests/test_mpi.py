@@ -15,13 +15,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.agent import environment, rsh
-from services.supervisor.policy import decide
-from shared import bus, mpi
-from shared.client import submit
-from shared.jobconfig import JobConfig, check_job
-from shared.messages import ClusterSpec, Endpoint, JobState, TaskState, TaskStatus
-from shared.natsserver import NatsServer
+from muster.services.agent import environment, rsh
+from muster.services.supervisor.policy import decide
+from muster.shared import bus, mpi
+from muster.shared.client import submit
+from muster.shared.jobconfig import JobConfig, check_job
+from muster.shared.messages import ClusterSpec, Endpoint, JobState, TaskState, TaskStatus
+from muster.shared.natsserver import NatsServer
 from tests.conftest import CORE, NET, ROOT, Cluster
 from tests.test_jobs import attempt, nc, run_job, wait_final  # noqa: F401 - nc is a fixture
 

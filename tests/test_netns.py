@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from shared import bus
-from shared.natsserver import NatsServer
+from muster.shared import bus
+from muster.shared.natsserver import NatsServer
 from tests.conftest import CORE, NET, ROOT, Cluster, sh
 from tests.test_jobs import attempt, run_job, spec
 from tests.test_mpi import EXAMPLE, _mpi_on_this_machine, check_ranks, example

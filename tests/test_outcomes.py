@@ -20,11 +20,18 @@ from pathlib import Path
 import docker
 import pytest
 
-from services.agent.process_runtime import ProcessRuntime, task_pids
-from services.agent.reporting import OUTBOX, keep
-from services.agent.runtime import LABEL_ATTEMPT, LABEL_INDEX, LABEL_JOB, LABEL_NODE, LABEL_ROLE, TaskLaunch
-from shared import bus, client, subjects
-from shared.messages import JobRecord, JobState, TaskCause, TaskEvent, TaskEventKind, TaskState
+from muster.services.agent.process_runtime import ProcessRuntime, task_pids
+from muster.services.agent.reporting import OUTBOX, keep
+from muster.services.agent.runtime import (
+    LABEL_ATTEMPT,
+    LABEL_INDEX,
+    LABEL_JOB,
+    LABEL_NODE,
+    LABEL_ROLE,
+    TaskLaunch,
+)
+from muster.shared import bus, client, subjects
+from muster.shared.messages import JobRecord, JobState, TaskCause, TaskEvent, TaskEventKind, TaskState
 from tests.test_jobs import attempt, nc, role, wait_final  # noqa: F401 - nc is a fixture
 
 NODE_TIMEOUT = 5.0

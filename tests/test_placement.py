@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from services.scheduler.placement import (
+from muster.services.scheduler.placement import (
     Claim,
     NodeState,
     PendingJob,
@@ -17,8 +17,8 @@ from services.scheduler.placement import (
     plan,
     release,
 )
-from shared.jobconfig import JobConfig
-from shared.messages import GpuDevice, NodeInfo, TaskSpec
+from muster.shared.jobconfig import JobConfig
+from muster.shared.messages import GpuDevice, NodeInfo, TaskSpec
 
 Role = tuple[str, int, int, int, int]  # name, taskNumber, cpuNumber, memoryMB, gpuNumber
 

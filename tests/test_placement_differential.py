@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tests.reference_placement as old
-from services.scheduler import placement as new
-from shared.jobconfig import JobConfig
-from shared.messages import GpuDevice, TaskSpec
+from muster.services.scheduler import placement as new
+from muster.shared.jobconfig import JobConfig
+from muster.shared.messages import GpuDevice, TaskSpec
 
 MODELS = ["V100", "T4", "A100"]
 

@@ -9,9 +9,9 @@ from typing import Any
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.placement import Cluster, NodeState, PendingJob, Plan, allocate, plan, release
-from shared.jobconfig import JobConfig
-from shared.messages import GpuDevice, TaskSpec
+from muster.services.scheduler.placement import Cluster, NodeState, PendingJob, Plan, allocate, plan, release
+from muster.shared.jobconfig import JobConfig
+from muster.shared.messages import GpuDevice, TaskSpec
 
 MODELS = ["V100", "T4", "A100"]
 

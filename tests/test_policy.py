@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.supervisor.policy import (
+from muster.services.supervisor.policy import (
     Decision,
     Finished,
     RetryLimits,
@@ -23,9 +23,9 @@ from services.supervisor.policy import (
     task_state_for,
     unsettled,
 )
-from shared.jobconfig import JobConfig, check_job
-from shared.lifecycle import attempt_to_place
-from shared.messages import (
+from muster.shared.jobconfig import JobConfig, check_job
+from muster.shared.lifecycle import attempt_to_place
+from muster.shared.messages import (
     AttemptRecord,
     Failure,
     FailureKind,

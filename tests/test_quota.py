@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from services.scheduler import placement, quota
-from services.supervisor.policy import RetryLimits, settle
-from shared.jobconfig import JobConfig
-from shared.messages import (
+from muster.services.scheduler import placement, quota
+from muster.services.supervisor.policy import RetryLimits, settle
+from muster.shared.jobconfig import JobConfig
+from muster.shared.messages import (
     AttemptRecord,
     GpuDevice,
     JobRecord,

@@ -16,10 +16,10 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.scheduler import placement, quota
-from services.scheduler.avoid import plan_around
-from shared.jobconfig import JobConfig
-from shared.messages import GpuDevice, TaskSpec, VirtualCluster
+from muster.services.scheduler import placement, quota
+from muster.services.scheduler.avoid import plan_around
+from muster.shared.jobconfig import JobConfig
+from muster.shared.messages import GpuDevice, TaskSpec, VirtualCluster
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 PRIORITIES = ["low", "normal", "high"]

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-from services.registry.service import Registry
-from shared import bus, subjects
-from shared.messages import AttemptRecord, ClusterSpec, Endpoint, Rendezvous, TaskStatus
+from muster.services.registry.service import Registry
+from muster.shared import bus, subjects
+from muster.shared.messages import AttemptRecord, ClusterSpec, Endpoint, Rendezvous, TaskStatus
 
 
 def gang(n: int) -> AttemptRecord:

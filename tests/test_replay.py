@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from services.scheduler.placement import NodeState, PendingJob
-from shared.messages import GpuDevice
+from muster.services.scheduler.placement import NodeState, PendingJob
+from muster.shared.messages import GpuDevice
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # bench/ is not an installed package; `python -m pytest` finds it anyway

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from services.scheduler import placement
-from services.scheduler.view import Job, View
-from shared.jobconfig import JobConfig
-from shared.messages import (
+from muster.services.scheduler import placement
+from muster.services.scheduler.view import Job, View
+from muster.shared.jobconfig import JobConfig
+from muster.shared.messages import (
     AttemptRecord,
     Failure,
     FailureKind,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.secrets import MASK, Masker, is_secret, mask, patterns, redact_env, secret_values
+from muster.shared.secrets import MASK, Masker, is_secret, mask, patterns, redact_env, secret_values
 
 SECRET_NAMES = (
     "HF_TOKEN hf_token DB_PASSWORD MYSQL_PASSWD CLIENT_SECRET AWS_SECRET_ACCESS_KEY API_KEY KeyFile"
@@ -69,7 +69,7 @@ def test_a_non_string_value_is_masked_as_the_task_sees_it():
 
 
 def test_a_code_sync_urls_credentials_are_kept_apart_with_the_secret_envs_and_put_back():
-    from shared.jobconfig import JobConfig, has_secrets, split_secrets, with_secrets
+    from muster.shared.jobconfig import JobConfig, has_secrets, split_secrets, with_secrets
 
     url = "https://bot:tok-123456@git.example.com/team/model.git"
     config = JobConfig.model_validate(

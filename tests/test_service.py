@@ -11,8 +11,8 @@ import time
 
 import httpx
 
-from shared import bus, client
-from shared.natsserver import NatsServer, free_port
+from muster.shared import bus, client
+from muster.shared.natsserver import NatsServer, free_port
 
 CONFIG = json.dumps(
     {
@@ -46,7 +46,7 @@ async def test_validator_reconnects_after_a_nats_outage_and_health_follows(tmp_p
     metrics_port = free_port()
     log = tmp_path / "validator.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.validator", "--metrics-port", str(metrics_port)],
+        [sys.executable, "-m", "muster.services.validator", "--metrics-port", str(metrics_port)],
         env={**os.environ, "MUSTER_NATS_URL": server.url},
         stdout=open(log, "wb"),  # noqa: SIM115
         stderr=subprocess.STDOUT,
@@ -78,7 +78,7 @@ async def test_validator_reconnects_after_a_nats_outage_and_health_follows(tmp_p
 def test_a_service_that_cannot_reach_nats_exits_non_zero():
     started = time.monotonic()
     r = subprocess.run(
-        [sys.executable, "-m", "services.validator"],
+        [sys.executable, "-m", "muster.services.validator"],
         env={
             **os.environ,
             "MUSTER_NATS_URL": f"nats://127.0.0.1:{free_port()}",
@@ -95,14 +95,14 @@ def test_a_service_that_cannot_reach_nats_exits_non_zero():
 
 
 def test_a_service_process_tunes_garbage_collection_and_a_library_user_keeps_its_own(nats_url):
-    """`python -m services.<name>` makes full collections rare and freezes what its build made
+    """`python -m muster.services.<name>` makes full collections rare and freezes what its build made
     (their pauses were the tail of submit→running); a process that only calls `run_service`
     (a test, an embedding program) keeps its own settings and nothing of it is frozen."""
     import asyncio
     import gc
 
-    from services.validator.service import Validator
-    from shared.service import GC_THRESHOLDS, run_service
+    from muster.services.validator.service import Validator
+    from muster.shared.service import GC_THRESHOLDS, run_service
 
     code = (
         "import gc, runpy, sys, threading\n"
@@ -112,7 +112,7 @@ def test_a_service_process_tunes_garbage_collection_and_a_library_user_keeps_its
         "    import os; os._exit(0)\n"
         "threading.Thread(target=report, daemon=True).start()\n"
         "sys.argv = ['validator']\n"
-        "runpy.run_module('services.validator', run_name='__main__')\n"
+        "runpy.run_module('muster.services.validator', run_name='__main__')\n"
     )
     env = {**os.environ, "MUSTER_NATS_URL": nats_url, "MUSTER_METRICS_PORT": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)

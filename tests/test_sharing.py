@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from shared import bus, client, subjects
-from shared.messages import AttemptRecord, JobEventKind, JobRecord, JobState, KillRequest, TaskState
-from shared.natsserver import NatsServer
+from muster.shared import bus, client, subjects
+from muster.shared.messages import AttemptRecord, JobEventKind, JobRecord, JobState, KillRequest, TaskState
+from muster.shared.natsserver import NatsServer
 from tests.test_jobs import role
 from tests.test_sim import SimCluster, wait_nodes
 

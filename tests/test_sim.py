@@ -21,11 +21,11 @@ import nats.errors
 import pytest
 from nats.js.errors import NotFoundError
 
-from services.agent.config import check_sim_flags
-from services.agent.reconcile import placed_by_node
-from services.agent.runtime import LABEL_INDEX, LABEL_ROLE, LaunchError, TaskLaunch
-from services.agent.sharing import SharedStore, Specs
-from services.agent.sim import (
+from muster.services.agent.config import check_sim_flags
+from muster.services.agent.reconcile import placed_by_node
+from muster.services.agent.runtime import LABEL_INDEX, LABEL_ROLE, LaunchError, TaskLaunch
+from muster.services.agent.sharing import SharedStore, Specs
+from muster.services.agent.sim import (
     beats_due,
     heartbeat_for,
     node_names,
@@ -33,9 +33,9 @@ from services.agent.sim import (
     order_node,
     setup_from_args,
 )
-from services.agent.sim_runtime import STOPPED, SimPlan, SimRuntime, sim_plan
-from shared import auth, bus, subjects
-from shared.messages import (
+from muster.services.agent.sim_runtime import STOPPED, SimPlan, SimRuntime, sim_plan
+from muster.shared import auth, bus, subjects
+from muster.shared.messages import (
     AttemptRecord,
     ClusterSpec,
     JobState,
@@ -44,7 +44,7 @@ from shared.messages import (
     TaskEvent,
     TaskEventKind,
 )
-from shared.natsserver import NatsServer, free_port
+from muster.shared.natsserver import NatsServer, free_port
 from tests.conftest import Cluster
 from tests.test_jobs import attempt, role, run_job
 
@@ -357,7 +357,7 @@ async def test_a_spec_expected_before_the_endpoint_goes_out_comes_without_a_read
 class SimCluster(Cluster):
     def sim(self, prefix: str, n: int, *args: str) -> subprocess.Popen[bytes]:
         return self.start(
-            "services.agent",
+            "muster.services.agent",
             "--runtime",
             "sim",
             "--sim-nodes",
@@ -502,7 +502,7 @@ async def test_200_more_sim_nodes_register_beside_the_first_process(sims):
 
 def muster(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli.main", *args],
+        [sys.executable, "-m", "muster.services.cli.main", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -522,7 +522,7 @@ def test_muster_up_runtime_sim_on_the_authenticated_bus(tmp_path):
         [
             sys.executable,
             "-m",
-            "services.cli.main",
+            "muster.services.cli.main",
             "up",
             "--runtime",
             "sim",

@@ -1,13 +1,13 @@
-"""shared.store: read-modify-write on a real KV bucket, with and without the revision cache."""
+"""muster.shared.store: read-modify-write on a real KV bucket, with and without the revision cache."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 
-from shared import bus, subjects
-from shared.messages import AttemptRecord, TaskStatus
-from shared.store import GroupCommit, Store
+from muster.shared import bus, subjects
+from muster.shared.messages import AttemptRecord, TaskStatus
+from muster.shared.store import GroupCommit, Store
 
 
 def record(n: int) -> AttemptRecord:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shared import auth, bus
-from shared.natsserver import NatsServer
+from muster.shared import auth, bus
+from muster.shared.natsserver import NatsServer
 
 pytestmark = pytest.mark.skipif(not shutil.which("openssl"), reason="openssl is needed to make certificates")
 
@@ -72,7 +72,7 @@ def test_cluster_routes_are_tls_and_refuse_a_server_without_the_ca(tmp_path):
     import time
     import urllib.request
 
-    from shared.natsserver import binary, free_port
+    from muster.shared.natsserver import binary, free_port
 
     good = certificates(tmp_path)
     (tmp_path / "other").mkdir()

@@ -10,9 +10,9 @@ import json
 import time
 import urllib.request
 
-from shared import client, subjects
-from shared.messages import FailureKind, JobState, TaskCause, TaskState
-from shared.natsserver import free_port
+from muster.shared import client, subjects
+from muster.shared.messages import FailureKind, JobState, TaskCause, TaskState
+from muster.shared.natsserver import free_port
 from tests.test_jobs import attempt, nc, role, wait_final  # noqa: F401 - nc is a fixture
 
 

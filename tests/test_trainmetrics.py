@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.jobconfig import check_job
-from shared.trainmetrics import (
+from muster.shared.jobconfig import check_job
+from muster.shared.trainmetrics import (
     MAX_PER_METRIC,
     LinePicker,
     MetricFormat,

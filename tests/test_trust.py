@@ -12,12 +12,12 @@ import signal
 import time
 from pathlib import Path
 
-from services.agent.reporting import Reporter
-from services.agent.service import AgentOptions
-from shared import bus, client, subjects
-from shared.jobconfig import check_job
-from shared.messages import FailureKind, JobRecord, JobState, TaskCause, TaskEvent, TaskEventKind, now
-from shared.natsserver import NatsServer
+from muster.services.agent.reporting import Reporter
+from muster.services.agent.service import AgentOptions
+from muster.shared import bus, client, subjects
+from muster.shared.jobconfig import check_job
+from muster.shared.messages import FailureKind, JobRecord, JobState, TaskCause, TaskEvent, TaskEventKind, now
+from muster.shared.natsserver import NatsServer
 from tests.test_jobs import attempt, nc, role, run_job, wait_final  # noqa: F401 - nc is a fixture
 
 
@@ -235,7 +235,7 @@ async def test_finished_jobs_and_gone_nodes_are_pruned_after_their_retention(clu
     monkeypatch.setenv("MUSTER_NODE_RETENTION", "4")
     monkeypatch.setenv("MUSTER_NODE_TIMEOUT", "2")
     cluster.core()
-    cluster.start("services.supervisor")  # a second replica: neither may churn consumers
+    cluster.start("muster.services.supervisor")  # a second replica: neither may churn consumers
     cluster.agent("keep", "--address", "127.0.0.1", "--cpus", "2", "--heartbeat", "0.5")
     gone = cluster.agent("gone", "--address", "127.0.0.1", "--cpus", "1", "--heartbeat", "0.5")
     record = await run_job(nc, {"jobName": "pruned", "image": "img", "taskRoles": [role("w", 1, "true")]})
@@ -389,7 +389,7 @@ async def test_a_huge_queued_job_never_costs_the_scheduler_its_lease(cluster, nc
     accepted before the task limits were set) must not block the leader's lease renewal, and a
     one-task job still runs."""
     cluster.core()
-    cluster.start("services.scheduler")  # a standby that would take over if the lease lapsed
+    cluster.start("muster.services.scheduler")  # a standby that would take over if the lease lapsed
     cluster.agent("n1", "--address", "127.0.0.1", "--cpus", "2")
     await _declared(nc)
     roles = [role(f"w{r}", 10000, "true") for r in range(64)]

@@ -12,11 +12,11 @@ import uuid
 import pytest
 from nats.js.errors import KeyNotFoundError
 
-from services.validator.service import Validator
-from shared import bus, client, subjects
-from shared.messages import JobEvent, JobRecord, JobState, job_id_for, now
-from shared.service import run_service
-from shared.subjects import Headers
+from muster.services.validator.service import Validator
+from muster.shared import bus, client, subjects
+from muster.shared.messages import JobEvent, JobRecord, JobState, job_id_for, now
+from muster.shared.service import run_service
+from muster.shared.subjects import Headers
 from tests.test_loader import SMALL_BOMB
 
 
@@ -184,8 +184,8 @@ async def test_killing_a_validator_replica_mid_stream_loses_no_submission(nats_u
             config(f"job-{i}"),
             headers={Headers.SUBMISSION_ID: sid, Headers.MSG_ID: sid},
         )
-    a = procs.start("services.validator")
-    b = procs.start("services.validator")
+    a = procs.start("muster.services.validator")
+    b = procs.start("muster.services.validator")
     # Kill replica a with SIGKILL as soon as work is flowing, then bring a new one up.
     deadline = time.monotonic() + 30
     while await count_verdicts(nc) < 10 and time.monotonic() < deadline:
@@ -194,7 +194,7 @@ async def test_killing_a_validator_replica_mid_stream_loses_no_submission(nats_u
     a.wait(5)
     judged_at_kill = await count_verdicts(nc)
     assert judged_at_kill < n, "the replica was killed after the stream was drained: raise n"
-    procs.start("services.validator")
+    procs.start("muster.services.validator")
     deadline = time.monotonic() + 60
     while await count_verdicts(nc) < n and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
@@ -259,7 +259,7 @@ def mutate(rng, value):
 async def test_random_and_mutated_payloads_all_get_a_verdict_from_the_live_validator(nats_url, nc):
     import random
 
-    from shared.loader import loads
+    from muster.shared.loader import loads
     from tests.conftest import CORPUS
 
     rng = random.Random(20261122)
@@ -315,7 +315,7 @@ async def test_admission_holds_submissions_while_too_many_jobs_wait_for_a_first_
 
 
 def test_admission_settings_are_checked_naming_the_variable(monkeypatch):
-    from services.validator.service import admission_settings
+    from muster.services.validator.service import admission_settings
 
     monkeypatch.delenv("MUSTER_ADMISSION_BACKLOG", raising=False)
     monkeypatch.delenv("MUSTER_ADMISSION_WAIT", raising=False)

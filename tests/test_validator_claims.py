@@ -8,9 +8,9 @@ import contextlib
 import pytest
 from nats.js.errors import KeyNotFoundError
 
-from services.validator.service import Validator
-from shared import bus, client, subjects
-from shared.messages import job_id_for, now
+from muster.services.validator.service import Validator
+from muster.shared import bus, client, subjects
+from muster.shared.messages import job_id_for, now
 from tests.test_validator import config
 
 
@@ -88,7 +88,7 @@ async def test_a_claim_is_released_only_while_it_points_at_the_job_given_up_on(n
 
 
 def test_claim_timeout_setting(monkeypatch):
-    from services.validator.service import claim_timeout
+    from muster.services.validator.service import claim_timeout
 
     assert claim_timeout() == 300.0
     monkeypatch.setenv("MUSTER_NAME_CLAIM_TIMEOUT", "0.5")

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from services.validator.limits import Limits, Live, LiveTasks, check
-from shared.messages import JobRecord, JobState, now
+from muster.services.validator.limits import Limits, Live, LiveTasks, check
+from muster.shared.messages import JobRecord, JobState, now
 from tests.test_validator import config
 
 

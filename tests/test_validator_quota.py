@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from services.validator.service import Validator
-from shared import bus, client, subjects
-from shared.messages import JobRecord, JobState, now
+from muster.services.validator.service import Validator
+from muster.shared import bus, client, subjects
+from muster.shared.messages import JobRecord, JobState, now
 from tests.test_validator import config, validator
 
 

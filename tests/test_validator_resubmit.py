@@ -7,10 +7,10 @@ import json
 import pytest
 from nats.js.errors import KeyNotFoundError
 
-from services.validator.service import Validator
-from shared import bus, subjects
-from shared.messages import Verdict, now
-from shared.subjects import Headers
+from muster.services.validator.service import Validator
+from muster.shared import bus, subjects
+from muster.shared.messages import Verdict, now
+from muster.shared.subjects import Headers
 from tests.test_validator import config, validator
 
 

@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from nats.js.kv import KeyValue
 
-from services.cli.mesh import local_identity, local_user
-from services.validator.service import Validator
-from shared import bus, client, subjects
-from shared.messages import Quota, Verdict, VirtualCluster, now
+from muster.services.cli.mesh import local_identity, local_user
+from muster.services.validator.service import Validator
+from muster.shared import bus, client, subjects
+from muster.shared.messages import Quota, Verdict, VirtualCluster, now
 from tests.test_cli import VALID, mesh, muster, write
 from tests.test_validator import config, validator
 

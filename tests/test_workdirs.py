@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from services.agent import workdirs
-from services.agent.output import output_path
-from services.agent.prepare import CodeSyncs
-from services.agent.workdirs import Workdirs
-from shared import bus
-from shared.jobconfig import CodeSync
+from muster.services.agent import workdirs
+from muster.services.agent.output import output_path
+from muster.services.agent.prepare import CodeSyncs
+from muster.services.agent.workdirs import Workdirs
+from muster.shared import bus
+from muster.shared.jobconfig import CodeSync
 from tests.test_contract import git, job, nc, repo, roots
 
 __all__ = ["nc", "repo", "roots"]  # fixtures

@@ -4,9 +4,9 @@ from collections.abc import Awaitable, Callable
 import structlog
 from nats.aio.client import Client as NATS
 
-from services.agent import sim
-from services.agent.args import add_agent_arguments
-from services.agent.config import (
+from muster.services.agent import sim
+from muster.services.agent.args import add_agent_arguments
+from muster.services.agent.config import (
     WithHealth,
     clear_port_file,
     make_runtime,
@@ -14,9 +14,9 @@ from services.agent.config import (
     options_from_args,
     serve_health_in_range,
 )
-from services.agent.service import Agent, AgentOptions
-from shared import auth, bus
-from shared.service import Service, base_parser, run_main
+from muster.services.agent.service import Agent, AgentOptions
+from muster.shared import auth, bus
+from muster.shared.service import Service, base_parser, run_main
 
 if __name__ == "__main__":
     parser = base_parser("Muster node agent: runs the tasks placed on this machine.")

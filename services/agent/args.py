@@ -1,4 +1,4 @@
-"""The agent's flags (and their MUSTER_AGENT_* variables), shared by `python -m services.agent` and
+"""The agent's flags (and their MUSTER_AGENT_* variables), shared by `python -m muster.services.agent` and
 `muster up`. Only argparse here: the CLI builds its parser from this without importing the agent."""
 
 from __future__ import annotations

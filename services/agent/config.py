@@ -1,4 +1,4 @@
-"""Agent settings from flags and MUSTER_AGENT_* variables, shared by `python -m services.agent`
+"""Agent settings from flags and MUSTER_AGENT_* variables, shared by `python -m muster.services.agent`
 and the local agent of `muster up`, and the choice of runtime."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import structlog
 from nats.aio.client import Client as NATS
 
-from services.agent.inventory import (
+from muster.services.agent.inventory import (
     discover_gpus,
     machine_address,
     machine_cpus,
@@ -21,9 +21,9 @@ from services.agent.inventory import (
     parse_gpus,
     parse_port_range,
 )
-from services.agent.runtime import Runtime
-from services.agent.service import AgentOptions, default_node_name
-from shared.service import Service, serve_health
+from muster.services.agent.runtime import Runtime
+from muster.services.agent.service import AgentOptions, default_node_name
+from muster.shared.service import Service, serve_health
 
 log = structlog.get_logger(service="agent")
 
@@ -181,7 +181,7 @@ def options_from_args(args: argparse.Namespace, data_dir: str = "/tmp/muster") -
 def check_output_limits() -> None:
     """MUSTER_TASK_LOG_* and MUSTER_TASK_OUTPUT_MAX_BYTES (services/agent/output.py), refused
     when the agent starts rather than at a task's first line."""
-    from services.agent.output import OutputLimits
+    from muster.services.agent.output import OutputLimits
 
     try:
         OutputLimits.from_env()
@@ -205,7 +205,7 @@ def check_task_settings(args: argparse.Namespace) -> None:
 
 def docker_network(text: str | None) -> str:
     """--docker-network / MUSTER_DOCKER_NETWORK checked (default host)."""
-    from services.agent.docker_runtime import NETWORK_HOST, parse_network
+    from muster.services.agent.docker_runtime import NETWORK_HOST, parse_network
 
     if text is None:
         return NETWORK_HOST
@@ -237,7 +237,7 @@ def task_caps(text: str | None) -> tuple[str, ...] | None:
     """--task-caps parsed (None: the default, TASK_CAPS)."""
     if text is None:
         return None
-    from services.agent.docker_runtime import parse_caps
+    from muster.services.agent.docker_runtime import parse_caps
 
     try:
         return parse_caps(text)
@@ -246,7 +246,7 @@ def task_caps(text: str | None) -> tuple[str, ...] | None:
 
 
 def data_roots(text: str | None, data_dir: str) -> list[str]:
-    from shared.hostpaths import RootsError, parse_roots
+    from muster.shared.hostpaths import RootsError, parse_roots
 
     if not text:
         return [os.path.join(os.path.abspath(data_dir), "users", "{user}")]
@@ -270,14 +270,14 @@ def make_runtime(
     as the agent's user, with its capabilities and no limits (see process_runtime). `network`
     (--docker-network, None: host) is where Docker's tasks are networked; with container:NAME,
     NAME must be a container of the engine, and `address` (--address) should be one of its."""
-    from services.agent.process_runtime import ProcessRuntime
+    from muster.services.agent.process_runtime import ProcessRuntime
 
     if choice == "sim":
-        from services.agent.sim_runtime import SimRuntime
+        from muster.services.agent.sim_runtime import SimRuntime
 
         return SimRuntime()
     if choice in ("auto", "docker"):
-        from services.agent.docker_runtime import DockerRuntime
+        from muster.services.agent.docker_runtime import DockerRuntime
 
         tasks_network = docker_network(network)
         if DockerRuntime.available():

@@ -31,9 +31,9 @@ from docker.models.containers import Container
 from docker.types import DeviceRequest
 from docker.types import Mount as DockerMount
 
-from services.agent import fence_handle
-from services.agent.runtime import FoundTask, LaunchError, OutputSink, RegistryAuth, TaskLaunch
-from shared.messages import TaskCause
+from muster.services.agent import fence_handle
+from muster.services.agent.runtime import FoundTask, LaunchError, OutputSink, RegistryAuth, TaskLaunch
+from muster.shared.messages import TaskCause
 
 log = structlog.get_logger()
 
@@ -584,7 +584,7 @@ class DockerRuntime:
 
     def start_fence(self, home: str, pidfile: str, wait: float, bus_url: str = "") -> None:
         """If the agent dies without detaching and no new agent comes within `wait` seconds,
-        its task containers are stopped, reported and removed (see `services.agent.fence`)."""
+        its task containers are stopped, reported and removed (see `muster.services.agent.fence`)."""
         if self._fence is None:
             self._fence = fence_handle.start_fence("docker", home, pidfile, f"{wait:g}", bus_url=bus_url)
 

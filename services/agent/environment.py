@@ -34,9 +34,9 @@ import posixpath
 import re
 from dataclasses import dataclass
 
-from shared import mpi
-from shared.jobconfig import JobConfig
-from shared.messages import ClusterSpec, Endpoint
+from muster.shared import mpi
+from muster.shared.jobconfig import JobConfig
+from muster.shared.messages import ClusterSpec, Endpoint
 
 # Role names as TensorFlow's TF_CONFIG and AI Platform's CLUSTER_SPEC spell them; a role name not
 # listed is kept as it is.

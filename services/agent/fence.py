@@ -19,8 +19,8 @@ such a task's end reaches the supervisor before the node could be declared lost,
 the agent stays away, and its gang is not run again. The tasks it killed are reported lost by
 the next agent, or declared lost with the node, as before.
 
-    python -m services.agent.fence process AGENT_PID HOME STATE_DIR
-    python -m services.agent.fence docker AGENT_PID HOME PIDFILE WAIT_SECONDS
+    python -m muster.services.agent.fence process AGENT_PID HOME STATE_DIR
+    python -m muster.services.agent.fence docker AGENT_PID HOME PIDFILE WAIT_SECONDS
 
 HOME is the agent's work root (its outbox is there).
 """
@@ -37,15 +37,22 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from services.agent.fence_handle import DETACH
-from services.agent.process_runtime import ended_at, exit_file, records, settle
-from services.agent.reconcile import Assignments, key_of
-from services.agent.reporting import OUTBOX, Reporter, keep
-from services.agent.runtime import LABEL_ATTEMPT, LABEL_INDEX, LABEL_JOB, LABEL_NODE, LABEL_ROLE, FoundTask
-from services.agent.tasks import LAST_LINES
-from shared import bus
-from shared.messages import TaskCause, TaskEvent, TaskEventKind, now
-from shared.secrets import Masker
+from muster.services.agent.fence_handle import DETACH
+from muster.services.agent.process_runtime import ended_at, exit_file, records, settle
+from muster.services.agent.reconcile import Assignments, key_of
+from muster.services.agent.reporting import OUTBOX, Reporter, keep
+from muster.services.agent.runtime import (
+    LABEL_ATTEMPT,
+    LABEL_INDEX,
+    LABEL_JOB,
+    LABEL_NODE,
+    LABEL_ROLE,
+    FoundTask,
+)
+from muster.services.agent.tasks import LAST_LINES
+from muster.shared import bus
+from muster.shared.messages import TaskCause, TaskEvent, TaskEventKind, now
+from muster.shared.secrets import Masker
 
 # Only a Docker node's fence loads the Docker SDK (and services/agent/docker_runtime.py, which
 # imports it): the functions of the docker mode import them where they run.
@@ -113,7 +120,7 @@ def _containers(client: Any, home: str, before: float) -> list[Any]:
 
 def _container_exited(c: Any, code: int, home: str) -> TaskEvent | None:
     """The report of container `c`, which ended by itself with exit `code`."""
-    from services.agent.docker_runtime import finished_at  # Docker nodes only (see above)
+    from muster.services.agent.docker_runtime import finished_at  # Docker nodes only (see above)
 
     state = c.attrs.get("State") or {}
     oom = bool(state.get("OOMKilled"))
@@ -139,7 +146,7 @@ def _remove_containers(client: Any, home: str, before: float, told: set[str]) ->
     in the outbox before the containers, which held them, are gone."""
     import docker
 
-    from services.agent.docker_runtime import settle_container  # Docker nodes only (see above)
+    from muster.services.agent.docker_runtime import settle_container  # Docker nodes only (see above)
 
     settled = []
     for c in _containers(client, home, before):

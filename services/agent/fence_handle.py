@@ -18,7 +18,7 @@ def start_fence(mode: str, *args: str, bus_url: str = "") -> subprocess.Popen[by
     return subprocess.Popen(
         # The agent's pid, not the fence's parent when it starts: on a loaded machine the
         # agent may die before the fence has started.
-        [sys.executable, "-m", "services.agent.fence", mode, str(os.getpid()), *args],
+        [sys.executable, "-m", "muster.services.agent.fence", mode, str(os.getpid()), *args],
         stdin=subprocess.PIPE,
         start_new_session=True,  # a signal to the agent's process group does not reach it
         env={**os.environ, "MUSTER_NATS_URL": bus_url} if bus_url else None,

@@ -10,7 +10,7 @@ import socket
 
 import structlog
 
-from shared.messages import MAX_NODE_GPUS, GpuDevice
+from muster.shared.messages import MAX_NODE_GPUS, GpuDevice
 
 log = structlog.get_logger(service="agent")
 

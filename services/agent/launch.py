@@ -16,9 +16,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.agent import environment, rsh, workdirs
-from services.agent.prepare import Prepared
-from services.agent.runtime import (
+from muster.services.agent import environment, rsh, workdirs
+from muster.services.agent.prepare import Prepared
+from muster.services.agent.runtime import (
     LABEL_ATTEMPT,
     LABEL_HOME,
     LABEL_INDEX,
@@ -31,9 +31,9 @@ from services.agent.runtime import (
     RegistryAuth,
     TaskLaunch,
 )
-from shared import hostpaths, mpi
-from shared.jobconfig import RESERVED_ENV_PREFIXES, RESIZE_SIGNALS
-from shared.messages import Assignment, ClusterSpec, TaskCause, TaskSpec
+from muster.shared import hostpaths, mpi
+from muster.shared.jobconfig import RESERVED_ENV_PREFIXES, RESIZE_SIGNALS
+from muster.shared.messages import Assignment, ClusterSpec, TaskCause, TaskSpec
 
 MAX_AUTH_FILE = 4096  # bytes: three short lines
 

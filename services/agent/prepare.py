@@ -50,10 +50,10 @@ from typing import Any
 
 import structlog
 
-from services.agent.runtime import LaunchError, Mount
-from shared import hostpaths, settings
-from shared.jobconfig import CodeSync, JobConfig, shown_url
-from shared.messages import Dataset, TaskCause
+from muster.services.agent.runtime import LaunchError, Mount
+from muster.shared import hostpaths, settings
+from muster.shared.jobconfig import CodeSync, JobConfig, shown_url
+from muster.shared.messages import Dataset, TaskCause
 
 log = structlog.get_logger(service="agent")
 

@@ -17,7 +17,7 @@ record and the file are removed only once the outcome is in the agent's outbox. 
 the read end of its own output pipe (never reading it), so its agent's death does not end it
 with a broken pipe, an end the agent's death caused, before its fence has recorded the kill.
 
-Tasks do not outlive their agent: a small fence process (`services.agent.fence`) holds a pipe
+Tasks do not outlive their agent: a small fence process (`muster.services.agent.fence`) holds a pipe
 from the agent and, when the agent dies in any way, SIGKILL included, kills every recorded task
 that had not ended and reports how each one ended, so a task whose agent is gone never runs
 beside its replacement, and one that finished is never run again.
@@ -46,8 +46,8 @@ from typing import Any
 
 import structlog
 
-from services.agent import fence_handle
-from services.agent.runtime import FoundTask, LaunchError, OutputSink, TaskLaunch
+from muster.services.agent import fence_handle
+from muster.services.agent.runtime import FoundTask, LaunchError, OutputSink, TaskLaunch
 
 TASK_ENV = "MUSTER_TASK"  # in every task's environment: how a leftover is recognised
 KILLED = "killed"  # in an exit file: stopped by the platform, not ended by itself

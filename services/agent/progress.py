@@ -5,7 +5,7 @@ it last printed anything (a job's `noProgressTimeoutSec`: a task silent that lon
 Only tasks of jobs that declare `metrics` or `noProgressTimeoutSec` are tracked: for the others,
 a line costs one dict lookup. A task printing thousands of lines a second costs the bus at most
 one batch a second (`FLUSH`), of at most MAX_PER_METRIC points per metric (thinned beyond:
-`shared.trainmetrics.Series`)."""
+`muster.shared.trainmetrics.Series`)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ import structlog
 from nats.aio.client import Client as NATS
 from prometheus_client import Counter, Gauge
 
-from shared import subjects
-from shared.jobconfig import JobConfig
-from shared.messages import MetricBatch, MetricPoint
-from shared.trainmetrics import LinePicker, Point, Series
+from muster.shared import subjects
+from muster.shared.jobconfig import JobConfig
+from muster.shared.messages import MetricBatch, MetricPoint
+from muster.shared.trainmetrics import LinePicker, Point, Series
 
 log = structlog.get_logger(service="agent")
 

@@ -17,7 +17,7 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from services.agent.runtime import (
+from muster.services.agent.runtime import (
     LABEL_ATTEMPT,
     LABEL_HOME,
     LABEL_INDEX,
@@ -28,9 +28,17 @@ from services.agent.runtime import (
     FoundTask,
     LaunchError,
 )
-from services.agent.tasks import NOT_STARTED, LocalTask, TaskKey, Tasks
-from shared import subjects
-from shared.messages import Assignment, AttemptRecord, Endpoint, TaskCause, TaskState, TaskStatus, attempt_key
+from muster.services.agent.tasks import NOT_STARTED, LocalTask, TaskKey, Tasks
+from muster.shared import subjects
+from muster.shared.messages import (
+    Assignment,
+    AttemptRecord,
+    Endpoint,
+    TaskCause,
+    TaskState,
+    TaskStatus,
+    attempt_key,
+)
 
 log = structlog.get_logger(service="agent")
 LOST = "task lost: its agent restarted"

@@ -1,7 +1,7 @@
 """Task events out of the agent, never lost: each is written to an outbox on disk, then published
 (with a message id, so a second copy is harmless) by one sender in the order they were made, and
 removed once JetStream has it. An outcome reached while the bus is away, or just before the
-agent dies, is reported when the bus is back, by the agent's fence (services.agent.fence) when
+agent dies, is reported when the bus is back, by the agent's fence (muster.services.agent.fence) when
 the agent died, or by the next agent."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.errors import BadRequestError
 
-from shared import bus, subjects
-from shared.messages import TaskEvent
+from muster.shared import bus, subjects
+from muster.shared.messages import TaskEvent
 
 log = structlog.get_logger(service="agent")
 OUTBOX = "outbox"  # under the agent's work root

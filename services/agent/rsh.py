@@ -50,10 +50,10 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from prometheus_client import Counter
 
-from services.agent.runtime import RunningTask
-from services.agent.sharing import Specs
-from shared import mpi, shapes, subjects
-from shared.messages import (
+from muster.services.agent.runtime import RunningTask
+from muster.services.agent.sharing import Specs
+from muster.shared import mpi, shapes, subjects
+from muster.shared.messages import (
     EXEC_SESSION_RE,
     MAX_EXEC_CHUNK,
     MAX_EXEC_COMMAND,

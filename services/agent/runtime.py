@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from shared.messages import TaskCause
+from muster.shared.messages import TaskCause
 
 # Labels on every container (and recorded for every process) so a restarted agent can find them.
 LABEL_JOB = "muster.job"
@@ -142,7 +142,7 @@ class Runtime(Protocol):
     def start_fence(self, home: str, pidfile: str, wait: float, bus_url: str = "") -> None:
         """Start the fence that stops the tasks of the agent whose work root is `home` if it
         dies without detaching, and reports how they ended on the bus at `bus_url`
-        (`services.agent.fence`); `wait`: how long a docker fence waits for a new agent."""
+        (`muster.services.agent.fence`); `wait`: how long a docker fence waits for a new agent."""
         ...
 
     def detach(self) -> None:

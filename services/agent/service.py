@@ -39,18 +39,18 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
-from services.agent.inventory import PortPool
-from services.agent.launch import Where
-from services.agent.reconcile import Assignments, Placed, Reconciler
-from services.agent.reporting import OUTBOX, Reporter
-from services.agent.rsh import Rsh
-from services.agent.runtime import (
+from muster.services.agent.inventory import PortPool
+from muster.services.agent.launch import Where
+from muster.services.agent.reconcile import Assignments, Placed, Reconciler
+from muster.services.agent.reporting import OUTBOX, Reporter
+from muster.services.agent.rsh import Rsh
+from muster.services.agent.runtime import (
     Runtime,
 )
-from services.agent.sharing import Attempts, Shared
-from services.agent.tasks import NOT_STARTED, LocalTask, Tasks
-from shared import bus, consume, hostpaths, settings, subjects
-from shared.messages import (
+from muster.services.agent.sharing import Attempts, Shared
+from muster.services.agent.tasks import NOT_STARTED, LocalTask, Tasks
+from muster.shared import bus, consume, hostpaths, settings, subjects
+from muster.shared.messages import (
     Assignment,
     DrainOrder,
     Endpoint,

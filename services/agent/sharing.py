@@ -20,9 +20,9 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
-from shared import subjects
-from shared.messages import AttemptRecord, ClusterSpec, Message, TaskStatus
-from shared.store import Store
+from muster.shared import subjects
+from muster.shared.messages import AttemptRecord, ClusterSpec, Message, TaskStatus
+from muster.shared.store import Store
 
 M = TypeVar("M", bound=Message)
 AttemptKey = tuple[str, int]

@@ -53,13 +53,13 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.kv import KeyValue
 from prometheus_client import Gauge
 
-from services.agent.inventory import machine_address, parse_gpus, parse_port_range
-from services.agent.reconcile import placed_by_node
-from services.agent.runtime import Runtime
-from services.agent.service import Agent, AgentOptions, pull_orders
-from services.agent.sharing import Shared
-from services.agent.sim_runtime import SimRuntime
-from shared import bus, subjects
+from muster.services.agent.inventory import machine_address, parse_gpus, parse_port_range
+from muster.services.agent.reconcile import placed_by_node
+from muster.services.agent.runtime import Runtime
+from muster.services.agent.service import Agent, AgentOptions, pull_orders
+from muster.services.agent.sharing import Shared
+from muster.services.agent.sim_runtime import SimRuntime
+from muster.shared import bus, subjects
 
 log = structlog.get_logger(service="sim")
 NODES = Gauge("muster_sim_nodes", "Simulated nodes this process has registered")
@@ -138,7 +138,7 @@ def setup_from_args(args: argparse.Namespace, data_dir: str) -> SimSetup:
     work_root = args.work_root or os.path.join(data_dir, "work")
     output_root = args.output_root or os.path.join(data_dir, "output")
     address = args.address or machine_address()
-    from services.agent.config import data_roots
+    from muster.services.agent.config import data_roots
 
     roots = data_roots(args.data_roots, data_dir)
     options = [

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from services.agent.runtime import (
+from muster.services.agent.runtime import (
     LABEL_INDEX,
     LABEL_ROLE,
     ExecOutput,
@@ -35,7 +35,7 @@ from services.agent.runtime import (
     OutputSink,
     TaskLaunch,
 )
-from shared.messages import TaskCause
+from muster.shared.messages import TaskCause
 
 STOPPED = 143  # 128 + SIGTERM: what a stopped task exits with
 FIELDS = ("seconds", "exitCode")

@@ -19,11 +19,11 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from prometheus_client import Counter, Gauge
 
-from services.agent import workdirs
-from services.agent.inventory import PortPool
-from services.agent.launch import Where, attempt_path, build_launch, resize_signal, task_env, task_name
-from services.agent.output import OutputLimits, Shipper, output_path
-from services.agent.prepare import (
+from muster.services.agent import workdirs
+from muster.services.agent.inventory import PortPool
+from muster.services.agent.launch import Where, attempt_path, build_launch, resize_signal, task_env, task_name
+from muster.services.agent.output import OutputLimits, Shipper, output_path
+from muster.services.agent.prepare import (
     SYNCED_MARK,
     CodeSyncs,
     Prepared,
@@ -31,14 +31,14 @@ from services.agent.prepare import (
     resolve_datasets,
     sync_target,
 )
-from services.agent.progress import Progress
-from services.agent.reporting import Reporter
-from services.agent.rsh import Rsh
-from services.agent.runtime import LaunchError, RunningTask, Runtime
-from services.agent.sharing import Attempts, Specs
-from services.agent.workdirs import Workdirs
-from shared import mpi, subjects
-from shared.messages import (
+from muster.services.agent.progress import Progress
+from muster.services.agent.reporting import Reporter
+from muster.services.agent.rsh import Rsh
+from muster.services.agent.runtime import LaunchError, RunningTask, Runtime
+from muster.services.agent.sharing import Attempts, Specs
+from muster.services.agent.workdirs import Workdirs
+from muster.shared import mpi, subjects
+from muster.shared.messages import (
     Assignment,
     AttemptRecord,
     ClusterSpec,
@@ -51,8 +51,8 @@ from shared.messages import (
     attempt_key,
     dataset_refusal,
 )
-from shared.secrets import Masker
-from shared.store import Store
+from muster.shared.secrets import Masker
+from muster.shared.store import Store
 
 log = structlog.get_logger(service="agent")
 

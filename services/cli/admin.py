@@ -15,10 +15,17 @@ from typing import TYPE_CHECKING, Any
 from nats.aio.client import Client as NATS
 from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
 
-from services.cli.connect import connect, connect_bus, locate
-from services.cli.console import EXIT_INVALID, EXIT_OK, CliError, err, out
-from services.cli.render import columns, dataset_row, stream_rows, undecodable_row, vc_quota_text, vc_row
-from shared import auth, bus, client, subjects
+from muster.services.cli.connect import connect, connect_bus, locate
+from muster.services.cli.console import EXIT_INVALID, EXIT_OK, CliError, err, out
+from muster.services.cli.render import (
+    columns,
+    dataset_row,
+    stream_rows,
+    undecodable_row,
+    vc_quota_text,
+    vc_row,
+)
+from muster.shared import auth, bus, client, subjects
 
 # The models (pydantic), the mesh (mesh.py: the services) and the agent's modules are imported
 # where a command needs them, not here: most commands need few of them, and importing them is
@@ -26,7 +33,7 @@ from shared import auth, bus, client, subjects
 if TYPE_CHECKING:
     from nats.js.kv import KeyValue
 
-    from shared.messages import VirtualCluster
+    from muster.shared.messages import VirtualCluster
 
 # ---------------------------------------------------------------- admin init, user, keys
 
@@ -46,7 +53,7 @@ async def admin_init(args: argparse.Namespace) -> int:
 def auth_dir_of(args: argparse.Namespace) -> auth.AuthDir:
     """--auth-dir, MUSTER_AUTH_DIR, the auth dir of the mesh this command goes to, or the default
     data dir's."""
-    from services.cli.mesh import default_data_dir
+    from muster.services.cli.mesh import default_data_dir
 
     path = args.auth_dir or os.environ.get("MUSTER_AUTH_DIR") or (locate().note or {}).get("auth_dir")
     return auth.AuthDir(path or default_data_dir() / "auth")
@@ -79,7 +86,7 @@ def admin_user(args: argparse.Namespace) -> int:
     except auth.AuthError as exc:
         raise CliError(str(exc), EXIT_INVALID) from None
     out(done)
-    from services.cli.mesh import running
+    from muster.services.cli.mesh import running
 
     here = keys.path.resolve()
     # The local `muster up` whose server uses this auth dir, if any.
@@ -129,9 +136,9 @@ def vc_record(args: argparse.Namespace) -> VirtualCluster:
     default); a bad value is a CliError(2) naming its flag."""
     from pydantic import ValidationError
 
-    from services.agent.inventory import parse_gpus
-    from shared.jobconfig import _reason, format_path
-    from shared.messages import VirtualCluster
+    from muster.services.agent.inventory import parse_gpus
+    from muster.shared.jobconfig import _reason, format_path
+    from muster.shared.messages import VirtualCluster
 
     gpus: dict[str, int] = {}
     if args.gpus is not None:
@@ -196,7 +203,7 @@ async def vc_bucket(nc: NATS) -> KeyValue:
 async def admin_vc(args: argparse.Namespace) -> int:
     """`muster admin vc set|remove|list`: the virtual clusters in bucket muster_vcs. The
     validators watch it: a change applies to the next submission, no restart."""
-    from shared.messages import VirtualCluster
+    from muster.shared.messages import VirtualCluster
 
     if args.action != "list" and not auth.NAME_RE.match(args.name):  # the same as a VC name's
         raise CliError(
@@ -264,8 +271,8 @@ async def admin_dataset(args: argparse.Namespace) -> int:
     muster_datasets. Validators watch it; agents read a job's datasets when they start its tasks."""
     from pydantic import ValidationError
 
-    from shared.jobconfig import _reason
-    from shared.messages import Dataset
+    from muster.shared.jobconfig import _reason
+    from muster.shared.messages import Dataset
 
     if args.action != "list" and not auth.NAME_RE.match(args.name):
         raise CliError(
@@ -341,7 +348,7 @@ def _safe_key(key: str) -> bool:
 async def drain(args: argparse.Namespace) -> int:
     """Stop every task on a node on purpose (they are retried elsewhere) and keep new work off
     it, or with --undo let it take work again; waits until the node's agent has done it."""
-    from shared.messages import DrainOrder, NodeInfo
+    from muster.shared.messages import DrainOrder, NodeInfo
 
     nc = await connect(args.connect_timeout)
     try:
@@ -349,7 +356,7 @@ async def drain(args: argparse.Namespace) -> int:
             raise CliError("draining a node takes an admin identity")
         js = nc.jetstream(timeout=10)
         try:
-            from shared.store import Store  # only here: it brings the metrics library
+            from muster.shared.store import Store  # only here: it brings the metrics library
 
             nodes = Store(await js.key_value(subjects.NODES_BUCKET), NodeInfo)
         except NotFoundError:

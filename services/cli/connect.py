@@ -10,22 +10,22 @@ from typing import TYPE_CHECKING, Any
 
 from nats.aio.client import Client as NATS
 
-from services.cli.console import CliError, err
-from shared import auth, bus, client, subjects
+from muster.services.cli.console import CliError, err
+from muster.shared import auth, bus, client, subjects
 
 # The models (pydantic), the mesh (mesh.py: the services) and the agent's modules are imported
 # where a command needs them, not here: most commands need few of them, and importing them is
 # most of a start-up otherwise (docs/BENCHMARKS.md; tests/test_cli.py checks `submit`).
 if TYPE_CHECKING:
-    from services.cli.mesh import Found
-    from shared.messages import AttemptRecord, JobRecord
+    from muster.services.cli.mesh import Found
+    from muster.shared.messages import AttemptRecord, JobRecord
 
 
 def locate() -> Found:
     """The mesh this command goes to (services/cli/mesh.py `find_mesh`): MUSTER_NATS_URL, else
     the `muster up` started in this directory or above it, one starting there, or the only one
     running. Once found, MUSTER_NATS_URL names it for the rest of the command."""
-    from services.cli.mesh import MeshError, find_mesh
+    from muster.services.cli.mesh import MeshError, find_mesh
 
     try:
         found = find_mesh()
@@ -42,7 +42,7 @@ class Patience:
     (or `timeout`, if longer)."""
 
     def __init__(self, timeout: float):
-        from services.cli.mesh import START_WAIT
+        from muster.services.cli.mesh import START_WAIT
 
         self.loop = asyncio.get_running_loop()
         self.timeout = timeout
@@ -138,7 +138,7 @@ async def ask(nc: NATS, verb: str, **request: Any) -> dict[str, Any]:
 
 async def resolve(nc: NATS, ref: str) -> JobRecord:
     """A job by id, else by name (the most recent job holding that name), that we may see."""
-    from shared.messages import JobRecord
+    from muster.shared.messages import JobRecord
 
     return JobRecord.model_validate((await ask(nc, "job", ref=ref))["job"])
 
@@ -148,7 +148,7 @@ async def job_and_attempts(nc: NATS, ref: str) -> tuple[JobRecord, list[AttemptR
 
 
 def job_of(answer: dict[str, Any]) -> tuple[JobRecord, list[AttemptRecord]]:
-    from shared.messages import AttemptRecord, JobRecord
+    from muster.shared.messages import AttemptRecord, JobRecord
 
     return JobRecord.model_validate(answer["job"]), [
         AttemptRecord.model_validate(a) for a in answer["attempts"]

@@ -14,12 +14,12 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
-from services.cli import render
-from services.cli.connect import ask, connect, job_and_attempts, job_of, resolve
-from services.cli.console import EXIT_FAIL, EXIT_INVALID, EXIT_OK, CliError, err, out
-from shared import bus, client, subjects
-from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
-from shared.trainmetrics import MetricFormat
+from muster.services.cli import render
+from muster.services.cli.connect import ask, connect, job_and_attempts, job_of, resolve
+from muster.services.cli.console import EXIT_FAIL, EXIT_INVALID, EXIT_OK, CliError, err, out
+from muster.shared import bus, client, subjects
+from muster.shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
+from muster.shared.trainmetrics import MetricFormat
 
 # The models (pydantic), the mesh (mesh.py: the services) and the agent's modules are imported
 # where a command needs them, not here: most commands need few of them, and importing them is
@@ -53,7 +53,7 @@ def print_warnings(warnings: list[Any], source: str) -> None:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from shared.jobconfig import check_job, job_warnings
+    from muster.shared.jobconfig import check_job, job_warnings
 
     _, raw = read_config(args.file)
     config, errors = check_job(raw)
@@ -127,7 +127,7 @@ async def follow(nc: NATS, job_id: str, quiet: bool = False, give_up: float = ma
     """Print each change of the job's state until it is final: exit 0 only if it SUCCEEDED.
     Exit 2 once the scheduler has said for MUSTER_NODE_TIMEOUT that no node can ever fit it
     (an agent that is just starting gets that long to join); give up at loop time `give_up`."""
-    from shared.messages import JobState
+    from muster.shared.messages import JobState
 
     loop = asyncio.get_running_loop()
     record, last, never = None, None, math.inf  # never: when "unschedulable" becomes the answer
@@ -261,7 +261,7 @@ async def vc_status(args: argparse.Namespace) -> int:
 
 
 async def kill(args: argparse.Namespace) -> int:
-    from shared.messages import JobState, KillRequest
+    from muster.shared.messages import JobState, KillRequest
 
     nc = await connect(args.connect_timeout)
     try:
@@ -323,7 +323,7 @@ async def show_metrics(args: argparse.Namespace) -> int:
     """The series of a job's training metrics (its `metrics`), as `logs` prints its output."""
     nc = await connect(args.connect_timeout)
     try:
-        from shared.messages import JobRecord
+        from muster.shared.messages import JobRecord
 
         job = (await ask(nc, "job", ref=args.job))["job"]
         record = JobRecord.model_validate(job)

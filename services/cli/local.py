@@ -9,20 +9,20 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.cli.console import EXIT_INVALID, CliError, err, out
-from services.cli.render import gpu_text
-from shared import auth, bus, logs
+from muster.services.cli.console import EXIT_INVALID, CliError, err, out
+from muster.services.cli.render import gpu_text
+from muster.shared import auth, bus, logs
 
 # The models (pydantic), the mesh (mesh.py: the services) and the agent's modules are imported
 # where a command needs them, not here: most commands need few of them, and importing them is
 # most of a start-up otherwise (docs/BENCHMARKS.md; tests/test_cli.py checks `submit`).
 if TYPE_CHECKING:
-    from services.agent.sim import SimSetup
+    from muster.services.agent.sim import SimSetup
 
 
 def check_agent_flags(args: argparse.Namespace) -> None:
     """The local agent's flags, refused before anything starts."""
-    from services.agent.inventory import parse_gpus, parse_port_range
+    from muster.services.agent.inventory import parse_gpus, parse_port_range
 
     if args.gpus is not None:
         try:
@@ -43,10 +43,10 @@ def check_agent_flags(args: argparse.Namespace) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from services.agent.config import make_runtime, options_from_args
-    from services.agent.service import Agent
-    from services.cli.mesh import default_data_dir, up
-    from shared.service import tune_gc
+    from muster.services.agent.config import make_runtime, options_from_args
+    from muster.services.agent.service import Agent
+    from muster.services.cli.mesh import default_data_dir, up
+    from muster.shared.service import tune_gc
 
     check_agent_flags(args)
     logs.configure("muster")
@@ -86,7 +86,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             ),
         )
 
-    tune_gc()  # a long-running process of services, as `python -m services.<name>` is
+    tune_gc()  # a long-running process of services, as `python -m muster.services.<name>` is
     try:
         return asyncio.run(
             up(
@@ -107,7 +107,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 def sim_setup(args: argparse.Namespace, data_dir: str) -> SimSetup:
     """`--runtime sim`: the simulated nodes, and a node timeout the mesh's scheduler and
     supervisor (in this process) give their heartbeat period (services/agent/sim.py)."""
-    from services.agent import sim
+    from muster.services.agent import sim
 
     try:
         setup = sim.setup_from_args(args, data_dir)

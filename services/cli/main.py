@@ -24,11 +24,11 @@ from typing import Any, NoReturn
 
 import nats.errors
 
-from services.agent.args import add_agent_arguments
-from services.cli import admin, jobs, local
-from services.cli.console import EXIT_FAIL, EXIT_INVALID, CliError, err
-from services.cli.render import FINISHED, LIVE, STATES
-from shared import auth
+from muster.services.agent.args import add_agent_arguments
+from muster.services.cli import admin, jobs, local
+from muster.services.cli.console import EXIT_FAIL, EXIT_INVALID, CliError, err
+from muster.services.cli.render import FINISHED, LIVE, STATES
+from muster.shared import auth
 
 
 class Parser(argparse.ArgumentParser):
@@ -52,7 +52,9 @@ def checked(kind: type, ok: Any, wanted: str) -> Any:
     return parse
 
 
-MAX_GRACE = 24 * 3600  # shared.shapes.MAX_GRACE: a kill or drain order's longest grace (no model imported)
+MAX_GRACE = (
+    24 * 3600
+)  # muster.shared.shapes.MAX_GRACE: a kill or drain order's longest grace (no model imported)
 GRACE = checked(float, lambda v: 0 <= v <= MAX_GRACE, f"must be seconds from 0 to {MAX_GRACE}")
 TIMEOUT = checked(float, lambda v: 0 < v < math.inf, "must be seconds > 0")
 COUNT = checked(int, lambda v: v >= 1, "must be a whole number ≥ 1")

@@ -34,9 +34,9 @@ from typing import Any
 import structlog
 from nats.aio.client import Client as NATS
 
-from shared import auth, bus, settings
-from shared.natsserver import NatsServer, free_port
-from shared.service import Service, run_service, serve_health
+from muster.shared import auth, bus, settings
+from muster.shared.natsserver import NatsServer, free_port
+from muster.shared.service import Service, run_service, serve_health
 
 log = structlog.get_logger(service="mesh")
 
@@ -46,11 +46,11 @@ Builder = Callable[[NATS], Awaitable[Service]]
 def builders() -> dict[str, Builder]:
     """Every service of the mesh (auth.SERVICES), imported only here: the CLI reads this module's
     notes (`local_identity`) on every command, and must not pay for the services' imports."""
-    from services.gateway.service import Gateway
-    from services.registry.service import Registry
-    from services.scheduler.service import Scheduler
-    from services.supervisor.service import Supervisor
-    from services.validator.service import Validator
+    from muster.services.gateway.service import Gateway
+    from muster.services.registry.service import Registry
+    from muster.services.scheduler.service import Scheduler
+    from muster.services.supervisor.service import Supervisor
+    from muster.services.validator.service import Validator
 
     return {
         "validator": Validator.build,
@@ -156,9 +156,9 @@ def _contains(parent: object, child: str) -> bool:
 
 
 def _is_up(argv: list[bytes]) -> bool:
-    """Whether a command line is `muster up ...` (the console script, or python -m services.cli.main)."""
-    for i, arg in enumerate(argv[:4]):  # python [-u] [-m services.cli.main | muster] up
-        if arg == b"services.cli.main" or os.path.basename(arg) == b"muster":
+    """Whether a command line is `muster up ...` (the console script, or python -m muster.services.cli.main)."""
+    for i, arg in enumerate(argv[:4]):  # python [-u] [-m muster.services.cli.main | muster] up
+        if arg == b"muster.services.cli.main" or os.path.basename(arg) == b"muster":
             return argv[i + 1 : i + 2] == [b"up"]
     return False
 
@@ -467,7 +467,7 @@ async def up(
 async def _ready(nc: NATS, notes: Notes, stop: asyncio.Event, keep: bool) -> None:
     """Notes the mesh `ready` once the gateway answers it (the CLI beside it waits until then);
     the connection is closed after unless `keep` (it serves /healthz)."""
-    from shared import client
+    from muster.shared import client
 
     try:
         while not stop.is_set():
@@ -491,7 +491,7 @@ def _nats_metrics(server: NatsServer, stop: asyncio.Event) -> asyncio.Task[None]
     """The embedded server's metrics (shared/natsmetrics.py) on this process's /metrics."""
     import prometheus_client
 
-    from shared.natsmetrics import NatsCollector
+    from muster.shared.natsmetrics import NatsCollector
 
     collector = NatsCollector([f"http://{server.host}:{server.monitor_port}"])
     prometheus_client.REGISTRY.register(collector)  # type: ignore[arg-type]

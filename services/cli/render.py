@@ -8,13 +8,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from shared.trainmetrics import MetricFormat, shown
+from muster.shared.trainmetrics import MetricFormat, shown
 
 # The models (pydantic) only for types: `muster submit` imports none (docs/BENCHMARKS.md).
 if TYPE_CHECKING:
     from nats.js.api import StreamConfig
 
-    from shared.messages import AttemptRecord, Dataset, GpuDevice, JobRecord, VirtualCluster
+    from muster.shared.messages import AttemptRecord, Dataset, GpuDevice, JobRecord, VirtualCluster
 
 LIVE, FINISHED = ["WAITING", "RUNNING"], ["SUCCEEDED", "FAILED", "STOPPED"]
 STATES = LIVE + FINISHED

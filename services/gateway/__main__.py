@@ -1,5 +1,5 @@
-from services.gateway.service import Gateway
-from shared.service import main
+from muster.services.gateway.service import Gateway
+from muster.shared.service import main
 
 if __name__ == "__main__":
     main(

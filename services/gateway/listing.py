@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
-from shared import subjects
-from shared.messages import JobRecord, JobState
+from muster.shared import subjects
+from muster.shared.messages import JobRecord, JobState
 
 REASON_CHARS = 160  # of a job's reason, kept and shown in lists
 CURSOR_RE = re.compile(r"^(\d{1,19})\.([-/_=.a-zA-Z0-9]{1,128})$")

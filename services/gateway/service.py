@@ -47,10 +47,10 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter
 from pydantic import ValidationError
 
-from services.gateway.listing import Listing, Query, Summary, cursor_key, micros
-from shared import bus, subjects, vcquota
-from shared.auth import NAME_RE
-from shared.messages import (
+from muster.services.gateway.listing import Listing, Query, Summary, cursor_key, micros
+from muster.shared import bus, subjects, vcquota
+from muster.shared.auth import NAME_RE
+from muster.shared.messages import (
     AttemptRecord,
     JobRecord,
     JobState,
@@ -63,7 +63,7 @@ from shared.messages import (
     node_refusal,
     vc_refusal,
 )
-from shared.store import Store
+from muster.shared.store import Store
 
 log = structlog.get_logger(service="gateway")
 REQUESTS = Counter("muster_gateway_requests_total", "Questions answered by the gateway", ["verb", "outcome"])

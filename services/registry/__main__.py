@@ -1,5 +1,5 @@
-from services.registry.service import Registry
-from shared.service import main
+from muster.services.registry.service import Registry
+from muster.shared.service import main
 
 if __name__ == "__main__":
     main(

@@ -36,8 +36,8 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Histogram
 
-from shared import bus, consume, shapes, subjects
-from shared.messages import (
+from muster.shared import bus, consume, shapes, subjects
+from muster.shared.messages import (
     AttemptRecord,
     ClusterSpec,
     Endpoint,
@@ -47,7 +47,7 @@ from shared.messages import (
     attempt_key,
     membership,
 )
-from shared.store import BAD_RECORDS, GroupCommit, Store
+from muster.shared.store import BAD_RECORDS, GroupCommit, Store
 
 log = structlog.get_logger(service="registry")
 SPECS = Counter("muster_registry_specs_total", "Cluster specs published")

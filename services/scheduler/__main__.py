@@ -1,5 +1,5 @@
-from services.scheduler.service import Scheduler
-from shared.service import main
+from muster.services.scheduler.service import Scheduler
+from muster.shared.service import main
 
 if __name__ == "__main__":
     main(

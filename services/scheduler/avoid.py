@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
 
-from services.scheduler import placement
-from shared import settings
-from shared.messages import AttemptRecord, FailureKind, TaskSpec
+from muster.services.scheduler import placement
+from muster.shared import settings
+from muster.shared.messages import AttemptRecord, FailureKind, TaskSpec
 
 AVOID_AFTER = settings.number("MUSTER_AVOID_AFTER", 3, int, low=1)
 AVOID_WINDOW = settings.seconds("MUSTER_AVOID_WINDOW", 600.0)

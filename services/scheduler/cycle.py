@@ -27,12 +27,12 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from services.scheduler import elastic, placement, quota
-from services.scheduler.avoid import nodes_to_avoid, plan_around
-from services.scheduler.view import Job, View
-from shared import settings
-from shared.jobconfig import JobConfig, rank
-from shared.messages import AttemptRecord, TaskSpec, VirtualCluster
+from muster.services.scheduler import elastic, placement, quota
+from muster.services.scheduler.avoid import nodes_to_avoid, plan_around
+from muster.services.scheduler.view import Job, View
+from muster.shared import settings
+from muster.shared.jobconfig import JobConfig, rank
+from muster.shared.messages import AttemptRecord, TaskSpec, VirtualCluster
 
 # Jobs behind the head that one plan tries at most (Slurm's bf_max_job_test); later ones wait.
 BACKFILL_WINDOW = settings.number("MUSTER_BACKFILL_WINDOW", 500, int, low=0)

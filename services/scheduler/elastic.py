@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-from services.scheduler import placement
-from shared import settings
-from shared.jobconfig import JobConfig
-from shared.messages import AttemptRecord, TaskSpec, TaskState
+from muster.services.scheduler import placement
+from muster.shared import settings
+from muster.shared.jobconfig import JobConfig
+from muster.shared.messages import AttemptRecord, TaskSpec, TaskState
 
 DWELL = settings.seconds("MUSTER_ELASTIC_DWELL", 30.0)  # seconds between changes of one attempt
 

@@ -21,8 +21,8 @@ from prometheus_client import REGISTRY
 from prometheus_client import Counter as PromCounter
 from prometheus_client.core import GaugeMetricFamily
 
-from services.scheduler.view import View
-from shared.messages import JobState, now
+from muster.services.scheduler.view import View
+from muster.shared.messages import JobState, now
 
 log = structlog.get_logger(service="scheduler")
 

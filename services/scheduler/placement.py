@@ -34,8 +34,8 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Seq
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from shared.jobconfig import JobConfig, TaskRole
-from shared.messages import GpuDevice, NodeInfo, TaskSpec
+from muster.shared.jobconfig import JobConfig, TaskRole
+from muster.shared.messages import GpuDevice, NodeInfo, TaskSpec
 
 NEVER = "can never run on the current nodes: "
 # A free GPU left with fewer CPUs than this beside it is one almost no task can use: 99 % of the

@@ -32,21 +32,21 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Generic, TypeVar
 
-from services.scheduler import placement
-from shared.jobconfig import JobConfig, rank
-from shared.messages import TaskSpec
+from muster.services.scheduler import placement
+from muster.shared.jobconfig import JobConfig, rank
+from muster.shared.messages import TaskSpec
 
 # The VC arithmetic is shared/vcquota.py (the gateway shows per-VC usage with it too); its names
 # are this module's as well (re-exported).
-from shared.vcquota import ANY_MODEL as ANY_MODEL
-from shared.vcquota import DEFAULT_VC as DEFAULT_VC
-from shared.vcquota import Amount as Amount
-from shared.vcquota import Limit as Limit
-from shared.vcquota import capacity_of as capacity_of
-from shared.vcquota import held as held
-from shared.vcquota import limits as limits
-from shared.vcquota import need as need
-from shared.vcquota import task_need as task_need
+from muster.shared.vcquota import ANY_MODEL as ANY_MODEL
+from muster.shared.vcquota import DEFAULT_VC as DEFAULT_VC
+from muster.shared.vcquota import Amount as Amount
+from muster.shared.vcquota import Limit as Limit
+from muster.shared.vcquota import capacity_of as capacity_of
+from muster.shared.vcquota import held as held
+from muster.shared.vcquota import limits as limits
+from muster.shared.vcquota import need as need
+from muster.shared.vcquota import task_need as task_need
 
 
 @dataclass

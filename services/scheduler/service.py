@@ -31,13 +31,13 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.scheduler import metrics as cluster_metrics
-from services.scheduler import quota
-from services.scheduler.cycle import Decision, Place, Preempt, Wait, decide
-from services.scheduler.view import Job, View
-from shared import bus, liveness, settings, subjects
-from shared.jobconfig import has_secrets, with_secrets
-from shared.messages import (
+from muster.services.scheduler import metrics as cluster_metrics
+from muster.services.scheduler import quota
+from muster.services.scheduler.cycle import Decision, Place, Preempt, Wait, decide
+from muster.services.scheduler.view import Job, View
+from muster.shared import bus, liveness, settings, subjects
+from muster.shared.jobconfig import has_secrets, with_secrets
+from muster.shared.messages import (
     Assignment,
     AttemptRecord,
     JobEvent,
@@ -55,7 +55,7 @@ from shared.messages import (
     now,
     vc_refusal,
 )
-from shared.store import Store
+from muster.shared.store import Store
 
 log = structlog.get_logger(service="scheduler")
 RECENT_JOBS = 8192  # job records the scheduler keeps as bytes (see kv_jobs)

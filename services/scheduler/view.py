@@ -22,12 +22,12 @@ from typing import Any
 
 import structlog
 
-from services.scheduler import placement, quota
-from services.scheduler.avoid import AVOID_WINDOW
-from shared.jobconfig import JobConfig, rank
-from shared.lifecycle import attempt_to_place
-from shared.liveness import Beats
-from shared.messages import (
+from muster.services.scheduler import placement, quota
+from muster.services.scheduler.avoid import AVOID_WINDOW
+from muster.shared.jobconfig import JobConfig, rank
+from muster.shared.lifecycle import attempt_to_place
+from muster.shared.liveness import Beats
+from muster.shared.messages import (
     AttemptRecord,
     FailureKind,
     JobRecord,

@@ -1,5 +1,5 @@
-from services.supervisor.service import Supervisor
-from shared.service import main
+from muster.services.supervisor.service import Supervisor
+from muster.shared.service import main
 
 if __name__ == "__main__":
     main(

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
-from shared import mpi, subjects
-from shared.jobconfig import JobConfig
-from shared.messages import (
+from muster.shared import mpi, subjects
+from muster.shared.jobconfig import JobConfig
+from muster.shared.messages import (
     AttemptRecord,
     Failure,
     FailureKind,

@@ -31,11 +31,11 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFound
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Histogram
 
-from services.supervisor import policy
-from services.supervisor.policy import Finished, NextStep, RetryLimits
-from shared import bus, consume, liveness, service, settings, subjects
-from shared.liveness import Beats
-from shared.messages import (
+from muster.services.supervisor import policy
+from muster.services.supervisor.policy import Finished, NextStep, RetryLimits
+from muster.shared import bus, consume, liveness, service, settings, subjects
+from muster.shared.liveness import Beats
+from muster.shared.messages import (
     AttemptRecord,
     JobEvent,
     JobEventKind,
@@ -54,7 +54,7 @@ from shared.messages import (
     node_refusal,
     now,
 )
-from shared.store import GroupCommit, Store
+from muster.shared.store import GroupCommit, Store
 
 log = structlog.get_logger(service="supervisor")
 RECENT_RECORDS = 16384  # job and attempt records kept as bytes, each (see Supervisor.jobs)

@@ -13,9 +13,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from shared.jobconfig import FieldError
-from shared.messages import JobRecord
-from shared.settings import SettingError
+from muster.shared.jobconfig import FieldError
+from muster.shared.messages import JobRecord
+from muster.shared.settings import SettingError
 
 
 @dataclass(frozen=True)

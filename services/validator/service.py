@@ -54,11 +54,19 @@ from nats.js.errors import InvalidKeyError, KeyNotFoundError, KeyWrongLastSequen
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.validator import limits
-from shared import auth, bus, consume, hostpaths, settings, subjects
-from shared.jobconfig import NAME_RE, FieldError, JobConfig, check_job, job_warnings, rank, split_secrets
-from shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
-from shared.messages import (
+from muster.services.validator import limits
+from muster.shared import auth, bus, consume, hostpaths, settings, subjects
+from muster.shared.jobconfig import (
+    NAME_RE,
+    FieldError,
+    JobConfig,
+    check_job,
+    job_warnings,
+    rank,
+    split_secrets,
+)
+from muster.shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
+from muster.shared.messages import (
     Dataset,
     JobEvent,
     JobEventKind,
@@ -71,8 +79,8 @@ from shared.messages import (
     now,
     vc_refusal,
 )
-from shared.store import Store
-from shared.subjects import Headers
+from muster.shared.store import Store
+from muster.shared.subjects import Headers
 
 VERDICTS = Counter("muster_validator_verdicts_total", "Submissions judged", ["verdict"])
 UNSEEN = Gauge("muster_validator_unseen_jobs", "Accepted jobs no scheduler has looked at yet")
