@@ -1,7 +1,7 @@
 """proto/: the published contract, generated from the models. Owns every file under proto/.
 
-`python -m muster.shared.proto` rewrites proto/ from `muster.shared.jobconfig.JobConfig`, the message models and
-`CHANNELS` (below); `python -m muster.shared.proto --check` exits 1 when proto/ is out of date.
+`python -m muster.shared.proto` rewrites proto/ from `muster.shared.jobconfig.JobConfig`, the message
+models and `CHANNELS` (below); `python -m muster.shared.proto --check` exits 1 when proto/ is out of date.
 
 - proto/jobconfig.schema.json       JSON Schema (2020-12) of the job config
 - proto/messages/<Name>.schema.json one per message model on a channel (other than JobConfig)

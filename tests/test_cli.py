@@ -188,8 +188,9 @@ def test_submit_imports_no_model(mesh, tmp_path):
     path = write(tmp_path, "light.json", json.dumps(job))
     probe = (
         "import atexit, sys\n"
-        "atexit.register(lambda: print('loaded:', sorted(m for m in ('pydantic', 'muster.shared.messages', "
-        "'muster.shared.jobconfig', 'muster.services.scheduler.service') if m in sys.modules), file=sys.stderr))\n"
+        "atexit.register(lambda: print('loaded:', sorted(m for m in ('pydantic', "
+        "'muster.shared.messages', 'muster.shared.jobconfig', 'muster.services.scheduler.service') "
+        "if m in sys.modules), file=sys.stderr))\n"
         "from muster.services.cli.main import main\n"
         f"main(['submit', {path!r}])\n"
     )

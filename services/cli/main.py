@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import math
 import os
 import re
@@ -35,6 +36,22 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         """A bad argument: one line naming it (not the whole usage), exit 2."""
         self.exit(EXIT_INVALID, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+class Version(argparse.Action):
+    """`muster --version`: the installed distribution's version (`muster 0.1.0`), read from its
+    metadata only when asked."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> NoReturn:
+        try:
+            version = importlib.metadata.version("muster")
+        except importlib.metadata.PackageNotFoundError:
+            parser.exit(EXIT_FAIL, "muster: not installed (no distribution metadata): pip install -e .\n")
+        print(f"muster {version}")
+        parser.exit(0)
 
 
 def checked(kind: type, ok: Any, wanted: str) -> Any:
@@ -105,6 +122,7 @@ def task_ref(text: str) -> str:
 
 def parser() -> argparse.ArgumentParser:
     p = Parser(prog="muster", description="Distributed training jobs on your GPU machines.")
+    p.add_argument("--version", action=Version, help="print the installed version and exit")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("up", help="start an embedded NATS and every Muster service on this machine")

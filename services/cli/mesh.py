@@ -156,7 +156,8 @@ def _contains(parent: object, child: str) -> bool:
 
 
 def _is_up(argv: list[bytes]) -> bool:
-    """Whether a command line is `muster up ...` (the console script, or python -m muster.services.cli.main)."""
+    """Whether a command line is `muster up ...` (the console script, or
+    python -m muster.services.cli.main)."""
     for i, arg in enumerate(argv[:4]):  # python [-u] [-m muster.services.cli.main | muster] up
         if arg == b"muster.services.cli.main" or os.path.basename(arg) == b"muster":
             return argv[i + 1 : i + 2] == [b"up"]
