@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tomllib
 from pathlib import Path
 
@@ -86,11 +85,14 @@ def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def fresh_venv(where: Path) -> Path:
-    """A virtualenv with no pip that sees this venv's site-packages (Muster's dependencies) after its own."""
+    """A virtualenv with no pip that sees, after its own site-packages, the site-packages this
+    interpreter imports from (Muster's dependencies; those a .pth lends this venv too)."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True, timeout=60)
     python = where / "bin" / "python"
     site = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], where)
-    Path(site.stdout.strip(), "outer.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    sites = {"site-packages", "dist-packages"}
+    outer = [p for p in sys.path if sites & set(Path(p).parts) and Path(p).is_dir()]
+    Path(site.stdout.strip(), "outer.pth").write_text("".join(f"{p}\n" for p in outer))
     return python
 
 
