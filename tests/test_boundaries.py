@@ -38,7 +38,7 @@ def imported(path: Path, root: Path = ROOT) -> Iterator[tuple[int, str]]:
                 anchor = package.split(".")
                 anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join([*anchor, base] if base else anchor)
-            if base == "services":  # `from muster.services import scheduler` imports a service's package
+            if base in ("services", "muster.services"):  # `from muster.services import scheduler`: a package
                 for alias in node.names:
                     yield node.lineno, f"{base}.{alias.name}"
             else:
@@ -63,7 +63,7 @@ def crossings(root: Path = ROOT) -> list[str]:
             continue
         for path in sorted(folder.rglob("*.py")):
             for line, module in imported(path, root):
-                parts = module.split(".")
+                parts = module.removeprefix("muster.").split(".")  # the installed name of services/
                 if len(parts) >= 2 and parts[0] == "services" and parts[1] != folder.name:
                     rel = path.relative_to(root)
                     out.append(
@@ -72,7 +72,7 @@ def crossings(root: Path = ROOT) -> list[str]:
                     )
     for path in sorted((root / "shared").rglob("*.py")):
         for line, module in imported(path, root):
-            if module == "services" or module.startswith("services."):
+            if module.removeprefix("muster.").split(".")[0] == "services":
                 out.append(
                     f"{path.relative_to(root)}:{line}: imports {module} (shared/ may not import a service)"
                 )

@@ -135,4 +135,4 @@ class ClusterCollector:
 
 
 COLLECTOR = ClusterCollector()
-REGISTRY.register(COLLECTOR)  # type: ignore[arg-type]
+REGISTRY.register(COLLECTOR)
