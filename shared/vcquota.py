@@ -31,8 +31,14 @@ class Amount:
         self.memory_mb += sign * other.memory_mb
 
     def shown(self) -> str:
-        gpus = ", ".join(f"{n} {m}" for m, n in sorted(self.gpus.items()) if m != ANY_MODEL and n)
-        return f"{gpus or '0 GPUs'}, {self.cpus} CPUs, {self.memory_mb} MB"
+        """`2 v100, 1 GPUs of any model, 8 CPUs, 4096 MB`: GPUs by model, and those of no model
+        (jobs without a gpuType) apart, never "0 GPUs" for a job that asks for some."""
+        named = {m: n for m, n in sorted(self.gpus.items()) if m != ANY_MODEL and n}
+        parts = [f"{n} {m}" for m, n in named.items()]
+        other = self.gpus.get(ANY_MODEL, 0) - sum(named.values())
+        if other > 0:
+            parts.append(f"{other} GPUs of any model")
+        return f"{', '.join(parts) or '0 GPUs'}, {self.cpus} CPUs, {self.memory_mb} MB"
 
 
 def need(config: JobConfig) -> Amount:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
 from muster.services.scheduler import placement, quota
 from muster.services.supervisor.policy import RetryLimits, settle
 from muster.shared.jobconfig import JobConfig
@@ -207,3 +209,18 @@ def test_a_preempted_attempt_is_settled_back_to_waiting_uncharged():
     assert record.state == JobState.WAITING and record.retries == 0 and record.platform_retries == 0
     assert record.settled == 1 and not step.charged and "preempted by jh" in record.reason
     assert record.submitted_at == T0  # its old place in the queue
+
+
+@pytest.mark.parametrize(
+    "gpus, shown",
+    [
+        ({}, "0 GPUs, 2 CPUs, 100 MB"),
+        ({quota.ANY_MODEL: 2}, "2 GPUs of any model, 2 CPUs, 100 MB"),  # a job with no gpuType
+        ({quota.ANY_MODEL: 3, "v100": 3}, "3 v100, 2 CPUs, 100 MB"),
+        ({quota.ANY_MODEL: 5, "v100": 3}, "3 v100, 2 GPUs of any model, 2 CPUs, 100 MB"),
+    ],
+)
+def test_an_amount_shows_gpus_of_no_model_too(gpus, shown):
+    """A waiting reason ("it needs ...") or a VC's use never says 0 GPUs of GPUs asked for
+    without a gpuType."""
+    assert quota.Amount(dict(gpus), 2, 100).shown() == shown
