@@ -129,6 +129,13 @@ ROWS = [
         expect=["wait x2: waiting for virtual cluster x's quota *", "place y1.1 w.0@a[1]"],
     ),
     Row(
+        "a VC that may not borrow: of two jobs each within its quota alone, only the first runs",
+        nodes={"a": 4},
+        vcs={"x": (2, False), "y": (2, True)},
+        queue=[J("x1", gpus=2, vc="x", at=1), J("x2", gpus=2, vc="x", at=2)],
+        expect=["place x1.1 w.0@a[0, 1]", "wait x2: waiting for virtual cluster x's quota *"],
+    ),
+    Row(
         "reclaim: a job within its VC's quota preempts another VC's borrowed gang",
         nodes={"a": 4},
         vcs={"x": (2, True), "y": (2, True)},

@@ -176,9 +176,16 @@ def _place(
         for job_id in placed:  # in queue order: who is within its quota, placements counted
             job = jobs[job_id]
             use = quota.need(job.config)
-            if not ledger.within(job.config.virtualCluster, use):
+            vc = job.config.virtualCluster
+            # The order read the ledger once: two jobs of a VC that may not borrow, each within
+            # its quota alone, may both be planned. The later one waits for the quota.
+            if (why := ledger.beyond_quota(vc, use)) is not None:
+                del plan.placements[job_id]
+                plan.pending[job_id] = why
+                continue
+            if not ledger.within(vc, use):
                 borrowed.add(job.job_id)
-            ledger.take(job.config.virtualCluster, job.user, use)
+            ledger.take(vc, job.user, use)
         decision.preempt = _preempt_for(view, _in_order(order, jobs), plan, ledger, running, tries)
         plan.pending.update(held_back)
     # With no node registered at all, the cluster is starting, not too small.

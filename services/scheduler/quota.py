@@ -112,13 +112,18 @@ class Ledger:
 
     def why_not(self, w: Waiting) -> str | None:
         """Why a job of a VC that may not borrow must wait for its quota, or None."""
-        lim = self.limit(w.vc)
-        if lim.borrow or self.within(w.vc, need(w.config)):
+        return self.beyond_quota(w.vc, need(w.config))
+
+    def beyond_quota(self, vc: str, amount: Amount) -> str | None:
+        """Why `amount` more for `vc` must wait, if its VC may not borrow and it would go beyond
+        the quota with what the ledger holds; None otherwise."""
+        lim = self.limit(vc)
+        if lim.borrow or self.within(vc, amount):
             return None
-        used = self.vc.get(w.vc, Amount())
+        used = self.vc.get(vc, Amount())
         return (
-            f"waiting for virtual cluster {w.vc}'s quota ({lim.shown()}): it needs "
-            f"{need(w.config).shown()}, and {used.shown()} are in use"
+            f"waiting for virtual cluster {vc}'s quota ({lim.shown()}): it needs "
+            f"{amount.shown()}, and {used.shown()} are in use"
         )
 
 
