@@ -46,7 +46,6 @@ DEFAULT_URL = "nats://127.0.0.1:4222"
 # subjects, built of 64-character tokens, stay under 400.
 MAX_SUBJECT = 1024
 _SUBJECT = re.compile(r"[^\x00-\x20\x7f]{1," + str(MAX_SUBJECT) + "}")  # no space or control character
-LEASE_TTL = subjects.LEASE_TTL
 LOGS_MAX_BYTES = settings.number("MUSTER_LOGS_MAX_BYTES", 1 << 30, int, low=1)
 METRICS_MAX_BYTES = settings.number("MUSTER_METRICS_MAX_BYTES", 256 << 20, int, low=1)
 log = structlog.get_logger()
@@ -252,7 +251,6 @@ STREAMS = (
     subjects.LOGS_STREAM,
     subjects.METRICS_STREAM,
 )
-BUCKETS = subjects.BUCKETS  # each bucket's (history, ttl): in shared/subjects.py, beside the names
 
 
 class JetStream(JetStreamContext):
@@ -427,7 +425,7 @@ async def ensure_jetstream(nc: NATS) -> tuple[JetStreamContext, dict[str, KeyVal
         ),
     )
     buckets = {}
-    for bucket, (history, ttl) in BUCKETS.items():
+    for bucket, (history, ttl) in subjects.BUCKETS.items():
         buckets[bucket] = await _ensure_bucket(js, bucket, history, r, ttl)
     return js, buckets
 
@@ -509,7 +507,7 @@ async def open_jetstream(nc: NATS, wait: float = 0.0) -> tuple[JetStreamContext,
                 what = f"stream {name}"
                 await js.stream_info(name)
             found = {}
-            for name in BUCKETS:
+            for name in subjects.BUCKETS:
                 what = f"bucket {name}"
                 found[name] = await js.key_value(name)
             return js, found

@@ -593,7 +593,7 @@ async def test_no_secret_in_any_record_event_log_status_or_metrics_page(secured)
                 with contextlib.suppress(Exception):
                     msg = await js.get_msg(stream, seq)
                     seen.append((f"{stream}#{seq}", (msg.data or b"") + str(msg.headers).encode()))
-        for bucket in bus.BUCKETS:
+        for bucket in subjects.BUCKETS:
             if bucket == subjects.SECRETS_BUCKET:
                 continue  # where they are kept: only the validator and the scheduler may read it
             info = await js.stream_info(f"KV_{bucket}")
