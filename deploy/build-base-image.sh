@@ -23,26 +23,22 @@ TARBALL="$CACHE_DIR/rootfs-$SUITE-$(echo "$PACKAGES" | md5sum | cut -c1-8).tar"
 FORCE=0
 FRESH=0
 
-log() { echo "build-base-image: $*" >&2; }
-die() { log "error: $*"; exit 1; }
-missing() { log "error: $*"; exit 2; }
+NAME=build-base-image
+# shellcheck source=deploy/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 for arg in "$@"; do
   case "$arg" in
     --force) FORCE=1 ;;
     --fresh) FORCE=1; FRESH=1 ;;
-    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) usage; exit 0 ;;
     *) die "unknown argument: $arg (see --help)" ;;
   esac
 done
 
-command -v docker >/dev/null || missing "docker CLI not found"
-docker info >/dev/null 2>&1 || missing "the Docker engine does not answer (is dockerd running?)"
+need_docker
 
-if [[ $FORCE -eq 0 ]] && docker image inspect "$IMAGE" >/dev/null 2>&1; then
-  log "$IMAGE already exists; nothing to do (use --force to rebuild)"
-  exit 0
-fi
+exit_if_built
 
 if [[ $FRESH -eq 1 || ! -s "$TARBALL" ]]; then
   [[ $(id -u) -eq 0 ]] || missing "debootstrap needs root"

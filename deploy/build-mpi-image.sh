@@ -17,24 +17,21 @@ BASE="${MUSTER_BASE_IMAGE:-muster/base:bookworm}"
 PACKAGES="openmpi-bin python3-mpi4py"
 FORCE=0
 
-log() { echo "build-mpi-image: $*" >&2; }
-die() { log "error: $*"; exit 1; }
+NAME=build-mpi-image
+# shellcheck source=deploy/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 for arg in "$@"; do
   case "$arg" in
     --force) FORCE=1 ;;
-    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) usage; exit 0 ;;
     *) die "unknown argument: $arg (see --help)" ;;
   esac
 done
 
-command -v docker >/dev/null || { log "error: docker CLI not found"; exit 2; }
-docker info >/dev/null 2>&1 || { log "error: the Docker engine does not answer (is dockerd running?)"; exit 2; }
+need_docker
 
-if [[ $FORCE -eq 0 ]] && docker image inspect "$IMAGE" >/dev/null 2>&1; then
-  log "$IMAGE already exists; nothing to do (use --force to rebuild)"
-  exit 0
-fi
+exit_if_built
 
 MUSTER_BASE_IMAGE="$BASE" "$(dirname "$0")/build-base-image.sh"  # its exit 2 (missing prerequisite) is ours
 

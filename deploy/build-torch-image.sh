@@ -23,31 +23,23 @@ BASE="${MUSTER_BASE_IMAGE:-muster/base:bookworm}"
 TORCH="${MUSTER_TORCH:-torch==2.13.0 numpy}"
 FORCE=0
 
-log() { echo "build-torch-image: $*" >&2; }
-die() { log "error: $*"; exit 1; }
-missing() { log "error: $*"; exit 2; }
+NAME=build-torch-image
+# shellcheck source=deploy/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 for arg in "$@"; do
   case "$arg" in
     --force) FORCE=1 ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) usage; exit 0 ;;
     *) die "unknown argument: $arg (see --help)" ;;
   esac
 done
 
-if [[ -n "${PIP:-}" ]]; then :
-elif [[ -x "$ROOT/.venv/bin/pip" ]]; then PIP="$ROOT/.venv/bin/pip"
-elif command -v pip3 >/dev/null; then PIP=pip3
-else missing "no pip: create the project's virtualenv (python3 -m venv .venv) or set PIP"
-fi
+find_pip
 
-command -v docker >/dev/null || missing "docker CLI not found"
-docker info >/dev/null 2>&1 || missing "the Docker engine does not answer (is dockerd running?)"
+need_docker
 
-if [[ $FORCE -eq 0 ]] && docker image inspect "$IMAGE" >/dev/null 2>&1; then
-  log "$IMAGE already exists; nothing to do (use --force to rebuild)"
-  exit 0
-fi
+exit_if_built
 
 MUSTER_BASE_IMAGE="$BASE" "$ROOT/deploy/build-base-image.sh"  # its exit 2 (missing prerequisite) is ours
 
@@ -61,18 +53,7 @@ if ! "$PIP" download --disable-pip-version-check -q --only-binary=:all: $TORCH -
   grep -v 'is ignored: it is neither a file nor a directory' "$CTX/pip.log" | tail -n 30 >&2 || true
   die "pip download $TORCH failed"
 fi
-# The wheels are extracted, not installed (the base has no pip): binary ones must fit the image
-# (CPython 3.11, glibc, this machine's architecture, as the base is debootstrapped natively).
-ARCH="$(uname -m)"
-for wheel in "$CTX"/wheels/*.whl; do
-  tags="$(basename "$wheel" .whl | rev | cut -d- -f1-3 | rev)"  # python-abi-platform
-  case "$tags" in
-    py3-none-any|py2.py3-none-any) ;;
-    cp311-cp311-*manylinux*"$ARCH"*|cp3*-abi3-*manylinux*"$ARCH"*|py3-none-*manylinux*"$ARCH"*) ;;
-    *) die "$(basename "$wheel") does not fit the image's CPython 3.11 on $ARCH (is $PIP on Python 3.11?)" ;;
-  esac
-done
-log "wheelhouse: $(find "$CTX/wheels" -name '*.whl' | wc -l) wheels, $(du -sh "$CTX/wheels" | cut -f1)"
+check_wheels "$CTX/wheels"
 
 # Installed by extracting the wheels here and copying the result into a container of the base,
 # committed as the image: one layer, without the wheels themselves (190 MB of them).
