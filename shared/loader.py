@@ -11,6 +11,7 @@ object or mapping is an error, naming the key and where it is.
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import Any
 
@@ -20,6 +21,24 @@ from muster.shared.configlimits import MAX_YAML_ALIASES as MAX_YAML_ALIASES
 
 class ConfigSyntaxError(ValueError):
     pass
+
+
+LOCAL_DIR_FIELDS = ("dataDir", "codeDir", "outputDir", "authFile")
+
+
+def absolutize(raw: Any, base: str) -> bool:
+    """Dir fields written relative to the config file (`./code`) become absolute paths under
+    `base` (the config's directory: `muster submit`; the directory a person names: the portal),
+    so a config next to its code works from anywhere. Returns whether any did."""
+    if not isinstance(raw, dict):
+        return False
+    changed = False
+    for key in LOCAL_DIR_FIELDS:
+        value = raw.get(key)
+        if isinstance(value, str) and (value == "." or value.startswith("./")):
+            raw[key] = os.path.normpath(os.path.join(base, value))
+            changed = True
+    return changed
 
 
 # An unterminated string or block comment runs to the end of the text: without the `\Z` the

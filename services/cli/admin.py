@@ -69,10 +69,23 @@ def admin_user(args: argparse.Namespace) -> int:
         return EXIT_OK
     if not args.name:
         raise CliError(f"admin user {args.action}: name the identity", EXIT_INVALID)
+    from muster.shared.logins import Logins
+
+    logins = Logins(keys.path)
     try:
         if args.action == "remove":
             keys.remove(args.name)
+            logins.remove(args.name)
             done = f"removed {args.name}"
+        elif args.action == "login":
+            known = keys.get(args.name)
+            if known is None:
+                raise auth.AuthError(f"no identity {args.name!r}")
+            secret = logins.issue(auth.load_credentials(keys.creds(args.name)))
+            out(
+                f"{args.name}: web portal login secret (shown once; the one before no longer works): {secret}"
+            )
+            return EXIT_OK
         else:
             known = keys.get(args.name)
             if args.action == "rotate":
@@ -83,6 +96,9 @@ def admin_user(args: argparse.Namespace) -> int:
                 creds = keys.add(args.name, "admin" if args.admin else "user")
             path = keys.creds(args.name)
             done = f"{args.name} ({creds.role}): credentials in {path} (use with MUSTER_CREDENTIALS={path})"
+            if creds.role in ("user", "admin"):
+                secret = logins.issue(creds)
+                done += f"\n{args.name}: web portal login secret (shown once): {secret}"
     except auth.AuthError as exc:
         raise CliError(str(exc), EXIT_INVALID) from None
     out(done)
@@ -111,6 +127,9 @@ def admin_keys(args: argparse.Namespace) -> int:
         if args.sim:
             keys.ensure(auth.SIM_IDENTITY, "sim")
         keys.ensure(args.admin_name, "admin")
+        from muster.shared.logins import Logins
+
+        Logins(keys.path).portal_key(create=True)  # the portal replicas' session key
     except auth.AuthError as exc:
         raise CliError(str(exc), EXIT_INVALID) from None
     out(str(keys.server_config))

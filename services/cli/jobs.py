@@ -18,7 +18,7 @@ from muster.services.cli import render
 from muster.services.cli.connect import ask, connect, job_and_attempts, job_of, resolve
 from muster.services.cli.console import EXIT_FAIL, EXIT_INVALID, EXIT_OK, CliError, err, out
 from muster.shared import bus, client, subjects
-from muster.shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, loads
+from muster.shared.loader import MAX_CONFIG_BYTES, ConfigSyntaxError, absolutize, loads
 from muster.shared.trainmetrics import MetricFormat
 
 # The models (pydantic), the mesh (mesh.py: the services) and the agent's modules are imported
@@ -72,26 +72,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- submit
 
 
-LOCAL_DIR_FIELDS = ("dataDir", "codeDir", "outputDir", "authFile")
-
-
-def absolutize(raw: Any, base: Path) -> bool:
-    """Dir fields written relative to the config file (`./code`) become absolute paths on this
-    machine, so a config next to its code works from any directory. Returns whether any did."""
-    if not isinstance(raw, dict):
-        return False
-    changed = False
-    for key in LOCAL_DIR_FIELDS:
-        value = raw.get(key)
-        if isinstance(value, str) and (value == "." or value.startswith("./")):
-            raw[key] = str((base / value).resolve())
-            changed = True
-    return changed
-
-
 async def submit(args: argparse.Namespace) -> int:
     data, raw = read_config(args.file)
-    if args.file != "-" and absolutize(raw, Path(os.path.abspath(args.file)).parent):  # noqa: ASYNC240
+    if args.file != "-" and absolutize(raw, os.path.dirname(os.path.abspath(args.file))):  # noqa: ASYNC240
         data = json.dumps(raw).encode()
     if len(data) > MAX_CONFIG_BYTES:
         raise CliError(f"{args.file}: {len(data)} bytes; the limit is 1 MiB", EXIT_INVALID)

@@ -98,6 +98,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 open_bus=args.open,
                 sim=sim is not None,
                 metrics_port=args.metrics_port,
+                portal_port=args.portal_port,
             )
         )
     except (RuntimeError, TimeoutError, ConnectionError, FileNotFoundError, auth.AuthError) as exc:
@@ -124,3 +125,38 @@ def sim_setup(args: argparse.Namespace, data_dir: str) -> SimSetup:
             os.environ["MUSTER_NODE_TIMEOUT"] = f"{timeout:g}"
             out(f"muster: MUSTER_NODE_TIMEOUT={timeout:g}: nodes beat every {setup.heartbeat:g}s")
     return setup
+
+
+async def cmd_ui(args: argparse.Namespace) -> int:
+    """`muster ui`: the web portal for this machine's person, on 127.0.0.1, acting with the
+    credentials the CLI uses (as `kubectl proxy` does); a one-time link signs the browser in."""
+    import signal
+
+    from muster.services.cli.connect import connect
+    from muster.services.portal.app import serve
+    from muster.services.portal.service import DEFAULT_PORT, local_portal
+    from muster.shared.natsserver import free_port
+
+    nc = await connect(args.connect_timeout)
+    creds, url = bus.identity(nc), bus.nats_url()
+    await nc.close()
+    if args.port is not None and not 1 <= args.port <= 65535:
+        raise CliError(f"--port {args.port}: expected 1-65535", EXIT_INVALID)
+    port = args.port or free_port(DEFAULT_PORT)
+    portal, token = local_portal(url, creds)
+    try:
+        runner = await serve(portal, "127.0.0.1", port)
+    except OSError as exc:
+        raise CliError(f"cannot serve on 127.0.0.1:{port}: {exc.strerror or exc}") from None
+    who = creds.name if creds else "anyone (an open bus)"
+    out(f"muster: the portal, signed in as {who}: http://127.0.0.1:{port}/jobs?token={token}")
+    out("muster: the link works once; Ctrl-C to stop")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+    return 0

@@ -141,8 +141,19 @@ def parser() -> argparse.ArgumentParser:
         help="serve /metrics and /healthz of every service, the local agent and the embedded NATS "
         "here (default $MUSTER_METRICS_PORT, else 9100 or a free one if taken; 0: off)",
     )
+    s.add_argument(
+        "--portal-port",
+        type=int,
+        default=None,
+        help="serve the web portal on 127.0.0.1 here (default 8480, or a free one if taken; 0: off); "
+        "it prints a link that signs you in",
+    )
     add_agent_arguments(s)
     s.set_defaults(func=local.cmd_up)
+
+    s = sub.add_parser("ui", help="serve the web portal for you on 127.0.0.1 (prints a sign-in link)")
+    s.add_argument("--port", type=int, default=None, help="default 8480, or a free one if taken")
+    s.set_defaults(func=lambda a: asyncio.run(local.cmd_ui(a)))
 
     s = sub.add_parser("submit", help="submit a job config (JSON, JSON with comments, or YAML)")
     s.add_argument("file", help="config file, or - for standard input")
@@ -224,7 +235,12 @@ def parser() -> argparse.ArgumentParser:
     s = admins.add_parser("init", help="declare or update every stream and bucket from this shell's settings")
     s.set_defaults(func=lambda a: asyncio.run(admin.admin_init(a)))
     s = admins.add_parser("user", help="add, rotate, remove or list identities (then the server reloads)")
-    s.add_argument("action", choices=("add", "rotate", "remove", "list"))
+    s.add_argument(
+        "action",
+        choices=("add", "rotate", "login", "remove", "list"),
+        help="add (and issue a portal login secret), rotate (new keys and login secret), login (a new "
+        "login secret only), remove, list",
+    )
     s.add_argument("name", nargs="?")
     s.add_argument("--admin", action="store_true", help="add an admin (sees and kills every job)")
     s.add_argument("--auth-dir", help="default: MUSTER_AUTH_DIR, else the local `muster up`'s")
@@ -291,7 +307,7 @@ def parser() -> argparse.ArgumentParser:
         s.set_defaults(func=lambda a: asyncio.run(admin.admin_dataset(a)))
 
     for s in (
-        *(sub.choices[n] for n in ("submit", "status", "vc", "logs", "metrics", "kill", "drain")),
+        *(sub.choices[n] for n in ("submit", "status", "vc", "logs", "metrics", "kill", "drain", "ui")),
         admins.choices["init"],
         *vc.choices.values(),
         *ds.choices.values(),

@@ -29,7 +29,7 @@ import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -37,6 +37,9 @@ from nats.aio.client import Client as NATS
 from muster.shared import auth, bus, settings
 from muster.shared.natsserver import NatsServer, free_port
 from muster.shared.service import Service, run_service, serve_health
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 log = structlog.get_logger(service="mesh")
 
@@ -346,13 +349,16 @@ async def up(
     open_bus: bool = False,
     sim: bool = False,
     metrics_port: int | None = None,
+    portal_port: int | None = None,
 ) -> int:
     """Run the mesh until SIGTERM/SIGINT. `node`: the local agent's node name (its identity);
     `sim`: the agent is a process of simulated nodes, as the one sim identity (it can act as any
     node: a benchmark's, see shared/auth.py); `open_bus`: an embedded server without
     authentication (anyone who reaches it may do anything). `metrics_port`: /metrics and /healthz
     of everything in this process, and of the embedded server (read from its monitoring port);
-    None: MUSTER_METRICS_PORT, else 9100 or a free port; 0: off."""
+    None: MUSTER_METRICS_PORT, else 9100 or a free port; 0: off. `portal_port`: the web portal
+    on 127.0.0.1 (None: MUSTER_PORTAL_PORT, else 8480 or a free port; 0: off), where this
+    machine's person signs in with the link announced, and users added with a login secret."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -425,7 +431,8 @@ async def up(
         metrics_port = settings.number("MUSTER_METRICS_PORT", -1, int, low=0, high=65535)  # unset: -1
         if metrics_port < 0:
             metrics_port = free_port(9100, "0.0.0.0")
-    health, poll, nc = None, None, None
+    health, poll, nc, portal = None, None, None, None
+    auth_dir_of_mesh = notes.doc.get("auth_dir")
     try:
         # Fail fast on a bad URL or an unusable JetStream, before starting the services.
         nc = await bus.connect("muster-up", url, connect_timeout=15, credentials=creds.get("muster-up"))
@@ -440,6 +447,7 @@ async def up(
             services["agent"] = agent(metrics_port or None)  # its node record tells the port
         tasks = [asyncio.create_task(supervise(n, b, url, stop, creds.get(n))) for n, b in services.items()]
         announce(f"services: {', '.join(services)} — Ctrl-C to stop")
+        portal = await _portal(url, creds.get("muster-up"), auth_dir_of_mesh, portal_port, announce, open_bus)
         watch = asyncio.create_task(_watch_server(server, stop))
         ready = asyncio.create_task(_ready(nc, notes, stop, keep=bool(metrics_port)))
         await stop.wait()
@@ -455,6 +463,9 @@ async def up(
             return 1
         return 0
     finally:
+        if portal is not None:
+            with contextlib.suppress(Exception):
+                await portal.cleanup()
         if health is not None:
             health.close()
         if nc is not None and not nc.is_closed:
@@ -463,6 +474,37 @@ async def up(
         notes.remove()
         if server:
             await asyncio.to_thread(server.stop)
+
+
+async def _portal(
+    url: str,
+    local: auth.Credentials | None,
+    auth_dir: str | None,
+    port: int | None,
+    announce: Callable[[str], None],
+    open_bus: bool,
+) -> web.AppRunner | None:
+    """The web portal of `muster up` (services/portal/), or None when off or its port is taken."""
+    from muster.services.portal.app import serve
+    from muster.services.portal.service import DEFAULT_PORT, local_portal
+    from muster.shared.logins import Logins
+
+    if port is None:
+        port = settings.number("MUSTER_PORTAL_PORT", -1, int, low=0, high=65535)
+        port = free_port(DEFAULT_PORT) if port < 0 else port
+    if port == 0 or (local is None and not open_bus):
+        return None
+    portal, token = local_portal(url, local, Logins(auth_dir) if auth_dir else None)
+    try:
+        runner = await serve(portal, "127.0.0.1", port)
+    except OSError as exc:
+        announce(f"no web portal: 127.0.0.1:{port}: {exc.strerror or exc}")
+        return None
+    announce(
+        f"web portal: http://127.0.0.1:{port}/jobs?token={token} "
+        "(signs you in once; `muster ui` prints another link)"
+    )
+    return runner
 
 
 async def _ready(nc: NATS, notes: Notes, stop: asyncio.Event, keep: bool) -> None:
