@@ -16,6 +16,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import tomllib
 import uuid
@@ -33,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 # Everything but the agent (host network, Docker socket): replicas expected of each.
 EXPECTED = {"nats-1": 1, "nats-2": 1, "nats-3": 1}
-EXPECTED.update(validator=2, scheduler=2, registry=2, supervisor=2, gateway=2)
+EXPECTED.update(validator=2, scheduler=2, registry=2, supervisor=2, gateway=2, portal=2)
 
 pytestmark = pytest.mark.docker
 
@@ -170,6 +171,7 @@ def bring_up(
     environ.update(
         MUSTER_NATS_PORT=str(ports[0]), MUSTER_NATS_PORT_2=str(ports[1]), MUSTER_NATS_PORT_3=str(ports[2])
     )
+    environ.update(MUSTER_PORTAL_PORT=str(free_port()))
     environ.update(env or {})
     urls = [f"nats://127.0.0.1:{p}" for p in ports]
     s = Stack(compose, project, environ, urls[0], ",".join(urls), tmp_path / "auth")
@@ -250,6 +252,57 @@ async def test_compose_stack_accepts_jobs_and_survives_a_dead_validator(
         assert states == {victim["Id"]: False, survivor["Id"]: True}, states
     finally:
         await nc.close()
+    await portal_serves_a_user(stack)
+
+
+async def portal_serves_a_user(stack: Stack) -> None:
+    """The portal's two replicas on the one documented port: a user added with `muster admin
+    user add` signs in with the login secret it printed, submits, and sees only their own jobs;
+    a request without a session gets nothing."""
+    import httpx
+
+    port = stack.env["MUSTER_PORTAL_PORT"]
+    base = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+    added = _run(
+        [
+            sys.executable,
+            "-m",
+            "muster.services.cli.main",
+            "admin",
+            "user",
+            "add",
+            "carol",
+            "--auth-dir",
+            str(stack.auth),
+        ],
+        env=env,
+    )
+    assert added.returncode == 0, added.stderr
+    secret = re.search(r"login secret \(shown once\): (\S+)", added.stdout)[1]
+    reload = stack.run("kill", "-s", "HUP", "nats-1", "nats-2", "nats-3")
+    assert reload.returncode == 0, reload.stderr
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        assert (await http.get("/api/jobs")).status_code == 401
+        assert (await http.get("/login")).status_code == 200
+        r = await http.post("/login", data={"name": "carol", "secret": secret})
+        assert r.status_code == 303, r.text[-500:]
+        token = (await http.get("/api/whoami")).json()["form_token"]
+        deadline = time.monotonic() + 60
+        while True:  # the servers reload the identities: carol's key is known once they have
+            r = await http.post(
+                "/api/submit",
+                content=job_config("portal"),
+                headers={"X-Muster-Form": token, "Content-Type": "application/json"},
+            )
+            if r.status_code == 200 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(1)
+        assert r.status_code == 200 and r.json()["accepted"], (
+            f"{r.status_code} {r.text[-1000:]}\n{stack.logs()}"
+        )
+        listed = (await http.get("/api/jobs")).json()["jobs"]
+        assert [j["job_id"] for j in listed] == [r.json()["job_id"]]  # carol's only, not compose-test's
 
 
 async def alive_nodes(nc, names: set[str], timeout: float) -> dict[str, NodeInfo]:
