@@ -47,6 +47,7 @@ from muster.shared.messages import (
     KillOrder,
     MembersChanged,
     NodeInfo,
+    QueueOrder,
     TaskSpec,
     TaskState,
     TaskStatus,
@@ -68,6 +69,7 @@ CYCLE_SECONDS = Histogram(
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
 RENEW_EVERY = 1.0  # seconds between lease renewals, whatever a cycle is doing
+QUEUE_EVERY = 10.0  # seconds between publications of an unchanged queue order, while leading
 IN_FLIGHT = 128  # commits and reason writes of one cycle in flight at once
 # Seconds a preempted gang gets between SIGTERM and SIGKILL, to checkpoint.
 PREEMPT_GRACE = settings.seconds("MUSTER_PREEMPT_GRACE", 30.0)
@@ -104,6 +106,8 @@ class Scheduler:
         self.wake = asyncio.Event()
         self.synced = {name: asyncio.Event() for name in ("nodes", "jobs", "attempts", "vcs")}
         self.leading = False  # its view is synced and it leads: the cluster gauges are its
+        self._queue_sent: tuple[list[str], int] | None = None  # the last queue order published
+        self._queue_sent_at = 0.0  # when (loop time)
         cluster_metrics.COLLECTOR.schedulers.add(self)
 
     @classmethod
@@ -186,9 +190,14 @@ class Scheduler:
             synced = asyncio.gather(*(e.wait() for e in self.synced.values()))
             await asyncio.wait_for(synced, 30)
             self.leading = True
+            self._queue_sent = None  # a new leader tells the gateways the queue at once
             await self._finish_interrupted_commits()
             self.wake.set()  # the first cycle of a new leader plans whatever waits
             while not stop.is_set() and not lost.is_set():
+                if self._queue_sent is not None:
+                    loop = asyncio.get_running_loop()
+                    if loop.time() - self._queue_sent_at >= QUEUE_EVERY:
+                        await self.publish_queue(*self._queue_sent)
                 if self.view.expire(now()) or self.view.elastic:  # elastic roles: look every second
                     self.wake.set()
                 if self.wake.is_set():
@@ -216,6 +225,19 @@ class Scheduler:
         if decision.queued:
             CYCLE_SECONDS.observe((now() - at).total_seconds())
         await self.apply(decision, lost)
+        if lost is None or not lost.is_set():
+            order = (decision.queue, self.view.waiting)  # the waiting count once it is applied
+            if order != self._queue_sent:
+                await self.publish_queue(*order)
+
+    async def publish_queue(self, jobs: list[str], total: int) -> None:
+        """Tell the gateways the waiting queue's order (core NATS: a lost one is replaced by the
+        next, at most QUEUE_EVERY later)."""
+        self._queue_sent, self._queue_sent_at = (jobs, total), asyncio.get_running_loop().time()
+        try:
+            await self.nc.publish(subjects.QUEUE, QueueOrder(at=now(), total=total, jobs=jobs).to_bytes())
+        except Exception as exc:
+            log.warning("scheduler.queue_unsent", error=str(exc) or type(exc).__name__)
 
     async def apply(self, decision: Decision, lost: asyncio.Event | None = None) -> None:
         """Preemptions first (their kill orders), then placements and reasons together, at most
