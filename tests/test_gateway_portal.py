@@ -16,6 +16,7 @@ import pytest
 
 from muster.services.gateway.cluster import Cluster, live
 from muster.services.gateway.listing import Listing, Query, Summary, micros
+from muster.services.gateway.service import BAD_QUEUE, QUEUE_STALE, Queue
 from muster.shared import auth, bus, client, subjects
 from muster.shared.messages import (
     AttemptRecord,
@@ -270,6 +271,27 @@ def test_only_the_scheduler_publishes_the_queue_and_the_gateway_hears_it_and_bea
         assert subjects.QUEUE not in rights(role, "publish"), role
     assert {subjects.QUEUE, subjects.beat("*")} <= set(rights("gateway", "subscribe"))
     assert subjects.QUEUE not in rights("user", "subscribe")
+
+
+def test_the_gateway_keeps_the_last_good_queue_order_while_it_is_fresh():
+    waiting = [Summary.of(record(i, JobState.WAITING)) for i in range(3)]
+    running = Summary.of(record(9, JobState.RUNNING))
+    q = Queue()
+    assert q.place(waiting[0], 0.0) is None and q.queued(0.0) is None  # nothing heard yet
+    order = QueueOrder(at=T0, total=5, jobs=[waiting[1].job_id, waiting[0].job_id, running.job_id])
+    assert q.heard(order.to_bytes(), 100.0)
+    assert [q.place(s, 101.0) for s in waiting] == [2, 1, None] and q.queued(101.0) == 5
+    assert q.place(running, 101.0) is None  # no place once it runs, whatever the order said
+    bad = BAD_QUEUE._value.get()
+    for garbage in (
+        b"",
+        b"{",
+        b'{"at": "yesterday", "total": 1}',
+        b'{"at": "2026-01-01T00:00:00Z", "total": -1}',
+    ):
+        assert not q.heard(garbage, 102.0)
+    assert BAD_QUEUE._value.get() == bad + 4 and q.place(waiting[1], 103.0) == 1  # the last good one
+    assert q.place(waiting[1], 100.0 + QUEUE_STALE) is None and q.queued(100.0 + QUEUE_STALE) is None
 
 
 # ---------------------------------------------------------------- through the bus, on a sim node

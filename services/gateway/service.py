@@ -123,6 +123,36 @@ class Refused(Exception):
 Stored = tuple[str, int, bytes]  # a stream message: its subject, sequence and data
 
 
+class Queue:
+    """The scheduler leader's last queue order (QueueOrder on `muster.queue`): each job's place,
+    and how many wait. One that does not decode is counted and skipped (the last good one
+    stands); one older than QUEUE_STALE seconds (no leader says any more) is not believed."""
+
+    def __init__(self) -> None:
+        self.places: dict[str, int] = {}  # job id -> its place, 1 first
+        self.total = 0
+        self.at = -math.inf  # when heard (loop time)
+
+    def heard(self, data: bytes | None, at: float) -> bool:
+        try:
+            order = QueueOrder.from_bytes(data)
+        except ValueError:
+            BAD_QUEUE.inc()
+            return False
+        self.places = {job_id: n for n, job_id in enumerate(order.jobs, start=1)}
+        self.total, self.at = order.total, at
+        return True
+
+    def queued(self, at: float) -> int | None:
+        return self.total if at - self.at < QUEUE_STALE else None
+
+    def place(self, s: Summary, at: float) -> int | None:
+        """A waiting job's place, if the scheduler said lately (None beyond what it named)."""
+        if s.state != JobState.WAITING or at - self.at >= QUEUE_STALE:
+            return None
+        return self.places.get(s.job_id)
+
+
 class Gateway:
     def __init__(self, nc: NATS, js: JetStreamContext, buckets: dict[str, KeyValue]):
         self.nc, self.js = nc, js
@@ -137,10 +167,7 @@ class Gateway:
         self.vcs_synced = asyncio.Event()
         self.cluster = Cluster(self.listing, bus.node_timeout(), ALLOCATION_SAMPLE)
         self.nodes_synced, self.held_synced = asyncio.Event(), asyncio.Event()
-        # The scheduler's last queue order: job id -> place (1 first), the total, when heard.
-        self.places: dict[str, int] = {}
-        self.queued: int | None = None
-        self.queue_heard = -math.inf
+        self.queue = Queue()  # the scheduler's last queue order
         self.running: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -174,23 +201,13 @@ class Gateway:
                 await asyncio.wait(list(self.running), timeout=5)
 
     async def _queue_heard(self, msg: Msg) -> None:
-        try:
-            order = QueueOrder.from_bytes(msg.data)
-        except ValueError:
-            BAD_QUEUE.inc()
-            return
-        self.places = {job_id: n for n, job_id in enumerate(order.jobs, start=1)}
-        self.queued = order.total
-        self.queue_heard = asyncio.get_running_loop().time()
+        self.queue.heard(msg.data, asyncio.get_running_loop().time())
 
     def place(self, s: Summary) -> int | None:
-        """A waiting job's place in the queue as the scheduler last said, if it said lately."""
-        if s.state != JobState.WAITING or not self._queue_fresh():
-            return None
-        return self.places.get(s.job_id)
+        return self.queue.place(s, asyncio.get_running_loop().time())
 
-    def _queue_fresh(self) -> bool:
-        return asyncio.get_running_loop().time() - self.queue_heard < QUEUE_STALE
+    def queued(self) -> int | None:
+        return self.queue.queued(asyncio.get_running_loop().time())
 
     def _placed(self, s: Summary, item: dict[str, Any]) -> None:
         if s.state == JobState.WAITING:
@@ -305,7 +322,7 @@ class Gateway:
         else:
             answer = listing.page(query, limit, self.budget, self._placed)
         if "counts" in answer:
-            answer["queued"] = self.queued if self._queue_fresh() else None
+            answer["queued"] = self.queued()
         return answer
 
     async def job(self, who: str, request: Question) -> dict[str, Any]:
@@ -317,7 +334,7 @@ class Gateway:
                 history.append(attempt.model_dump(mode="json"))
         answer: dict[str, Any] = {"job": record.model_dump(mode="json"), "attempts": history}
         answer["place"] = self.place(Summary.of(record))
-        answer["queued"] = self.queued if self._queue_fresh() else None
+        answer["queued"] = self.queued()
         if history and (record.config.metrics or record.config.noProgressTimeoutSec):
             answer["metrics"] = await self.latest_metrics(AttemptRecord.model_validate(history[-1]))
         return answer
