@@ -714,7 +714,8 @@ class QueueOrder(Message):
     cycle that changed it, and at least every few seconds while it leads. `jobs`: the first
     QUEUE_SHOWN waiting jobs in the order the cycle considered them (sharing order with virtual
     clusters or priorities, else submission order), those it placed left out; `total`: every job
-    still waiting after the cycle (held back by a quota, or in a retry's backoff, included)."""
+    still waiting after the cycle. Jobs held back by a quota their VC may not exceed, or in a
+    retry's backoff, are counted in `total` but have no place in `jobs` (their reason says why)."""
 
     at: AwareDatetime
     total: Count

@@ -217,7 +217,10 @@ class Gateway:
         """The GPU allocation every ALLOCATION_SAMPLE seconds, the first once the records are read."""
         await asyncio.gather(self.synced.wait(), self.nodes_synced.wait(), self.held_synced.wait())
         while True:
-            self.cluster.sample(now())
+            try:
+                self.cluster.sample(now())
+            except Exception as exc:  # a gap in the chart, never the end of the sampling
+                log.warning("gateway.sample_failed", error=str(exc) or type(exc).__name__)
             await asyncio.sleep(ALLOCATION_SAMPLE)
 
     async def _take(self, msg: Msg) -> None:
