@@ -115,9 +115,9 @@ class Cluster:
         self.beats.saw(name, info.heartbeat_at)
 
     def beat(self, name: str, at: datetime) -> None:
-        """A beat heard from node `name` (only its own agent may send it)."""
-        if name in self.nodes:
-            self.beats.saw(name, at)
+        """A beat heard from node `name` (only its own agent may send it), kept even before its
+        record is read (as the scheduler keeps it): the record's heartbeat may be a minute old."""
+        self.beats.saw(name, at)
 
     # ------------------------------------------------------------ what it answers
 
