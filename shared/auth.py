@@ -245,6 +245,7 @@ def permissions(ident: Identity | Credentials) -> dict[str, Any]:
             subjects.kill("*"),
             f"{ev}.job.>",
             subjects.attempt_members("*", "*"),
+            subjects.QUEUE,  # the waiting queue's order, for the gateway
         ]
         return {"publish": {"allow": publish}, "subscribe": {"allow": [own_inbox, subjects.beat("*")]}}
     elif role == "registry":
@@ -291,7 +292,8 @@ def permissions(ident: Identity | Credentials) -> dict[str, Any]:
         ]
         return {
             "publish": {"allow": publish},
-            "subscribe": {"allow": [own_inbox, subjects.api("*", "*")]},
+            # Questions; the scheduler's queue order (places in the queue); nodes' beats (lost).
+            "subscribe": {"allow": [own_inbox, subjects.api("*", "*"), subjects.QUEUE, subjects.beat("*")]},
             "allow_responses": {"max": 1, "expires": "1m"},
         }
     else:

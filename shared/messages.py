@@ -679,8 +679,9 @@ def dataset_refusal(key: str, ds: Dataset) -> str | None:
 
 class Question(Message):
     """A user's question to the gateway, on `muster.api.<user>.<verb>` (request/reply): which
-    fields matter depends on the verb (jobs: state, user, vc, name, since, until, cursor, limit;
-    job: ref; verdict: sid; logs: job_id, attempt, task, after, limit). The answer is JSON: the
+    fields matter depends on the verb (jobs: state, user, vc, name, since, until, cursor, limit,
+    changed_since; job: ref; verdict: sid; logs: job_id, attempt, task, after, limit; nodes:
+    cursor, limit). The answer is JSON: the
     result, or {"error", "code"}."""
 
     model_config = ConfigDict(extra="forbid")
@@ -700,6 +701,25 @@ class Question(Message):
     since: AwareDatetime | None = None  # submitted at or after
     until: AwareDatetime | None = None  # submitted before
     cursor: str | None = Field(default=None, max_length=160, pattern=r"^\d{1,19}\.[-/_=.a-zA-Z0-9]{1,128}$")
+    # jobs: instead of a page, the jobs whose record the gateway saw written at or after this
+    # time (pass back the last answer's `now`), most recently changed first.
+    changed_since: AwareDatetime | None = None
+
+
+QUEUE_SHOWN = 2000  # job ids a QueueOrder names at most: the head of the queue
+
+
+class QueueOrder(Message):
+    """The scheduler leader's waiting queue, on core NATS `muster.queue` (never kept): after each
+    cycle that changed it, and at least every few seconds while it leads. `jobs`: the first
+    QUEUE_SHOWN waiting jobs in the order the cycle considered them (sharing order with virtual
+    clusters or priorities, else submission order), those it placed left out; `total`: every job
+    still waiting after the cycle. Jobs held back by a quota their VC may not exceed, or in a
+    retry's backoff, are counted in `total` but have no place in `jobs` (their reason says why)."""
+
+    at: AwareDatetime
+    total: Count
+    jobs: list[JobId] = Field(default_factory=list, max_length=QUEUE_SHOWN)
 
 
 EXEC_SESSION_RE = r"^[A-Za-z0-9_-]{1,64}$"

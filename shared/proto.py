@@ -43,6 +43,7 @@ from muster.shared.messages import (
     MetricBatch,
     NodeInfo,
     Question,
+    QueueOrder,
     Rendezvous,
     TaskEvent,
     TaskEventKind,
@@ -119,8 +120,20 @@ CHANNELS: dict[str, Channel] = {
             "asker's jobs, newest first, filtered, with a cursor to the next), job (one, with its "
             "attempts), verdict (of a submission), logs (a page of output lines after a stream "
             "sequence), metrics (a page of training metric points, the same way), "
-            "events (a page of the job's history), ping. Another "
-            "user's job is answered as no such job."
+            "events (a page of the job's history), vcs (virtual clusters), nodes (a page of the "
+            "cluster's nodes, their GPUs free and used, and the allocation over time), ping. Another "
+            "user's job is answered as no such job, and a GPU another user's job holds names no job."
+        ),
+    ),
+    "queueOrder": Channel(
+        address=subjects.QUEUE,
+        parameters=(),
+        message=QueueOrder,
+        action="send",
+        description=(
+            "The scheduler leader's waiting queue (core NATS, not kept): after each cycle that "
+            "changed it and at least every 10 s while it leads. Only the scheduler may publish it; "
+            "every gateway replica keeps the latest, for each waiting job's place in the queue."
         ),
     ),
     "jobEvent": Channel(
@@ -298,7 +311,7 @@ PARAMETERS: dict[str, dict[str, Any]] = {
     },
     "verb": {
         "description": "What the gateway is asked.",
-        "enum": ["ping", "jobs", "job", "verdict", "logs", "metrics", "events", "vcs"],
+        "enum": ["ping", "jobs", "job", "verdict", "logs", "metrics", "events", "vcs", "nodes"],
     },
     "user": {
         "description": (

@@ -89,6 +89,10 @@ def alive(node: str = "*") -> str:
     return f"{ALIVE_PREFIX}.{node}"
 
 
+# The scheduler leader's waiting queue (messages.QueueOrder), on core NATS (never kept): only the
+# scheduler may publish it; every gateway replica listens (each keeps the latest).
+QUEUE = "muster.queue"
+
 # Facts
 EVENTS_PREFIX = "muster.events"
 

@@ -87,6 +87,7 @@ class Row:
     expect: list[str]
     running: list[R] = field(default_factory=list)
     vcs: dict[str, tuple[int, bool]] = field(default_factory=dict)  # VC -> (V100 quota, may borrow)
+    waiting: list[str] | None = None  # the queue left after the cycle, in order (Decision.queue)
 
 
 ROWS = [
@@ -112,6 +113,20 @@ ROWS = [
         running=[R(J("r", gpus=2), ("a:0,1",))],
         queue=[J("head", tasks=2, gpus=4, at=1), J("small", gpus=2, at=2)],
         expect=["wait head: *holding resources on a, b", "place small.1 w.0@c[0, 1]"],
+        waiting=["head"],
+    ),
+    Row(
+        "the queue left after a cycle is in sharing order (priority first), the placed left out",
+        nodes={"a": 2},
+        running=[R(J("r", gpus=1, priority="high"), ("a:0",))],
+        queue=[
+            J("lo", gpus=1, priority="low", at=1),
+            J("n1", gpus=2, at=2),
+            J("hi", gpus=1, priority="high", at=3),
+            J("n2", gpus=2, at=4),
+        ],
+        expect=["wait lo: *", "wait n1: *first in line*", "place hi.1 w.0@a[1]", "wait n2: *"],
+        waiting=["n1", "n2", "lo"],
     ),
     Row(
         "quota borrowing: a VC beyond its quota runs on idle GPUs, marked borrowed",
@@ -292,6 +307,8 @@ def test_a_cycle_decides(row: Row) -> None:
     decision = decide(v, vcs, quota.Fixeds(), NOW)
     lines = decision.lines()
     assert matches(lines, row.expect), "\n".join(["decided:", *lines, "expected:", *row.expect])
+    if row.waiting is not None:
+        assert decision.queue == row.waiting
     # The view's index is left as it was: every tentative allocation was undone.
     assert {n.name: (n.used_cpus, set(n.used_gpus)) for n in v.cluster.nodes.values()} == before
 

@@ -51,6 +51,7 @@ from muster.shared.messages import (
     MetricBatch,
     MetricPoint,
     NodeInfo,
+    QueueOrder,
     Rendezvous,
     TaskEvent,
     TaskEventKind,
@@ -174,6 +175,7 @@ def _examples() -> dict[str, Any]:
         ),
         "clusterSpec": ClusterSpec(job_id="jfuzz0000000", attempt=1, endpoints=[ep]),
         "attemptMembers": {},
+        "queueOrder": QueueOrder(at=now(), total=0, jobs=[]),
         "execRequest": ExecRequest(kind="open", session="fuzz", job_id="jfuzz0000000", attempt=1, role="w"),
         "execReply": ExecReply(kind="out", session="fuzz", data="x"),
         "nodeRecord": NodeInfo(
@@ -243,6 +245,7 @@ def sendings(j: str = "jfuzz0000000", a: int | str = 1) -> list[Sending]:
         "nodeDrain": (subjects.drain(NODE), "js"),
         "clusterSpec": (subjects.cluster_spec(j, a), "js"),
         "attemptMembers": (subjects.attempt_members(j, a), "js"),
+        "queueOrder": (subjects.QUEUE, "core"),  # only the scheduler (and admins) may publish it
         # KV records under keys that name nothing real (a record under its own name is checked
         # against it: see node_refusal, vc_refusal).
         "nodeRecord": ("nfuzz", "kv"),

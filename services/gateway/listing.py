@@ -7,7 +7,14 @@ The index is one list per (scope, state), scope being a user or everyone (`subje
 sorted by (submitted, job id): a job is in two of them. A page merges the lists of the states
 asked for from the cursor down, newest first; a time window is two bisections; the other
 filters (VC, part of the name) are checked on the way. Counts per state are the lists' lengths
-when only the scope narrows the list, else counted once, on the first page."""
+when only the scope narrows the list, else counted once, on the first page.
+
+What changed since a time (`changed`, the portal's live list): per scope, a dict of job id ->
+when the gateway saw its record written (its own clock, never going back), kept in that order
+by moving a job to the end on every write (pop and insert; a dict keeps insertion order and
+iterates from its end). A question walks it from the end and stops at the first job seen
+before the time asked: it costs what changed since then (the holes that moves leave behind
+are of jobs that moved since, too), never a pass over the jobs retained."""
 
 from __future__ import annotations
 
@@ -15,7 +22,7 @@ import bisect
 import heapq
 import json
 import re
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
@@ -26,6 +33,8 @@ from muster.shared.messages import JobRecord, JobState
 REASON_CHARS = 160  # of a job's reason, kept and shown in lists
 CURSOR_RE = re.compile(r"^(\d{1,19})\.([-/_=.a-zA-Z0-9]{1,128})$")
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+ROLES_KEPT = 4096  # distinct role shapes shared between summaries (most jobs have one of a few)
+_ROLES: dict[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]] = {}
 
 
 def micros(at: datetime) -> int:
@@ -55,10 +64,12 @@ class Summary(NamedTuple):
     gpus: int
     attempt: int
     reason: str
+    roles: tuple[tuple[int, int], ...] = ()  # per role: CPUs and memory (MB) a task holds
 
     @classmethod
     def of(cls, r: JobRecord) -> Summary:
         c = r.config
+        roles = tuple((role.cpuNumber, role.memoryMB) for role in c.taskRoles)
         return cls(
             r.job_id,
             r.job_name,
@@ -72,6 +83,7 @@ class Summary(NamedTuple):
             sum(role.gpuNumber * role.taskNumber for role in c.taskRoles),
             r.attempt,
             r.reason[:REASON_CHARS],
+            _ROLES.setdefault(roles, roles) if len(_ROLES) < ROLES_KEPT or roles in _ROLES else roles,
         )
 
     def shown(self) -> dict[str, Any]:
@@ -133,13 +145,38 @@ class Query:
             self.name is None or self.name.casefold() in s.job_name.casefold()
         )
 
+    def admits_all(self, s: Summary) -> bool:
+        """Every filter but the cursor (the scope aside: the caller's lists are the scope's)."""
+        return (
+            s.state in self.states
+            and self.admits(s)
+            and (self.since is None or s.submitted >= self.since)
+            and (self.until is None or s.submitted < self.until)
+        )
+
+
+Decorate = Callable[[Summary, dict[str, Any]], None]  # adds to a job's item what the list lacks
+
+
+def wall_clock() -> int:
+    return micros(datetime.now(UTC))
+
 
 class Listing(MutableMapping[str, Summary]):
-    """Every retained job's summary by key, and the index. `Store.mirror` writes into it."""
+    """Every retained job's summary by key, and the index. `Store.mirror` writes into it.
+    `clock`: microseconds since the epoch, for when a record was seen written."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], int] = wall_clock) -> None:
         self.jobs: dict[str, Summary] = {}
         self.lists: dict[tuple[str, JobState], list[Summary]] = {}
+        self.clock = clock
+        self.seen: dict[str, dict[str, int]] = {}  # scope -> job id -> when seen written, in that order
+        self._now = 0  # the latest time read from the clock (it never goes back)
+
+    def now(self) -> int:
+        """The clock, never going back: what a write after this call is seen at, at least."""
+        self._now = max(self._now, self.clock())
+        return self._now
 
     # ------------------------------------------------------------ the mapping
 
@@ -150,12 +187,28 @@ class Listing(MutableMapping[str, Summary]):
         old = self.jobs.get(key)
         if old is not None:
             self._drop(old)
+            if old.user != s.user:  # (a record never changes its user, but a forged one may)
+                self._unsee(old)
         self.jobs[key] = s
+        at = self.now()
         for scope in (subjects.ALL, s.user):
             bisect.insort(self.lists.setdefault((scope, s.state), []), s, key=order)
+            seen = self.seen.setdefault(scope, {})
+            seen.pop(key, None)  # to the end: the most recently written
+            seen[key] = at
 
     def __delitem__(self, key: str) -> None:
-        self._drop(self.jobs.pop(key))
+        s = self.jobs.pop(key)
+        self._drop(s)
+        self._unsee(s)
+
+    def _unsee(self, s: Summary) -> None:
+        for scope in (subjects.ALL, s.user):
+            seen = self.seen.get(scope)
+            if seen is not None:
+                seen.pop(s.job_id, None)
+                if not seen:
+                    del self.seen[scope]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.jobs)
@@ -217,27 +270,63 @@ class Listing(MutableMapping[str, Summary]):
                 out[state.value] = sum(1 for i in range(lo, hi) if whole.admits(held[i]))
         return out
 
-    def page(self, q: Query, limit: int, budget: int) -> dict[str, Any]:
+    def page(self, q: Query, limit: int, budget: int, decorate: Decorate | None = None) -> dict[str, Any]:
         """Up to `limit` jobs (and `budget` bytes of their JSON), newest first, with `next` (the
         cursor of the page after, None at the end); the first page (no cursor) also has
         `counts` per state and `total` (every page's jobs together)."""
+        jobs, last, more = self._fill(self._newest_first(q), limit, budget, decorate)
+        answer: dict[str, Any] = {"jobs": jobs, "next": last.cursor if more and last else None}
+        if q.after is None:
+            self._count(q, answer)
+        return answer
+
+    def changed(
+        self, q: Query, since: int, limit: int, budget: int, decorate: Decorate | None = None
+    ) -> dict[str, Any]:
+        """The scope's jobs that every filter of `q` admits and whose record was seen written at
+        or after `since` (microseconds), the most recently written first: up to `limit` (and
+        `budget` bytes), `more` when others changed too (ask the list again). With `now`, the
+        time to pass as `since` next (no write after this answer is seen before it), and
+        `counts` and `total` as a first page has them. Costs the writes since `since`."""
+        seen = self.seen.get(q.scope, {})
+        at = self.now()
+
+        def recent() -> Iterator[Summary]:
+            for key in reversed(seen):
+                if seen[key] < since:
+                    return
+                s = self.jobs[key]
+                if q.admits_all(s):
+                    yield s
+
+        jobs, _, more = self._fill(recent(), limit, budget, decorate)
+        answer: dict[str, Any] = {"jobs": jobs, "more": more, "now": shown_time(at)}
+        self._count(q, answer)
+        return answer
+
+    @staticmethod
+    def _fill(
+        found: Iterator[Summary], limit: int, budget: int, decorate: Decorate | None
+    ) -> tuple[list[dict[str, Any]], Summary | None, bool]:
+        """Items of `found` up to `limit` and `budget` bytes: them, the last one's summary, and
+        whether more were left."""
         jobs: list[dict[str, Any]] = []
-        size, last, more = 0, None, False
-        for s in self._newest_first(q):
+        size, last = 0, None
+        for s in found:
             if len(jobs) >= limit:
-                more = True
-                break
+                return jobs, last, True
             item = s.shown()
+            if decorate is not None:
+                decorate(s, item)
             cost = len(json.dumps(item, separators=(",", ":"))) + 1
             if jobs and size + cost > budget:
-                more = True
-                break
+                return jobs, last, True
             jobs.append(item)
             size += cost
             last = s
-        answer: dict[str, Any] = {"jobs": jobs, "next": last.cursor if more and last else None}
-        if q.after is None:
-            counts = self.counts(q)
-            answer["counts"] = counts
-            answer["total"] = sum(counts[state.value] for state in q.states)
-        return answer
+        return jobs, last, False
+
+    def _count(self, q: Query, answer: dict[str, Any]) -> None:
+        counts = self.counts(q)
+        answer["counts"] = counts
+        answer["total"] = sum(counts[state.value] for state in q.states)

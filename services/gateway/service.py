@@ -10,9 +10,15 @@ Verbs (JSON in, JSON out; every answer is `{"error": ..., "code": ...}` or the r
 - `ping`: who the gateway takes the asker to be.
 - `jobs` `{"state", "user", "vc", "name", "since", "until", "cursor", "limit"}`: a page of the
   asker's jobs (every job for an admin), newest first, filtered (listing.py): `{"jobs", "next"}`,
-  and on the first page (no cursor) `counts` per state and `total`. At most 1000 (default 100)
-  jobs and 512 KiB a page; pass `next` back as `cursor` for the page after.
-- `job` `{"ref"}`: one job by id or name, with every attempt.
+  and on the first page (no cursor) `counts` per state, `total`, and `queued` (the jobs waiting,
+  as the scheduler last said; null before it has). At most 1000 (default 100) jobs and 512 KiB
+  a page; pass `next` back as `cursor` for the page after. Each WAITING job has `place`: its
+  place in the queue (1 first), null beyond the QUEUE_SHOWN the scheduler names or when unknown.
+  With `changed_since` (an ISO time with a zone) instead of a cursor: the jobs (same filters)
+  whose record the gateway saw written since then, most recently first, at most `limit`:
+  `{"jobs", "more", "now", "counts", "total", "queued"}`; pass `now` back next time (`more`:
+  others changed too, read the list again). It costs what changed, not the jobs retained.
+- `job` `{"ref"}`: one job by id or name, with every attempt, and `place` and `queued`.
 - `verdict` `{"sid"}`: the stored verdict on one of the asker's submissions.
 - `logs` `{"job_id", "attempt", "task", "after", "limit"}`: output lines after stream sequence
   `after`, about `limit` (and at most 512 KiB) per answer, with `more` when there are others;
@@ -23,6 +29,17 @@ Verbs (JSON in, JSON out; every answer is `{"error": ..., "code": ...}` or the r
 - `events` `{"job_id", "after", "limit"}`: the job's history, paged the same way.
 - `vcs`: every virtual cluster: its quota, what it holds (and of that, borrowed beyond the quota),
   its jobs running and waiting. Totals only: anyone may ask.
+- `nodes` `{"cursor", "limit"}`: the cluster (cluster.py), anyone may ask: a page of nodes by
+  name, each with its state (healthy, draining, restarting, lost), address, CPUs and memory
+  (and used), GPUs per model (total, used, free) and per device (used, and its job's id only
+  when the asker owns that job or is an admin); at most 1000 (default 100) and 512 KiB a page,
+  `next` as for jobs. The first page also has `summary` (nodes per state, GPUs per model) and
+  `allocation`: `[[iso time, GPUs used, GPUs of nodes not lost], ...]`, sampled by each replica
+  every MUSTER_ALLOCATION_SAMPLE seconds (default 60) for the last 24 hours.
+
+Places in the queue come from the scheduler leader's `muster.queue` (messages.QueueOrder), which
+every replica hears (no queue group) and keeps the latest of; one older than QUEUE_STALE seconds
+(no leader) is not believed. Nodes' liveness comes from their beats (`muster.beat.<node>`).
 
 Streams are read a page at a time by one batched direct get (no consumer): nothing beyond the
 page reaches the gateway, however large the stream. No answer is sent above the server's
@@ -35,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import re
 from typing import Any, ClassVar
 
@@ -47,8 +65,9 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter
 from pydantic import ValidationError
 
+from muster.services.gateway.cluster import Cluster, live
 from muster.services.gateway.listing import Listing, Query, Summary, cursor_key, micros
-from muster.shared import bus, subjects, vcquota
+from muster.shared import bus, liveness, settings, subjects, vcquota
 from muster.shared.auth import NAME_RE
 from muster.shared.messages import (
     AttemptRecord,
@@ -57,10 +76,12 @@ from muster.shared.messages import (
     MetricBatch,
     NodeInfo,
     Question,
+    QueueOrder,
     Verdict,
     VirtualCluster,
     attempt_key,
     node_refusal,
+    now,
     vc_refusal,
 )
 from muster.shared.store import Store
@@ -79,8 +100,13 @@ UNSENT = Counter(
     "Answers not sent as they were: above the server's payload limit, or the send failed",
     ["verb", "why"],
 )
+BAD_QUEUE = Counter("muster_gateway_bad_queue_orders_total", "Queue orders skipped: they do not decode")
 MAX_REPLY = 512 * 1024
 JOBS_PAGE, JOBS_PAGE_MAX = 100, 1000  # jobs in a page: by default, at most
+NODES_PAGE, NODES_PAGE_MAX = 100, 1000  # nodes in a page: by default, at most
+QUEUE_STALE = 60.0  # seconds after which the last queue order heard is not believed (no leader)
+# Seconds between two samples of the GPU allocation (the cluster page's chart).
+ALLOCATION_SAMPLE = settings.seconds("MUSTER_ALLOCATION_SAMPLE", 60.0, low=1.0)
 SYNC_WAIT = 10.0  # seconds a question waits for the gateway's first read of the job list
 DIRECT_WAIT = 5.0  # seconds for a page of a stream
 LATEST_TASKS = 64  # `job` answers the latest metrics of at most this many tasks
@@ -97,6 +123,36 @@ class Refused(Exception):
 Stored = tuple[str, int, bytes]  # a stream message: its subject, sequence and data
 
 
+class Queue:
+    """The scheduler leader's last queue order (QueueOrder on `muster.queue`): each job's place,
+    and how many wait. One that does not decode is counted and skipped (the last good one
+    stands); one older than QUEUE_STALE seconds (no leader says any more) is not believed."""
+
+    def __init__(self) -> None:
+        self.places: dict[str, int] = {}  # job id -> its place, 1 first
+        self.total = 0
+        self.at = -math.inf  # when heard (loop time)
+
+    def heard(self, data: bytes | None, at: float) -> bool:
+        try:
+            order = QueueOrder.from_bytes(data)
+        except ValueError:
+            BAD_QUEUE.inc()
+            return False
+        self.places = {job_id: n for n, job_id in enumerate(order.jobs, start=1)}
+        self.total, self.at = order.total, at
+        return True
+
+    def queued(self, at: float) -> int | None:
+        return self.total if at - self.at < QUEUE_STALE else None
+
+    def place(self, s: Summary, at: float) -> int | None:
+        """A waiting job's place, if the scheduler said lately (None beyond what it named)."""
+        if s.state != JobState.WAITING or at - self.at >= QUEUE_STALE:
+            return None
+        return self.places.get(s.job_id)
+
+
 class Gateway:
     def __init__(self, nc: NATS, js: JetStreamContext, buckets: dict[str, KeyValue]):
         self.nc, self.js = nc, js
@@ -109,6 +165,9 @@ class Gateway:
         self.kv_nodes = Store(buckets[subjects.NODES_BUCKET], NodeInfo, check=node_refusal)
         self.vcs: dict[str, VirtualCluster] = {}
         self.vcs_synced = asyncio.Event()
+        self.cluster = Cluster(self.listing, bus.node_timeout(), ALLOCATION_SAMPLE)
+        self.nodes_synced, self.held_synced = asyncio.Event(), asyncio.Event()
+        self.queue = Queue()  # the scheduler's last queue order
         self.running: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -117,19 +176,52 @@ class Gateway:
         return cls(nc, js, buckets)
 
     async def run(self, stop: asyncio.Event) -> None:
-        mirror = asyncio.create_task(self.jobs.mirror(self.listing, self.synced, keep=Summary.of))
-        vcs = asyncio.create_task(self.kv_vcs.mirror(self.vcs, self.vcs_synced))
+        await liveness.listen(self.nc, self.cluster.beat)  # before the node records: no beat is missed
+        # Every replica hears the queue order (no queue group) and keeps the latest.
+        queue = await self.nc.subscribe(subjects.QUEUE, cb=self._queue_heard)
+        cluster = self.cluster
+        background = [
+            asyncio.create_task(self.jobs.mirror(self.listing, self.synced, keep=Summary.of)),
+            asyncio.create_task(self.kv_vcs.mirror(self.vcs, self.vcs_synced)),
+            asyncio.create_task(self.kv_nodes.mirror(cluster.nodes, self.nodes_synced, cluster.node_changed)),
+            asyncio.create_task(self.attempts.mirror(cluster.held, self.held_synced, keep=live)),
+            asyncio.create_task(self._sample()),
+        ]
         # A queue group: replicas share the questions.
         sub = await self.nc.subscribe(subjects.api("*", "*"), queue="gateway", cb=self._take)
         try:
             await stop.wait()
         finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-            mirror.cancel()
-            vcs.cancel()
+            for s in (sub, queue):
+                with contextlib.suppress(Exception):
+                    await s.unsubscribe()
+            for task in background:
+                task.cancel()
             if self.running:
                 await asyncio.wait(list(self.running), timeout=5)
+
+    async def _queue_heard(self, msg: Msg) -> None:
+        self.queue.heard(msg.data, asyncio.get_running_loop().time())
+
+    def place(self, s: Summary) -> int | None:
+        return self.queue.place(s, asyncio.get_running_loop().time())
+
+    def queued(self) -> int | None:
+        return self.queue.queued(asyncio.get_running_loop().time())
+
+    def _placed(self, s: Summary, item: dict[str, Any]) -> None:
+        if s.state == JobState.WAITING:
+            item["place"] = self.place(s)
+
+    async def _sample(self) -> None:
+        """The GPU allocation every ALLOCATION_SAMPLE seconds, the first once the records are read."""
+        await asyncio.gather(self.synced.wait(), self.nodes_synced.wait(), self.held_synced.wait())
+        while True:
+            try:
+                self.cluster.sample(now())
+            except Exception as exc:  # a gap in the chart, never the end of the sampling
+                log.warning("gateway.sample_failed", error=str(exc) or type(exc).__name__)
+            await asyncio.sleep(ALLOCATION_SAMPLE)
 
     async def _take(self, msg: Msg) -> None:
         task = asyncio.create_task(self._answer(msg))
@@ -225,7 +317,16 @@ class Gateway:
             after=after,
         )
         limit = min(request.limit, JOBS_PAGE_MAX) if "limit" in request.model_fields_set else JOBS_PAGE
-        return (await self.listed()).page(query, limit, self.budget)
+        listing = await self.listed()
+        if request.changed_since is not None:
+            if request.cursor is not None:
+                raise Refused("changed_since takes no cursor: it answers what changed, newest first")
+            answer = listing.changed(query, micros(request.changed_since), limit, self.budget, self._placed)
+        else:
+            answer = listing.page(query, limit, self.budget, self._placed)
+        if "counts" in answer:
+            answer["queued"] = self.queued()
+        return answer
 
     async def job(self, who: str, request: Question) -> dict[str, Any]:
         record = await self.resolve(who, request.ref)
@@ -235,6 +336,8 @@ class Gateway:
             if attempt is not None:
                 history.append(attempt.model_dump(mode="json"))
         answer: dict[str, Any] = {"job": record.model_dump(mode="json"), "attempts": history}
+        answer["place"] = self.place(Summary.of(record))
+        answer["queued"] = self.queued()
         if history and (record.config.metrics or record.config.noProgressTimeoutSec):
             answer["metrics"] = await self.latest_metrics(AttemptRecord.model_validate(history[-1]))
         return answer
@@ -379,7 +482,8 @@ class Gateway:
         and borrowed (by live tasks' GPU models), jobs running and waiting."""
         listing = await self.listed()
         await asyncio.wait_for(self.vcs_synced.wait(), SYNC_WAIT)
-        nodes = {name: info async for name, info in self.kv_nodes.items()}
+        await self.synced_nodes()
+        nodes = self.cluster.nodes
         capacity = vcquota.capacity_of(nodes.values())
         limits = vcquota.limits(self.vcs, capacity)
 
@@ -448,6 +552,24 @@ class Gateway:
             )
         return {"vcs": out}
 
+    async def synced_nodes(self) -> None:
+        try:
+            both = asyncio.gather(self.nodes_synced.wait(), self.held_synced.wait())
+            await asyncio.wait_for(both, SYNC_WAIT)
+        except TimeoutError:
+            raise Refused("the gateway is still reading the node and attempt records; ask again", 1) from None
+
+    async def list_nodes(self, who: str, request: Question) -> dict[str, Any]:
+        """A page of the cluster's nodes by name (cluster.py); the first with a summary and the
+        GPU allocation over time. A device names its job only to the job's owner or an admin."""
+        await self.listed()
+        await self.synced_nodes()
+        after = None
+        if request.cursor is not None:
+            after = request.cursor.split(".", 1)[1]
+        limit = min(request.limit, NODES_PAGE_MAX) if "limit" in request.model_fields_set else NODES_PAGE
+        return self.cluster.page(who, after, limit, self.budget, now())
+
     async def read(self, stream: str, subject: str, after: int, limit: int) -> tuple[list[Stored], int, bool]:
         """Up to `limit` messages on `subject` (a filter) after stream sequence `after`, and
         about `self.budget` bytes of them, by one batched direct get: the server sends the batch
@@ -512,4 +634,5 @@ class Gateway:
         "metrics": metrics,
         "events": events,
         "vcs": virtual_clusters,
+        "nodes": list_nodes,
     }

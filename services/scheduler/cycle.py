@@ -32,7 +32,7 @@ from muster.services.scheduler.avoid import nodes_to_avoid, plan_around
 from muster.services.scheduler.view import Job, View
 from muster.shared import settings
 from muster.shared.jobconfig import JobConfig, rank
-from muster.shared.messages import AttemptRecord, TaskSpec, VirtualCluster
+from muster.shared.messages import QUEUE_SHOWN, AttemptRecord, TaskSpec, VirtualCluster
 
 # Jobs behind the head that one plan tries at most (Slurm's bf_max_job_test); later ones wait.
 BACKFILL_WINDOW = settings.number("MUSTER_BACKFILL_WINDOW", 500, int, low=0)
@@ -95,6 +95,9 @@ class Decision:
     grow: list[Grow] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)  # every waiting job left waiting: why
     blocked: list[Job] = field(default_factory=list)  # could run here, do not fit now (first few)
+    # The waiting queue after this cycle, in the order it considered the jobs (sharing order, or
+    # submission order), those it places left out: the first QUEUE_SHOWN job ids only.
+    queue: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         """The decision, one short line per act, in the order they are applied (for tests and
@@ -140,6 +143,12 @@ def decide(
     if view.elastic:
         _resize(view, vcs, at, tries, decision)
     return decision
+
+
+def _queue(waiting: Iterable[str], placed: Mapping[str, object]) -> list[str]:
+    """The first QUEUE_SHOWN of `waiting` (job ids, in queue order) that are not `placed`: read
+    only that far, so a lazy order is taken no further than the queue shown."""
+    return list(itertools.islice((j for j in waiting if j not in placed), QUEUE_SHOWN))
 
 
 # ------------------------------------------------------------------ placing the queue
@@ -199,6 +208,10 @@ def _place(
             if (job.reason, job.unschedulable) != (reason, unschedulable):
                 decision.steps.append(Wait(job, reason, unschedulable))
     decision.reasons = dict(plan.pending)
+    if order is None:
+        decision.queue = _queue((job.job_id for job, _ in waiting), plan.placements)
+    else:  # taken on from where the plan left it (after `rest()`: what the order still holds)
+        decision.queue = _queue((p.job_id for p in order.ordered()), plan.placements)
     # In queue order; what is shrunk for reads the first `tries` of them only.
     blocked = (job for job, _ in waiting) if order is None else _in_order(order, jobs)
     decision.blocked = list(

@@ -13,7 +13,11 @@ nodes join and leave the placement index as their records do, and only a change 
 see wakes a cycle. A cycle plans the waiting queue with the indexed core (`Cluster.plan`, a
 bounded backfill window behind the head) and commits its placements and reasons concurrently,
 so the bus's round trips overlap. When a job may be placed is the shared lifecycle rule
-(shared/lifecycle.py `attempt_to_place`)."""
+(shared/lifecycle.py `attempt_to_place`).
+
+The leader tells the gateways the waiting queue's order (`muster.queue`, core NATS: the first
+QUEUE_SHOWN jobs of the order its last cycle considered, and how many wait) when it changed, at
+most once a second, and every 10 s while it leads, so that a gateway started later learns it."""
 
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ from muster.shared.messages import (
     KillOrder,
     MembersChanged,
     NodeInfo,
+    QueueOrder,
     TaskSpec,
     TaskState,
     TaskStatus,
@@ -68,6 +73,8 @@ CYCLE_SECONDS = Histogram(
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
 RENEW_EVERY = 1.0  # seconds between lease renewals, whatever a cycle is doing
+QUEUE_EVERY = 10.0  # seconds between publications of an unchanged queue order, while leading
+QUEUE_SPACING = 1.0  # seconds at least between two (a changed order waits, then goes: the latest)
 IN_FLIGHT = 128  # commits and reason writes of one cycle in flight at once
 # Seconds a preempted gang gets between SIGTERM and SIGKILL, to checkpoint.
 PREEMPT_GRACE = settings.seconds("MUSTER_PREEMPT_GRACE", 30.0)
@@ -104,6 +111,10 @@ class Scheduler:
         self.wake = asyncio.Event()
         self.synced = {name: asyncio.Event() for name in ("nodes", "jobs", "attempts", "vcs")}
         self.leading = False  # its view is synced and it leads: the cluster gauges are its
+        # The queue order: the last one published, when (loop time), and the latest decided.
+        self._queue_sent: tuple[list[str], int] | None = None
+        self._queue_sent_at = -QUEUE_EVERY
+        self._queue: tuple[list[str], int] | None = None
         cluster_metrics.COLLECTOR.schedulers.add(self)
 
     @classmethod
@@ -186,9 +197,11 @@ class Scheduler:
             synced = asyncio.gather(*(e.wait() for e in self.synced.values()))
             await asyncio.wait_for(synced, 30)
             self.leading = True
+            self._queue_sent = self._queue = None  # a new leader tells the gateways at once
             await self._finish_interrupted_commits()
             self.wake.set()  # the first cycle of a new leader plans whatever waits
             while not stop.is_set() and not lost.is_set():
+                await self.publish_queue()
                 if self.view.expire(now()) or self.view.elastic:  # elastic roles: look every second
                     self.wake.set()
                 if self.wake.is_set():
@@ -216,6 +229,26 @@ class Scheduler:
         if decision.queued:
             CYCLE_SECONDS.observe((now() - at).total_seconds())
         await self.apply(decision, lost)
+        if lost is None or not lost.is_set():
+            self._queue = (decision.queue, self.view.waiting)  # the waiting count once applied
+            await self.publish_queue()
+
+    async def publish_queue(self) -> None:
+        """Tell the gateways the waiting queue's order (core NATS: a lost one is replaced by the
+        next): the latest one decided, once it changed (at most one per QUEUE_SPACING: the
+        leader's loop sends a change held back within a second), and every QUEUE_EVERY anyway."""
+        if self._queue is None:
+            return
+        at = asyncio.get_running_loop().time()
+        since = at - self._queue_sent_at
+        if not (since >= QUEUE_EVERY or (since >= QUEUE_SPACING and self._queue != self._queue_sent)):
+            return
+        jobs, total = self._queue_sent = self._queue
+        self._queue_sent_at = at
+        try:
+            await self.nc.publish(subjects.QUEUE, QueueOrder(at=now(), total=total, jobs=jobs).to_bytes())
+        except Exception as exc:
+            log.warning("scheduler.queue_unsent", error=str(exc) or type(exc).__name__)
 
     async def apply(self, decision: Decision, lost: asyncio.Event | None = None) -> None:
         """Preemptions first (their kill orders), then placements and reasons together, at most
