@@ -113,7 +113,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 def new_browser():
     if CHROMIUM is None or DRIVER is None:
-        pytest.skip("needs Debian's chromium and chromium-driver (`apt-get install chromium chromium-driver`)")
+        pytest.skip("needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
     from selenium import webdriver
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service

@@ -29,7 +29,8 @@ def test_a_login_secret_opens_its_identitys_key_and_nothing_else(keys):
     assert logins.open("alice", key).seed == alice.seed
     # Case, spaces and dashes as people type them.
     assert logins.key_for("alice", secret.upper().replace("-", " ")) == key
-    for name, given in (("alice", other), ("bob", secret), ("alice", ""), ("carol", secret), ("../x", secret)):
+    wrong = (("alice", other), ("bob", secret), ("alice", ""), ("carol", secret), ("../x", secret))
+    for name, given in wrong:
         with pytest.raises(LoginRefused):
             logins.key_for(name, given)
     with pytest.raises(LoginRefused):  # bob's key does not open alice's login
@@ -65,7 +66,8 @@ def test_a_session_cookie_opens_only_with_its_portals_key_and_until_it_ends():
     session, cookie = sessions.new("alice", "user", b"d" * 32)
     opened = sessions.open(cookie)
     assert (opened.name, opened.role, opened.key) == ("alice", "user", b"d" * 32)
-    for bad in (None, "", "garbage", cookie[:-2] + "AA", "x" * 5000, Sessions(b"o" * 32).new("alice", "admin", None)[1]):
+    elsewhere = Sessions(b"o" * 32).new("alice", "admin", None)[1]
+    for bad in (None, "", "garbage", cookie[:-2] + "AA", "x" * 5000, elsewhere):
         with pytest.raises(LoginRefused):
             sessions.open(bad)
     ended = Sessions(key, seconds=-1).new("alice", "user", None)[1]
@@ -151,7 +153,10 @@ def test_metric_charts_draw_a_line_per_task_by_step_else_by_time():
                 {"t": "2026-11-26T10:00:01+00:00", "name": "acc", "value": 0.5},
             ],
         },
-        {"task": "w.1", "points": [{"t": "2026-11-26T10:00:02+00:00", "step": 1, "name": "loss", "value": 3.0}]},
+        {
+            "task": "w.1",
+            "points": [{"t": "2026-11-26T10:00:02+00:00", "step": 1, "name": "loss", "value": 3}],
+        },
         {"task": "w.1", "points": [{"t": "bad", "name": "loss", "value": 1}, {"name": "loss"}]},
     ]
     charts = {c["name"]: c for c in views.metric_charts(batches)}

@@ -153,6 +153,7 @@ class Portal:
         self.local_name = local.name if local else ("admin" if open_bus else None)
         self.local_role = local.role if local else "admin"
         self.token = token
+        self.links = token is not None  # whether a one-time link signs the local person in
         self.secure_cookie = secure_cookie
         self.base = base  # what `./` in a config is relative to, unless the person says
         self.conns = Connections(url, logins, local, open_bus)
@@ -219,7 +220,7 @@ class Portal:
         API), the form token on every POST, and headers that keep the page to itself."""
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else "?"
         try:
-            if request.method == "GET" and "token" in request.query and self.token is not None:
+            if request.method == "GET" and "token" in request.query and self.links:
                 response: web.StreamResponse = self._redeem(request)
             elif request.path.startswith(self.PUBLIC) and request.path != "/logout":
                 response = await handler(request)
@@ -252,7 +253,8 @@ class Portal:
             response = self._problem(request, 504, str(exc) or "the gateway did not answer")
         except Exception as exc:  # a defect: logged, and a page that says so (never a traceback)
             REQUESTS.labels(route, "failed").inc()
-            log.error("portal.failed", path=request.path[:200], error=str(exc) or type(exc).__name__, exc_info=True)
+            why = str(exc) or type(exc).__name__
+            log.error("portal.failed", path=request.path[:200], error=why, exc_info=True)
             response = self._problem(request, 500, f"the portal failed to answer: {type(exc).__name__}")
         self._headers(response)
         return response
