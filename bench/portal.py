@@ -11,7 +11,7 @@ times each after one first request (which also opens the portal's bus connection
 - `GET /jobs`: the first page (50 jobs, counts per state), as a person opening the portal;
 - `GET /jobs?state=FAILED&name=...`: a filtered page;
 - `GET /jobs?cursor=...`: the page after;
-- `GET /jobs/changes?since=...`: what the page's script asks every 2 s (jobs changed since);
+- `GET /jobs/changes?changed=...`: what the page's script asks every 2 s (jobs changed since);
 - `GET /jobs/JOB`: a job's page.
 
 Prints a table, then one JSON line. The target (issue 26): the first page within 300 ms with
@@ -112,7 +112,7 @@ def pages(link: str, runs: int) -> dict[str, Any]:
             "first_page": timed(http, "/jobs", runs),
             "filtered": timed(http, "/jobs?state=FAILED&name=7", runs),
             "next_page": timed(http, "/jobs", runs, {"cursor": first["next"]}),
-            "changes": timed(http, "/jobs/changes", runs, {"since": since}),
+            "changes": timed(http, "/jobs/changes", runs, {"changed": since}),
             "job_page": timed(http, f"/jobs/{job}", runs),
         }
 

@@ -177,8 +177,9 @@ def sign_in(driver, mesh: Mesh, name: str) -> None:
     by_css(driver, "#name").send_keys(name)
     by_css(driver, "#secret").send_keys(mesh.secrets[name])
     by_css(driver, "#sign-in").click()
-    wait_for(driver, lambda d: d.current_url.endswith("/jobs"), 30, "signed in")
-    assert by_css(driver, "#whoami").text.startswith(name)
+    # The next page's own element, not its URL: the URL changes before the page is there.
+    who = wait_for(driver, lambda d: all_css(d, "#whoami"), 30, "signed in")[0]
+    assert who.text.startswith(name) and driver.current_url.endswith("/jobs")
 
 
 def submit_text(driver, mesh: Mesh, config: dict | str) -> None:
@@ -327,16 +328,47 @@ def test_a_bad_config_shows_the_validators_error_next_to_its_field(mesh, browser
     shot(browser, "submit-error")
 
 
-def test_kill_a_running_job_from_its_page(mesh, browser):
+SECRET = "s3cr3t-Value-0f-the-token"
+
+
+def test_kill_a_running_job_from_its_page_and_no_secret_is_ever_shown(mesh, browser):
     sign_in(browser, mesh, "alice")
-    submit_text(browser, mesh, sleeper("to-kill"))
+    config = sleeper("to-kill") | {"jobEnvs": {"API_TOKEN": SECRET, "EPOCHS": "3"}}
+    submit_text(browser, mesh, config)
     wait_for(browser, lambda d: "?submitted=1" in d.current_url, 60, "accepted")
     assert wait_state(browser, ("RUNNING",)) == "RUNNING"
+    job_url = browser.current_url.split("?")[0]
+    job_id = job_url.rsplit("/", 1)[1]
+    assert SECRET not in browser.page_source and '"API_TOKEN": "***"' in by_css(browser, "#config").text
+    browser.get(f"{mesh.portal}/submit?from={job_id}")  # "submit again": a copy to edit
+    assert SECRET not in browser.page_source and "type them again" in by_css(browser, "#note").text
+    with httpx.Client(base_url=mesh.portal, cookies=cookie_jar(browser)) as http:
+        for path in (f"/api/jobs/{job_id}", "/api/jobs?name=to-kill", f"/jobs/{job_id}/logs"):
+            assert SECRET not in http.get(path).text, path
+    browser.get(job_url)
     by_css(browser, "#kill").click()
     wait_for(browser, lambda d: all_css(d, "#confirm-kill"), 30, "the confirmation")
     shot(browser, "kill", 800)
     by_css(browser, "#confirm-kill").click()
     assert wait_state(browser, ("STOPPED", "FAILED", "SUCCEEDED")) == "STOPPED"
+
+
+def test_the_job_list_follows_changes_without_being_read_again(mesh, browser):
+    """A job submitted elsewhere (here: the API) appears in an open list, and its row changes
+    state there, by the page's own script asking for what changed."""
+    sign_in(browser, mesh, "alice")
+    browser.get(mesh.portal + "/jobs")
+    browser.execute_script("window.notReloaded = true")
+    with httpx.Client(base_url=mesh.portal, cookies=cookie_jar(browser)) as http:
+        token = http.get("/api/whoami").json()["form_token"]
+        config = sleeper("live-row") | {"taskRoles": [sleeper("x")["taskRoles"][0] | {"command": "sleep 3"}]}
+        r = http.post("/api/submit", json=config, headers={"X-Muster-Form": token})
+        assert r.status_code == 200, r.text
+        job_id = r.json()["job_id"]
+    row = f"#job-{job_id}"
+    wait_for(browser, lambda d: all_css(d, row), 30, "the new row")
+    wait_for(browser, lambda d: "SUCCEEDED" in by_css(d, row).text, WAIT, "the row's new state")
+    assert browser.execute_script("return window.notReloaded === true")  # the same page, not reloaded
 
 
 def test_the_cluster_page_shows_the_node_and_the_default_vc(mesh, browser):

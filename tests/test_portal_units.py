@@ -5,6 +5,7 @@ lines, charts, times."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -190,3 +191,12 @@ def test_times_read_as_people_read_them():
     assert [views.ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 102)] == [
         "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "102nd"
     ]  # fmt: skip
+
+
+def test_the_allocation_chart_counts_from_zero():
+    svg = views.allocation_chart(
+        [["2026-11-26T10:00:00+00:00", 0, 0], ["bad"], ["2026-11-26T10:01:00+00:00", 2, 8]]
+    )
+    labels = re.findall(r'text-anchor="end" fill="currentColor">([^<]+)<', svg)
+    assert labels[0] == "0" and "-" not in "".join(labels), labels
+    assert svg.count('class="series"') == 2

@@ -450,25 +450,26 @@ class Portal:
         )
 
     async def jobs_changes(self, request: web.Request) -> web.Response:
-        """The rows of jobs changed since `since` (the last answer's `now`), rendered as the
-        list renders them: the page follows the list without reading it again."""
-        since = request.query.get("since", "")
+        """The rows of jobs changed since `changed` (the last answer's `now`), rendered as the
+        list renders them: the page follows the list without reading it again. The list's own
+        filters (`since`: submitted since; state, name, ...) apply."""
+        changed = request.query.get("changed", "")
         try:
-            at = datetime.fromisoformat(since)
+            at = datetime.fromisoformat(changed)
             if at.tzinfo is None:
                 raise ValueError
         except ValueError:
             raise web.HTTPBadRequest(
-                text="since: an ISO time with a zone, as the last answer's `now`"
+                text="changed: an ISO time with a zone, as the last answer's `now`"
             ) from None
         # A few seconds back: records written by another machine's clock, or while we asked.
         question = {
             **self._filters(request),
             "changed_since": (at - timedelta(seconds=5)).isoformat(),
-            "limit": PAGE,
+            "limit": 200,
         }
         answer = await self.ask(request, "jobs", question)
-        row = self.env.get_template("jobs.html").module.row  # type: ignore[attr-defined]
+        row = self.env.get_template("rows.html").module.row  # type: ignore[attr-defined]
         rows = [
             {"id": j["job_id"], "html": str(row(j, answer.get("queued")))} for j in answer.get("jobs", [])
         ]
@@ -695,7 +696,7 @@ class Portal:
             "result": verdict,
             "annotated": views.annotate(text, verdict.get("errors") or []),
         }
-        return self.render(request, "submit.html", context, status=422)
+        return self.render(request, "submit.html", context, status=200 if verdict.get("accepted") else 422)
 
     def _submit_context(self, text: str, base: str | None, note: str | None) -> dict[str, Any]:
         return {
@@ -709,17 +710,25 @@ class Portal:
     # ------------------------------------------------------------ cluster
 
     async def cluster_page(self, request: web.Request) -> web.Response:
-        got = await self._cluster(request)
+        cursor = request.query.get("cursor")
+        got = await self._cluster(request, cursor[:160] if cursor else None)
+        allocation = got["nodes"].get("allocation") or []
         return self.render(
             request,
             "cluster.html",
-            got | {"allocation_svg": views.allocation_chart(got["nodes"].get("allocation") or [])},
+            got
+            | {
+                "allocation_svg": views.allocation_chart(allocation) if not cursor else "",
+                "cursor": cursor,
+                "older": _with(request, cursor=got["nodes"].get("next"))
+                if got["nodes"].get("next")
+                else None,
+            },
         )
 
-    async def _cluster(self, request: web.Request) -> dict[str, Any]:
-        nodes, vcs = await asyncio.gather(
-            self.ask(request, "nodes", {"limit": 1000}), self.ask(request, "vcs")
-        )
+    async def _cluster(self, request: web.Request, cursor: str | None = None) -> dict[str, Any]:
+        question: dict[str, Any] = {"limit": 500} | ({"cursor": cursor} if cursor else {})
+        nodes, vcs = await asyncio.gather(self.ask(request, "nodes", question), self.ask(request, "vcs"))
         return {"nodes": nodes, "vcs": vcs.get("vcs", [])}
 
     # ------------------------------------------------------------ the JSON API (same rights)

@@ -73,7 +73,16 @@ def ordinal(n: int) -> str:
 
 
 def pretty(config: Any) -> str:
-    return json.dumps(config, indent=2, ensure_ascii=False)
+    """A config as people write it: what is unset (null, empty) left out."""
+    return json.dumps(_set(config), indent=2, ensure_ascii=False)
+
+
+def _set(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _set(v) for k, v in value.items() if v is not None and v != [] and v != {}}
+    if isinstance(value, list):
+        return [_set(v) for v in value]
+    return value
 
 
 # ---------------------------------------------------------------- errors at their lines
@@ -212,10 +221,11 @@ def line_chart(
     width: int = 640,
     height: int = 240,
     x_is_time: bool = False,
+    from_zero: bool = False,
 ) -> str:
     """An SVG line chart (no script: it draws without JavaScript, and the page's content policy
     allows no inline code): axes with round ticks, a line per series, its last value in a
-    tooltip (`<title>`), a legend."""
+    tooltip (`<title>`), a legend. `from_zero`: the y axis starts at 0 (counts)."""
     left, right, top, bottom = 56, 12, 26, 40
     shown = [s for s in series if s.points][:MAX_SERIES]
     xs = [x for s in shown for x, _ in s.points]
@@ -226,8 +236,10 @@ def line_chart(
         return _svg("chart", width, height, title, out)
     x0, x1 = min(xs), max(xs)
     y0, y1 = min(ys), max(ys)
-    if x1 == x0:
-        x1 = x0 + 1
+    if from_zero:  # counts: the axis starts at 0, and shows at least 0 to 1
+        y0, y1 = min(0.0, y0), max(y1, 1.0)
+    if x1 - x0 < (60 if x_is_time else 1):  # a time axis spans a minute at least
+        x1 = x0 + (60 if x_is_time else 1)
     if y1 == y0:
         y0, y1 = y0 - (abs(y0) or 1) * 0.05, y1 + (abs(y1) or 1) * 0.05
     pw, ph = width - left - right, height - top - bottom
@@ -327,14 +339,18 @@ def allocation_chart(samples: Iterable[Sequence[Any]]) -> str:
         except (IndexError, TypeError, ValueError):
             continue
     return line_chart(
-        "GPUs allocated", [Series("used", used), Series("total", total)], "time (UTC)", x_is_time=True
+        "GPUs allocated",
+        [Series("used", used), Series("total", total)],
+        "time (UTC)",
+        x_is_time=True,
+        from_zero=True,
     )
 
 
 # ---------------------------------------------------------------- an attempt's timeline
 
 
-def timeline(attempts: Sequence[Mapping[str, Any]], now: datetime | None = None, width: int = 640) -> str:
+def timeline(attempts: Sequence[Mapping[str, Any]], now: datetime | None = None, width: int = 1000) -> str:
     """Attempts as bars on one time axis (placed to ended), coloured by how each ended."""
     spans = []
     now_t = (now or datetime.now(UTC)).timestamp()

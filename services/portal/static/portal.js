@@ -19,7 +19,7 @@
     async function tick() {
       try {
         const sep = base.includes("?") ? "&" : "?";
-        const got = await getJSON(base + sep + "since=" + encodeURIComponent(now));
+        const got = await getJSON(base + sep + "changed=" + encodeURIComponent(now));
         if (!got) return;
         now = got.now;
         for (const row of got.rows.slice().reverse()) {
