@@ -30,7 +30,8 @@ nodes (a test holds them to it), only the replay's speed differs.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import heapq
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from muster.services.scheduler.placement import (
@@ -452,6 +453,12 @@ class LeastAttained(Indexed):
         super().__init__("las", self._least_attained)
         self.attained: dict[str, float] = {}  # job -> GPU-seconds run before its current start
         self.running: dict[str, tuple[PendingJob, list[TaskSpec], float, int]] = {}  # start, GPUs
+        # Running jobs by level, kept by the times they cross into the next (a heap of (time, job,
+        # its start): an entry of a job since stopped is void), so that neither finding victims
+        # nor the next wake-up is a pass over every running job.
+        self.level_of: dict[str, int] = {}
+        self.by_level: list[dict[str, float]] = [{} for _ in range(len(LEVELS) + 1)]  # job -> start
+        self.crossings: list[tuple[float, str, float]] = []
 
     def service(self, job_id: str) -> float:
         """GPU-seconds the job has run, until `clock`."""
@@ -461,36 +468,59 @@ class LeastAttained(Indexed):
             done += gpus * (self.clock - start)
         return done
 
+    def _next_crossing(self, job_id: str) -> None:
+        mine, (_, _, start, gpus) = self.level_of[job_id], self.running[job_id]
+        if gpus and mine < len(LEVELS):
+            at = start + (LEVELS[mine] - self.attained.get(job_id, 0.0)) / gpus
+            heapq.heappush(self.crossings, (at, job_id, start))
+
+    def _live(self, entry: tuple[float, str, float]) -> bool:
+        _, job_id, start = entry
+        return job_id in self.running and self.running[job_id][2] == start
+
+    def _advance(self) -> None:
+        """Move the running jobs whose crossing time has come to their next level."""
+        while self.crossings and (self.crossings[0][0] <= self.clock or not self._live(self.crossings[0])):
+            entry = heapq.heappop(self.crossings)
+            if self._live(entry):
+                job_id = entry[1]
+                mine = self.level_of[job_id]
+                self.by_level[mine + 1][job_id] = self.by_level[mine].pop(job_id)
+                self.level_of[job_id] = mine + 1
+                self._next_crossing(job_id)
+
     def started(self, job: PendingJob, tasks: Sequence[TaskSpec]) -> None:
         super().started(job, tasks)
         self.running[job.job_id] = (job, list(tasks), self.clock, sum(len(t.gpus) for t in tasks))
+        mine = level(self.attained.get(job.job_id, 0.0))
+        self.level_of[job.job_id] = mine
+        self.by_level[mine][job.job_id] = self.clock
+        self._next_crossing(job.job_id)
 
     def ended(self, job: PendingJob, tasks: Sequence[TaskSpec]) -> None:
         super().ended(job, tasks)
         self.attained[job.job_id] = self.service(job.job_id)
         self.running.pop(job.job_id, None)
+        self.by_level[self.level_of.pop(job.job_id)].pop(job.job_id, None)
 
     def wakeup(self) -> float | None:
         """When the next running job enters a higher level (it may then be stopped for a waiting
         job of a lower one)."""
-        soonest: float | None = None
-        for job_id, (_, _, _, gpus) in self.running.items():
-            done = self.service(job_id)
-            if gpus and done < LEVELS[-1]:
-                at = self.clock + (LEVELS[level(done)] - done) / gpus
-                soonest = at if soonest is None else min(soonest, at)
-        return soonest
+        self._advance()
+        return self.crossings[0][0] if self.crossings else None
+
+    def victims(self, above: int) -> Iterator[str]:
+        """Running jobs of a level above `above`: the highest level first, then the newest start."""
+        for mine in range(len(LEVELS), above, -1):
+            ranked = sorted(self.by_level[mine].items(), key=lambda item: (item[1], item[0]), reverse=True)
+            yield from (job_id for job_id, _ in ranked)
 
     def _least_attained(
         self, nodes: Mapping[str, NodeState], queue: Sequence[PendingJob], kept: Kept
     ) -> Placements:
-        levels = {job.job_id: level(self.service(job.job_id)) for job in queue}
+        self._advance()
+        levels = {job.job_id: level(self.attained.get(job.job_id, 0.0)) for job in queue}
         order = sorted(range(len(queue)), key=lambda i: (levels[queue[i].job_id], i))
-        # victims: running jobs, the highest level first, then the newest start
-        victims = sorted(
-            ((level(self.service(j)), start, j) for j, (_, _, start, _) in self.running.items()),
-            reverse=True,
-        )
         out: Placements = {}
         stopped: list[str] = []
         tentative = _Tentative(kept)
@@ -508,7 +538,7 @@ class LeastAttained(Indexed):
                 mine = levels[job.job_id]
                 shape = (mine, tuple(kept.needs(job)))
                 if specs is None and shape not in hopeless:
-                    specs = self._stop_for(job, mine, victims, stopped, tentative, change)
+                    specs = self._stop_for(job, mine, stopped, tentative, change)
                     if specs is None:
                         hopeless.add(shape)
                 if specs is not None:
@@ -526,7 +556,6 @@ class LeastAttained(Indexed):
         self,
         job: PendingJob,
         mine: int,
-        victims: list[tuple[int, float, str]],
         stopped: list[str],
         tentative: _Tentative,
         change: Callable[[Callable[..., None], JobConfig, list[TaskSpec]], None],
@@ -534,8 +563,8 @@ class LeastAttained(Indexed):
         """Stop running jobs of a level above `mine`, one at a time, until `job` fits; keep the
         stops on the nodes it took (the others run on), or none if it never fits."""
         tried: list[tuple[JobConfig, list[TaskSpec], str]] = []
-        for their, _, victim in victims:
-            if their <= mine or len(tried) >= MAX_VICTIMS:
+        for victim in self.victims(mine):
+            if len(tried) >= MAX_VICTIMS:
                 break
             if victim in stopped:
                 continue

@@ -197,15 +197,15 @@ def test_las_stops_only_what_the_waiting_job_needs_and_leaves_the_nodes_as_they_
         las.place(nodes, [])  # builds its index on these nodes
         las.clock = at
         las.started(job, specs)
-    las.clock = 1000.0  # x has run 8,000 GPU-seconds, y 7,200: both of level 1
-    before = {n.name: set(n.used_gpus) for n in nodes.values()}
     new = PendingJob("z", job_config("z", 1, 1024, 4, None))
+    las.clock = 300.0  # x has run 2,400 GPU-seconds, y 1,600: level 0, as z: nobody is stopped
+    assert las.place(nodes, [new]) == {} and las.stops == []
+    las.clock = 1000.0  # x has run 8,000, y 7,200: both of level 1
+    before = {n.name: set(n.used_gpus) for n in nodes.values()}
     decided = las.place(nodes, [new])
     assert list(decided) == ["z"] and las.stops == ["y"]  # one of the two, the newest start
     assert {spec.node for spec in decided["z"]} == {"n2"}
     assert {n.name: set(n.used_gpus) for n in nodes.values()} == before
-    las.clock = 300.0  # now both are of level 0, as z: nobody is stopped, z waits
-    assert las.place(nodes, [new]) == {} and las.stops == []
 
 
 def test_a_philly_row_of_more_gpus_than_a_node_is_a_gang_of_whole_nodes_and_a_bad_row_is_named(
