@@ -17,9 +17,9 @@ the report). Policies: `bench/replay_policies.py`. A job that can never fit on t
 Per policy it reports (a table, then one JSON line with every figure):
   * GPU allocation: allocated / total GPUs, time-weighted, per `--bucket` seconds (default an hour
     of the trace, 3600 / speedup, widened to keep at most 5,000 buckets) over the *active period*
-    (from 0 to the last start; after it the run only drains, which for this trace means months of
-    a few long pods); its mean, the same over the whole run, and the peak. *At saturation* means
-    over the time when a GPU job is waiting;
+    (from 0 to the last start, a restart included; after it the run only drains, which for this
+    trace means months of a few long pods); its mean, the same over the whole run, and the peak.
+    *At saturation* means over the time when a GPU job is waiting;
   * queueing delay (start - arrival; for a job that was stopped, all its time not running: finish -
     arrival - duration) and job completion time (finish - arrival): mean, p50, p99, max, in
     simulated seconds, over the jobs placed; and how many stops (preemptions) there were;
@@ -186,10 +186,11 @@ class Run:
     order: dict[str, float] | None = None  # a sharing policy's order (bench/replay_vcs.py)
     stops: int = 0  # running jobs a preemptive policy stopped
     stopped_jobs: int = 0  # distinct jobs among them
+    last_start: float = 0.0  # the last start, a stopped job's restart included
 
     def report(self) -> dict[str, Any]:
         m = self.meter
-        active = max(self.started.values(), default=0.0)
+        active = max(self.last_start, max(self.started.values(), default=0.0))
         bucket_s = max(self.bucket_s, active / MAX_BUCKETS)
         series = m.series(active, bucket_s)
         sat = m.saturated_s
@@ -258,6 +259,7 @@ def replay(
     delay_of: dict[str, float] = {}  # in order of first start
     jct_of: dict[str, float] = {}
     stops = 0
+    last_start = 0.0
     wake = math.inf  # when the policy wants to decide again
     queue: list[str] = []
     waiting: Counter[Need] = Counter()  # needs of the waiting jobs' tasks
@@ -331,6 +333,7 @@ def replay(
                 policy.started(jobs[name], specs)
                 placed[name] = specs
                 started.setdefault(name, now)
+                last_start = now
                 ran_from[name] = now
                 waiting.subtract(n for _, _, n in job_needs[name])
                 for spec in specs:
@@ -371,6 +374,7 @@ def replay(
         jcts=list(jct_of.values()),
         stops=stops,
         stopped_jobs=len(left),
+        last_start=last_start,
         never={name: why for name, why in never.items() if name in tasks},
         left_waiting=queue,
         meter=meter,

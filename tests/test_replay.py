@@ -170,6 +170,7 @@ def test_las_stops_a_job_past_its_level_for_a_new_one_and_resumes_it_where_it_wa
     assert starts(las) == {"a": 0, "b": 1000}
     assert las.jcts == [20100, 100] and las.delays == [100, 0]  # a's wait: its time not running
     assert (las.stops, las.stopped_jobs) == (1, 1)
+    assert las.report()["active_s"] == 1100  # until a's restart, the last start
     greedy = run(tmp_path, "name,submit_time,duration,gpus\na,0,20000,8\nb,1000,100,8", nodes, "greedy")
     assert starts(greedy) == {"a": 0, "b": 20000}
 
@@ -256,7 +257,7 @@ def test_the_philly_sample_replays_under_every_baseline(capsys: pytest.CaptureFi
         for figure in ("queue_delay_s", "jct_s"):
             f = r[figure]
             assert 0 <= f["p50"] <= f["p99"] <= f["max"] and f["mean"] <= f["max"]
-        assert 0 < r["gpu_alloc_active"] <= 1
+        assert 0 < r["gpu_alloc_active"] <= 1 and 0 < r["saturated_share_active"] <= 1
         assert r["preemptions"] == 0 or r["policy"] == "las"
     assert by_policy["las"]["preemptions"] > 0
     # the oracle's mean completion time beats the same greedy packing in arrival order
