@@ -18,8 +18,8 @@ Per policy it reports (a table, then one JSON line with every figure):
   * GPU allocation: allocated / total GPUs, time-weighted, per `--bucket` seconds (default an hour
     of the trace, 3600 / speedup, widened to keep at most 5,000 buckets) over the *active period*
     (from 0 to the last start, a restart included; after it the run only drains, which for this
-    trace means months of a few long pods); its mean, the same over the whole run, and the peak.
-    *At saturation* means over the time when a GPU job is waiting;
+    trace means months of a few long pods); its mean, the same until the last arrival (one window
+    for every policy), over the whole run, and the peak. *At saturation*: while a GPU job waits;
   * queueing delay (start - arrival; for a job that was stopped, all its time not running: finish -
     arrival - duration) and job completion time (finish - arrival): mean, p50, p99, max, in
     simulated seconds, over the jobs placed; and how many stops (preemptions) there were;
@@ -187,6 +187,7 @@ class Run:
     stops: int = 0  # running jobs a preemptive policy stopped
     stopped_jobs: int = 0  # distinct jobs among them
     last_start: float = 0.0  # the last start, a stopped job's restart included
+    last_arrival: float = 0.0
 
     def report(self) -> dict[str, Any]:
         m = self.meter
@@ -211,6 +212,9 @@ class Run:
             "active_s": round(active, 1),
             "run_s": round(m.span_s, 1),
             "gpu_alloc_active": round(m.series(active, active)[0], 4) if active else None,
+            "gpu_alloc_arrivals": (
+                round(m.series(self.last_arrival, self.last_arrival)[0], 4) if self.last_arrival else None
+            ),
             "gpu_alloc_run": round(m.gpu_s / (m.total_gpus * m.span_s), 4) if m.span_s else None,
             "gpu_alloc_peak": round(m.peak_used / m.total_gpus, 4) if m.total_gpus else 0.0,
             "gpu_alloc_peak_bucket": round(max(series, default=0.0), 4),
@@ -375,6 +379,7 @@ def replay(
         stops=stops,
         stopped_jobs=len(left),
         last_start=last_start,
+        last_arrival=arrivals[-1][0] if arrivals else 0.0,
         never={name: why for name, why in never.items() if name in tasks},
         left_waiting=queue,
         meter=meter,
@@ -455,21 +460,22 @@ def print_table(about: dict[str, Any], runs: list[dict[str, Any]], setup_s: floa
     print("(delays and JCT in simulated seconds; a stopped job's delay is all its time not running)")
     print()
     print(
-        f"{'policy':<14} {'alloc active':>12} {'run':>6} {'peak':>6} {'peak bkt':>8} | {'saturated s':>11}"
-        f" {'share':>6} {'alloc@sat':>9} {'stranded@sat':>12} {'free@sat':>8}"
+        f"{'policy':<14} {'alloc active':>12} {'arrivals':>8} {'run':>6} {'peak':>6} {'peak bkt':>8}"
+        f" | {'saturated s':>11} {'share':>6} {'alloc@sat':>9} {'stranded@sat':>12} {'free@sat':>8}"
     )
     for r in runs:
         print(
-            f"{r['policy']:<14} {_share(r['gpu_alloc_active']):>12} {_share(r['gpu_alloc_run']):>6}"
+            f"{r['policy']:<14} {_share(r['gpu_alloc_active']):>12} {_share(r['gpu_alloc_arrivals']):>8}"
+            f" {_share(r['gpu_alloc_run']):>6}"
             f" {_share(r['gpu_alloc_peak']):>6} {_share(r['gpu_alloc_peak_bucket']):>8} |"
             f" {_s(r['saturated_s']):>11} {_share(r['saturated_share_active']):>6}"
             f" {_share(r['gpu_alloc_saturated']):>9} {_s2(r['stranded_gpus_saturated']):>12}"
             f" {_s2(r['free_gpus_saturated']):>8}"
         )
     print(
-        "(active: from 0 to the last start, after which the run only drains; peak bkt: the busiest "
-        f"{runs[0]['bucket_s']:g} s bucket;\n saturated: a GPU job is waiting; stranded: free GPUs on nodes "
-        "where no waiting GPU task fits, time-weighted mean)"
+        "(active: from 0 to the last start, after which the run only drains; arrivals: to the last arrival;\n"
+        f" peak bkt: the busiest {runs[0]['bucket_s']:g} s bucket; saturated: a GPU job is waiting;"
+        " stranded: free GPUs on nodes where no waiting GPU task fits, time-weighted mean)"
     )
     print()
     print("GPU allocation by tenth of the active period:")

@@ -258,6 +258,7 @@ def test_the_philly_sample_replays_under_every_baseline(capsys: pytest.CaptureFi
             f = r[figure]
             assert 0 <= f["p50"] <= f["p99"] <= f["max"] and f["mean"] <= f["max"]
         assert 0 < r["gpu_alloc_active"] <= 1 and 0 < r["saturated_share_active"] <= 1
+        assert 0 < r["gpu_alloc_arrivals"] <= 1
         assert r["preemptions"] == 0 or r["policy"] == "las"
     assert by_policy["las"]["preemptions"] > 0
     # the oracle's mean completion time beats the same greedy packing in arrival order
