@@ -1,12 +1,15 @@
 """Trace replay: a GPU cluster trace in simulated time, placed by Muster's own core and baselines.
 
     python -m bench.replay [--trace DIR_OR_CSV] [--nodes-csv F | --nodes N ...]
-                           [--policies muster,fifo,firstfit] [--limit N] [--speedup K] [--json]
+                           [--policies muster,fifo,firstfit|all] [--limit N] [--speedup K] [--json]
 
 A discrete-event driver: arrivals and completions in a heap of simulated time; after each batch of
 events at one instant, if something arrived or freed, the policy decides over the whole waiting
 queue (arrival order) and what it places starts now and ends `duration` later. Nothing is re-planned
-when nothing changed. Trace files and how their tasks become Muster jobs: `bench/replay_trace.py`
+when nothing changed. A preemptive policy (`las`) may stop running jobs first: a stopped job keeps
+its progress, waits again, and runs its remaining time when started next; it also names times at
+which it wants to decide again (a running job changing priority). Trace files and how their
+tasks become Muster jobs: `bench/replay_trace.py`
 (fractional GPUs take a whole GPU; a multi-model gpu_spec is narrowed to one model; both counted in
 the report). Policies: `bench/replay_policies.py`. A job that can never fit on the nodes (Muster's
 `plan` says so, with its reason) never enters the queue and is reported as never placed.
@@ -14,11 +17,12 @@ the report). Policies: `bench/replay_policies.py`. A job that can never fit on t
 Per policy it reports (a table, then one JSON line with every figure):
   * GPU allocation: allocated / total GPUs, time-weighted, per `--bucket` seconds (default an hour
     of the trace, 3600 / speedup, widened to keep at most 5,000 buckets) over the *active period*
-    (from 0 to the last start; after it the run only drains, which for this trace means months of
-    a few long pods); its mean, the same over the whole run, and the peak. *At saturation* means
-    over the time when a GPU job is waiting;
-  * queueing delay (start - arrival) and job completion time (finish - arrival): mean, p50, p99,
-    max, in simulated seconds, over the jobs placed;
+    (from 0 to the last start, a restart included; after it the run only drains, which for this
+    trace means months of a few long pods); its mean, the same until the last arrival (one window
+    for every policy), over the whole run, and the peak. *At saturation*: while a GPU job waits;
+  * queueing delay (start - arrival; for a job that was stopped, all its time not running: finish -
+    arrival - duration) and job completion time (finish - arrival): mean, p50, p99, max, in
+    simulated seconds, over the jobs placed; and how many stops (preemptions) there were;
   * GPUs stranded by fragmentation at saturation: while a GPU job waits, the free GPUs on nodes
     where no waiting GPU task fits now (too few free GPUs of its model there, or too few CPUs or
     too little memory left beside them), time-weighted mean; beside it, all free GPUs then;
@@ -48,6 +52,7 @@ from muster.services.scheduler.placement import NodeState, PendingJob, allocate,
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "alibaba-gpu-2023"
 SAMPLE_TRACE = ROOT / "tests" / "data" / "alibaba-gpu-2023-sample"
+BASELINES = ("muster", "fifo", "firstfit", "greedy", "sjf", "las")  # --policies all
 MAX_BUCKETS = 5000  # the allocation series is widened past its bucket rather than grow longer
 
 
@@ -179,10 +184,14 @@ class Run:
     decide_s: float
     bucket_s: float
     order: dict[str, float] | None = None  # a sharing policy's order (bench/replay_vcs.py)
+    stops: int = 0  # running jobs a preemptive policy stopped
+    stopped_jobs: int = 0  # distinct jobs among them
+    last_start: float = 0.0  # the last start, a stopped job's restart included
+    last_arrival: float = 0.0
 
     def report(self) -> dict[str, Any]:
         m = self.meter
-        active = max(self.started.values(), default=0.0)
+        active = max(self.last_start, max(self.started.values(), default=0.0))
         bucket_s = max(self.bucket_s, active / MAX_BUCKETS)
         series = m.series(active, bucket_s)
         sat = m.saturated_s
@@ -196,11 +205,16 @@ class Run:
             "never_placed": len(self.never),
             "never_reasons": dict(Counter(self.never.values()).most_common()),
             "left_waiting": len(self.left_waiting),
+            "preemptions": self.stops,
+            "preempted_jobs": self.stopped_jobs,
             "queue_delay_s": {k: round(v, 1) for k, v in summary(self.delays).items()},
             "jct_s": {k: round(v, 1) for k, v in summary(self.jcts).items()},
             "active_s": round(active, 1),
             "run_s": round(m.span_s, 1),
             "gpu_alloc_active": round(m.series(active, active)[0], 4) if active else None,
+            "gpu_alloc_arrivals": (
+                round(m.series(self.last_arrival, self.last_arrival)[0], 4) if self.last_arrival else None
+            ),
             "gpu_alloc_run": round(m.gpu_s / (m.total_gpus * m.span_s), 4) if m.span_s else None,
             "gpu_alloc_peak": round(m.peak_used / m.total_gpus, 4) if m.total_gpus else 0.0,
             "gpu_alloc_peak_bucket": round(max(series, default=0.0), 4),
@@ -236,43 +250,67 @@ def replay(
     jobs = {t.name: PendingJob(t.name, t.config) for t in trace.tasks}
     arrivals = [(t.arrival / speedup, t.name) for t in trace.tasks]  # sorted: the trace is
     job_needs = {t.name: needs(t.config) for t in trace.tasks}
+    policy.durations = {t.name: t.duration for t in trace.tasks}  # for an oracle (sjf)
+    policy.clock = 0.0
     meter = Meter(sum(len(n.gpus) for n in trace.nodes))
     arrived_at: dict[str, float] = {}
     started: dict[str, float] = {}
     placed: dict[str, list[Any]] = {}
-    ending: list[tuple[float, int, str]] = []  # (finish, order, job)
+    ending: list[tuple[float, int, str]] = []  # (finish, order, job); stale once the job is stopped
+    live: dict[str, int] = {}  # running job -> the order of its entry in `ending`
+    ran_from: dict[str, float] = {}  # running job -> when it (re)started
+    left: dict[str, float] = {}  # stopped job -> seconds of its duration still to run
+    delay_of: dict[str, float] = {}  # in order of first start
+    jct_of: dict[str, float] = {}
+    stops = 0
+    last_start = 0.0
+    wake = math.inf  # when the policy wants to decide again
     queue: list[str] = []
     waiting: Counter[Need] = Counter()  # needs of the waiting jobs' tasks
     with_free = {name for name, node in nodes.items() if node.free_gpu_count}  # nodes with a free GPU
-    delays: list[float] = []
-    jcts: list[float] = []
     used = replans = 0
     decide_s = 0.0
     next_arrival = 0
+    arrived_order: dict[str, int] = {}
     now = 0.0
     state = (0, False, 0)  # used GPUs, a GPU job waits, stranded GPUs: holds from `now` on
     seq = 0
+
+    def stop(name: str) -> None:
+        nonlocal used
+        release(nodes, jobs[name].config, placed[name])
+        policy.ended(jobs[name], placed[name])
+        for spec in placed[name]:
+            used -= len(spec.gpus)
+            if spec.gpus:
+                with_free.add(spec.node)
+        del live[name]
+
     while next_arrival < len(arrivals) or ending:
         t = min(
             arrivals[next_arrival][0] if next_arrival < len(arrivals) else math.inf,
             ending[0][0] if ending else math.inf,
+            wake,
         )
         meter.add(now, t, *state)
         now = t
-        changed = False
+        policy.clock = now
+        changed = now >= wake
+        wake = math.inf
         while ending and ending[0][0] <= now:
-            _, _, name = heapq.heappop(ending)
-            release(nodes, jobs[name].config, placed[name])
-            policy.ended(jobs[name], placed[name])
-            for spec in placed[name]:
-                used -= len(spec.gpus)
-                if spec.gpus:
-                    with_free.add(spec.node)
+            _, order_no, name = heapq.heappop(ending)
+            if live.get(name) != order_no:
+                continue  # it was stopped: this end is void
+            stop(name)
+            if name in left:  # it was stopped once: its wait is all its time not running
+                delay_of[name] = now - arrived_at[name] - tasks[name].duration
+                jct_of[name] = now - arrived_at[name]
             changed = True
         while next_arrival < len(arrivals) and arrivals[next_arrival][0] <= now:
             name = arrivals[next_arrival][1]
             next_arrival += 1
             arrived_at[name] = now
+            arrived_order[name] = next_arrival
             if name not in never:
                 queue.append(name)
                 waiting.update(n for _, _, n in job_needs[name])
@@ -282,6 +320,15 @@ def replay(
             tick = time.perf_counter()
             decided = policy.place(nodes, [jobs[name] for name in queue])
             decide_s += time.perf_counter() - tick
+            for name in policy.stops:
+                stop(name)
+                stops += 1
+                left[name] = left.get(name, tasks[name].duration) - (now - ran_from[name])
+                queue.append(name)
+                waiting.update(n for _, _, n in job_needs[name])
+            if policy.stops:
+                queue.sort(key=lambda name: arrived_order[name])
+                policy.stops = []
             for name in queue:
                 specs = decided.get(name)
                 if specs is None:
@@ -289,20 +336,27 @@ def replay(
                 allocate(nodes, jobs[name].config, specs)
                 policy.started(jobs[name], specs)
                 placed[name] = specs
-                started[name] = now
+                started.setdefault(name, now)
+                last_start = now
+                ran_from[name] = now
                 waiting.subtract(n for _, _, n in job_needs[name])
                 for spec in specs:
                     used += len(spec.gpus)
                     if spec.gpus and not nodes[spec.node].free_gpu_count:
                         with_free.discard(spec.node)
-                finish = now + tasks[name].duration
-                delays.append(now - arrived_at[name])
-                jcts.append(finish - arrived_at[name])
+                finish = now + left.get(name, tasks[name].duration)
+                if name not in left:
+                    delay_of[name] = now - arrived_at[name]
+                    jct_of[name] = finish - arrived_at[name]
                 seq += 1
+                live[name] = seq
                 heapq.heappush(ending, (finish, seq, name))
             if decided:
                 queue = [name for name in queue if name not in decided]
                 waiting = +waiting
+        if queue:
+            asked = policy.wakeup()
+            wake = math.inf if asked is None else max(asked, math.nextafter(now, math.inf))
         gpu_waits = any(need.gpus for need in waiting)
         stranded = stranded_gpus((nodes[n] for n in with_free), waiting) if gpu_waits else 0
         state = (used, gpu_waits, stranded)
@@ -320,8 +374,12 @@ def replay(
         policy=policy.name,
         jobs=len(trace.tasks),
         started=started,
-        delays=delays,
-        jcts=jcts,
+        delays=list(delay_of.values()),
+        jcts=list(jct_of.values()),
+        stops=stops,
+        stopped_jobs=len(left),
+        last_start=last_start,
+        last_arrival=arrivals[-1][0] if arrivals else 0.0,
         never={name: why for name, why in never.items() if name in tasks},
         left_waiting=queue,
         meter=meter,
@@ -389,6 +447,7 @@ def print_table(about: dict[str, Any], runs: list[dict[str, Any]], setup_s: floa
     print(
         f"{'policy':<14} {'wall s':>7} {'decide s':>8} {'replans':>7} {'placed':>6} {'never':>5}"
         f" | {'delay mean':>10} {'p50':>9} {'p99':>10} {'max':>10} | {'JCT mean':>10} {'p50':>10} {'p99':>10}"
+        f" {'max':>10} {'stops':>6}"
     )
     for r in runs:
         d, j = r["queue_delay_s"], r["jct_s"]
@@ -396,25 +455,27 @@ def print_table(about: dict[str, Any], runs: list[dict[str, Any]], setup_s: floa
             f"{r['policy']:<14} {r['wall_s']:>7.2f} {r['decide_s']:>8.2f} {r['replans']:>7} {r['placed']:>6}"
             f" {r['never_placed']:>5} | {_s(d['mean']):>10} {_s(d['p50']):>9} {_s(d['p99']):>10}"
             f" {_s(d['max']):>10} | {_s(j['mean']):>10} {_s(j['p50']):>10} {_s(j['p99']):>10}"
+            f" {_s(j['max']):>10} {r['preemptions']:>6}"
         )
-    print("(delays and JCT in simulated seconds)")
+    print("(delays and JCT in simulated seconds; a stopped job's delay is all its time not running)")
     print()
     print(
-        f"{'policy':<14} {'alloc active':>12} {'run':>6} {'peak':>6} {'peak bkt':>8} | {'saturated s':>11}"
-        f" {'share':>6} {'alloc@sat':>9} {'stranded@sat':>12} {'free@sat':>8}"
+        f"{'policy':<14} {'alloc active':>12} {'arrivals':>8} {'run':>6} {'peak':>6} {'peak bkt':>8}"
+        f" | {'saturated s':>11} {'share':>6} {'alloc@sat':>9} {'stranded@sat':>12} {'free@sat':>8}"
     )
     for r in runs:
         print(
-            f"{r['policy']:<14} {_share(r['gpu_alloc_active']):>12} {_share(r['gpu_alloc_run']):>6}"
+            f"{r['policy']:<14} {_share(r['gpu_alloc_active']):>12} {_share(r['gpu_alloc_arrivals']):>8}"
+            f" {_share(r['gpu_alloc_run']):>6}"
             f" {_share(r['gpu_alloc_peak']):>6} {_share(r['gpu_alloc_peak_bucket']):>8} |"
             f" {_s(r['saturated_s']):>11} {_share(r['saturated_share_active']):>6}"
             f" {_share(r['gpu_alloc_saturated']):>9} {_s2(r['stranded_gpus_saturated']):>12}"
             f" {_s2(r['free_gpus_saturated']):>8}"
         )
     print(
-        "(active: from 0 to the last start, after which the run only drains; peak bkt: the busiest "
-        f"{runs[0]['bucket_s']:g} s bucket;\n saturated: a GPU job is waiting; stranded: free GPUs on nodes "
-        "where no waiting GPU task fits, time-weighted mean)"
+        "(active: from 0 to the last start, after which the run only drains; arrivals: to the last arrival;\n"
+        f" peak bkt: the busiest {runs[0]['bucket_s']:g} s bucket; saturated: a GPU job is waiting;"
+        " stranded: free GPUs on nodes where no waiting GPU task fits, time-weighted mean)"
     )
     print()
     print("GPU allocation by tenth of the active period:")
@@ -471,8 +532,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--policies",
         default=None,
-        help=f"comma-separated, of: {', '.join([*POLICIES, *ORDERS])} (default: muster,fifo,firstfit; "
-        "with --vcs: muster-vc)",
+        help=f"comma-separated, of: {', '.join([*POLICIES, *ORDERS])}; all: {','.join(BASELINES)} "
+        "(default: muster,fifo,firstfit; with --vcs: muster-vc)",
     )
     p.add_argument(
         "--vcs",
@@ -501,6 +562,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     chosen = args.policies or ("muster-vc" if args.vcs else "muster,fifo,firstfit")
+    if chosen == "all":
+        chosen = ",".join(BASELINES)
     policies = [p.strip() for p in chosen.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES and p not in ORDERS]
     if unknown or not policies:

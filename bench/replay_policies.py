@@ -6,6 +6,15 @@
     every later one (no backfill). Nodes are chosen by the same best-fit rank as Muster's.
   * `firstfit`: FIFO order, greedy: any job that fits starts, each task on the first node in name
     order that can host it (no best fit, no reservation).
+  * `greedy`: backfill over the whole queue with no reservation: every waiting job, in arrival
+    order, starts if it fits now (best-fit nodes, as Muster's). Large jobs can starve.
+  * `sjf`: oracle shortest job first, non-preemptive: the queue in order of the trace's durations
+    (ties: arrival), every job that fits starts (best fit). An oracle: no scheduler knows them.
+  * `las`: least attained service, preemptive (Tiresias' discretised LAS, NSDI'19): a job's
+    attained service is the GPU-seconds it has run; the queue is ordered by its *level* (`LEVELS`:
+    below 1 GPU-hour, below 10, below 100, beyond), then arrival; every job that fits starts (best
+    fit); a waiting job that does not fit stops running jobs of a higher level (the newest first)
+    when that lets it start. A stopped job keeps its progress and waits again at its level.
 
 A policy decides, it does not commit: it may place tentatively on `nodes` but leaves them as they
 were; the replay allocates what it returns. Jobs that can never fit on the nodes are kept out of
@@ -21,7 +30,8 @@ nodes (a test holds them to it), only the replay's speed differs.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import heapq
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from muster.services.scheduler.placement import (
@@ -45,11 +55,22 @@ WINDOW = 500  # the scheduler service's default backfill window (MUSTER_BACKFILL
 
 class Policy:
     """A policy as the replay drives it: `place` decides; `started`/`ended` tell a stateful core
-    what the replay committed (a stateless one, like all three here, ignores them)."""
+    what the replay committed (a stateless one ignores them). The replay sets `clock` (simulated
+    seconds) before each call and hands an oracle the trace's `durations` (job -> seconds). A
+    preemptive policy lists in `stops` the running jobs its last `place` needs stopped first (its
+    placements count on their resources); the replay stops them (`ended`), runs them again later
+    from where they were, and asks `wakeup` when it next wants to decide with nothing arriving or
+    ending (None: never)."""
 
     def __init__(self, name: str, decide: Decide) -> None:
         self.name = name
         self._decide = decide
+        self.clock = 0.0
+        self.durations: Mapping[str, float] = {}
+        self.stops: list[str] = []
+
+    def wakeup(self) -> float | None:
+        return None
 
     def place(self, nodes: Mapping[str, NodeState], queue: Sequence[PendingJob]) -> Placements:
         return self._decide(nodes, queue)
@@ -347,6 +368,22 @@ def greedy_first_fit(
     return out
 
 
+def greedy_best_fit(
+    nodes: Mapping[str, NodeState], queue: Sequence[PendingJob], kept: Kept | None = None
+) -> Placements:
+    """`queue` in its order, skipping what does not fit (no reservation); best-fit nodes."""
+    out: Placements = {}
+    tentative = _Tentative(kept or Kept(nodes))
+    try:
+        for job in queue:
+            specs = tentative.place(job, NodeIndex.best)
+            if specs is not None:
+                out[job.job_id] = specs
+    finally:
+        tentative.undo()
+    return out
+
+
 class Indexed(Policy):
     """A baseline with its `Kept` state (built on the first decision, for the nodes it is handed
     then, kept in step by `started`/`ended`): a decision costs what it tries, not a pass over the
@@ -375,9 +412,185 @@ class Indexed(Policy):
                 self._kept.index.touch(task.node)
 
 
+class ShortestFirst(Indexed):
+    """Oracle SJF: the queue by the trace's duration (ties: arrival), then `greedy_best_fit`."""
+
+    def __init__(self) -> None:
+        super().__init__("sjf", self._shortest_first)
+
+    def _shortest_first(
+        self, nodes: Mapping[str, NodeState], queue: Sequence[PendingJob], kept: Kept
+    ) -> Placements:
+        order = sorted(range(len(queue)), key=lambda i: (self.durations[queue[i].job_id], i))
+        return greedy_best_fit(nodes, [queue[i] for i in order], kept)
+
+
+GPU_HOUR = 3600.0
+LEVELS = (1 * GPU_HOUR, 10 * GPU_HOUR, 100 * GPU_HOUR)  # LAS thresholds of attained GPU-seconds
+MAX_VICTIMS = 64  # running jobs a waiting one may try to stop, per decision
+
+
+def level(attained_gpu_s: float) -> int:
+    """The LAS queue of a job that has run `attained_gpu_s` GPU-seconds (0: the first)."""
+    return bisect.bisect_right(LEVELS, attained_gpu_s)
+
+
+class LeastAttained(Indexed):
+    """Discretised least-attained-service, preemptive (see the module docstring).
+
+    Why levels and not the exact attained service: ordered by the exact figure, two jobs of equal
+    GPUs would overtake each other at every decision, each stop a checkpoint and restart in a real
+    cluster. With levels a job is stopped only for a job of a lower level, and within a level jobs
+    keep arrival order without preemption, so two jobs stop each other back and forth at most once
+    per level the stopper climbs (Tiresias' 2D-LAS does the same; its starvation guard, which
+    moves a job that waited long back to the first queue, is not modelled: a long job can wait
+    behind a stream of short ones). The thresholds grow
+    ×10 from one GPU-hour: a Philly-shaped trace runs minutes to days on 1-64 GPUs, so a short
+    debug job passes every long one and a day-long 8-GPU job has left the first queues in hours.
+    A stop is free here (no checkpoint cost)."""
+
+    def __init__(self) -> None:
+        super().__init__("las", self._least_attained)
+        self.attained: dict[str, float] = {}  # job -> GPU-seconds run before its current start
+        self.running: dict[str, tuple[PendingJob, list[TaskSpec], float, int]] = {}  # start, GPUs
+        # Running jobs by level, kept by the times they cross into the next (a heap of (time, job,
+        # its start): an entry of a job since stopped is void), so that neither finding victims
+        # nor the next wake-up is a pass over every running job.
+        self.level_of: dict[str, int] = {}
+        self.by_level: list[dict[str, float]] = [{} for _ in range(len(LEVELS) + 1)]  # job -> start
+        self.crossings: list[tuple[float, str, float]] = []
+
+    def service(self, job_id: str) -> float:
+        """GPU-seconds the job has run, until `clock`."""
+        done = self.attained.get(job_id, 0.0)
+        if job_id in self.running:
+            _, _, start, gpus = self.running[job_id]
+            done += gpus * (self.clock - start)
+        return done
+
+    def _next_crossing(self, job_id: str) -> None:
+        mine, (_, _, start, gpus) = self.level_of[job_id], self.running[job_id]
+        if gpus and mine < len(LEVELS):
+            at = start + (LEVELS[mine] - self.attained.get(job_id, 0.0)) / gpus
+            heapq.heappush(self.crossings, (at, job_id, start))
+
+    def _live(self, entry: tuple[float, str, float]) -> bool:
+        _, job_id, start = entry
+        return job_id in self.running and self.running[job_id][2] == start
+
+    def _advance(self) -> None:
+        """Move the running jobs whose crossing time has come to their next level."""
+        while self.crossings and (self.crossings[0][0] <= self.clock or not self._live(self.crossings[0])):
+            entry = heapq.heappop(self.crossings)
+            if self._live(entry):
+                job_id = entry[1]
+                mine = self.level_of[job_id]
+                self.by_level[mine + 1][job_id] = self.by_level[mine].pop(job_id)
+                self.level_of[job_id] = mine + 1
+                self._next_crossing(job_id)
+
+    def started(self, job: PendingJob, tasks: Sequence[TaskSpec]) -> None:
+        super().started(job, tasks)
+        self.running[job.job_id] = (job, list(tasks), self.clock, sum(len(t.gpus) for t in tasks))
+        mine = level(self.attained.get(job.job_id, 0.0))
+        self.level_of[job.job_id] = mine
+        self.by_level[mine][job.job_id] = self.clock
+        self._next_crossing(job.job_id)
+
+    def ended(self, job: PendingJob, tasks: Sequence[TaskSpec]) -> None:
+        super().ended(job, tasks)
+        self.attained[job.job_id] = self.service(job.job_id)
+        self.running.pop(job.job_id, None)
+        self.by_level[self.level_of.pop(job.job_id)].pop(job.job_id, None)
+
+    def wakeup(self) -> float | None:
+        """When the next running job enters a higher level (it may then be stopped for a waiting
+        job of a lower one)."""
+        self._advance()
+        return self.crossings[0][0] if self.crossings else None
+
+    def victims(self, above: int) -> Iterator[str]:
+        """Running jobs of a level above `above`: the highest level first, then the newest start."""
+        for mine in range(len(LEVELS), above, -1):
+            ranked = sorted(self.by_level[mine].items(), key=lambda item: (item[1], item[0]), reverse=True)
+            yield from (job_id for job_id, _ in ranked)
+
+    def _least_attained(
+        self, nodes: Mapping[str, NodeState], queue: Sequence[PendingJob], kept: Kept
+    ) -> Placements:
+        self._advance()
+        levels = {job.job_id: level(self.attained.get(job.job_id, 0.0)) for job in queue}
+        order = sorted(range(len(queue)), key=lambda i: (levels[queue[i].job_id], i))
+        out: Placements = {}
+        stopped: list[str] = []
+        tentative = _Tentative(kept)
+        undo: list[tuple[Callable[..., None], JobConfig, list[TaskSpec]]] = []
+
+        def change(apply: Callable[..., None], config: JobConfig, specs: list[TaskSpec]) -> None:
+            tentative._change(apply, config, specs)
+            undo.append((release if apply is allocate else allocate, config, specs))
+
+        hopeless: set[tuple[int, tuple[tuple[int, int, Need], ...]]] = set()
+        try:
+            for i in order:
+                job = queue[i]
+                specs = tentative.place(job, NodeIndex.best)
+                mine = levels[job.job_id]
+                shape = (mine, tuple(kept.needs(job)))
+                if specs is None and shape not in hopeless:
+                    specs = self._stop_for(job, mine, stopped, tentative, change)
+                    if specs is None:
+                        hopeless.add(shape)
+                if specs is not None:
+                    out[job.job_id] = specs
+        finally:
+            tentative.undo()
+            for apply, config, specs in reversed(undo):
+                apply(kept.nodes, config, specs)
+                for spec in specs:
+                    kept.index.touch(spec.node)
+        self.stops = stopped
+        return out
+
+    def _stop_for(
+        self,
+        job: PendingJob,
+        mine: int,
+        stopped: list[str],
+        tentative: _Tentative,
+        change: Callable[[Callable[..., None], JobConfig, list[TaskSpec]], None],
+    ) -> list[TaskSpec] | None:
+        """Stop running jobs of a level above `mine`, one at a time, until `job` fits; keep the
+        stops on the nodes it took (the others run on), or none if it never fits."""
+        tried: list[tuple[JobConfig, list[TaskSpec], str]] = []
+        for victim in self.victims(mine):
+            if len(tried) >= MAX_VICTIMS:
+                break
+            if victim in stopped:
+                continue
+            victim_job, victim_specs, _, _ = self.running[victim]
+            change(release, victim_job.config, victim_specs)
+            tried.append((victim_job.config, victim_specs, victim))
+            tentative.failed.clear()  # something was freed
+            specs = tentative.place(job, NodeIndex.best)
+            if specs is not None:
+                for config, their_specs, name in reversed(tried):  # run on, those it did not need
+                    try:
+                        change(allocate, config, their_specs)
+                    except ValueError:
+                        stopped.append(name)
+                return specs
+        for config, their_specs, _ in reversed(tried):
+            change(allocate, config, their_specs)
+        return None
+
+
 POLICIES: dict[str, Callable[[], Policy]] = {
     "muster": MusterKept,
     "muster_snapshot": lambda: Policy("muster_snapshot", muster),
     "fifo": lambda: Indexed("fifo", strict_fifo),
     "firstfit": lambda: Indexed("firstfit", greedy_first_fit),
+    "greedy": lambda: Indexed("greedy", greedy_best_fit),
+    "sjf": ShortestFirst,
+    "las": LeastAttained,
 }

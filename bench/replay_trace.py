@@ -7,6 +7,8 @@ Two task formats, told apart by their header:
     gpu, model).
   * a simple one: submit_time, duration, gpus[, gpu_model][, cpus][, memory_mb][, name]; nodes from
     a node CSV (name, cpus, memory_mb, gpus, gpu_model, or the Alibaba shape) or `uniform_nodes`.
+    A Philly-shaped workload is this shape (`bench/replay_workload.py` writes one). A job asking
+    for more GPUs than the largest node has becomes a gang of whole nodes (see `gang_config`).
 
 Every task becomes a single-task Muster job (one role `task`, taskNumber 1), built through the
 real `JobConfig` model so a task Muster would reject is rejected here too. The mapping, and why:
@@ -81,7 +83,8 @@ class TraceTask:
 
     @property
     def gpus(self) -> int:
-        return self.config.taskRoles[0].gpuNumber
+        """All the GPUs the job holds (a gang's tasks together)."""
+        return sum(r.gpuNumber * r.taskNumber for r in self.config.taskRoles)
 
 
 @dataclass
@@ -177,8 +180,17 @@ def _int(row: Mapping[str, str], column: str, default: int | None = None) -> int
     return int(value)
 
 
-def job_config(name: str, cpus: int, memory_mb: int, gpus: int, gpu_type: str | None) -> JobConfig:
-    """The single-task Muster job a trace task becomes; BadRow if JobConfig rejects it."""
+def job_config(
+    name: str,
+    cpus: int,
+    memory_mb: int,
+    gpus: int,
+    gpu_type: str | None,
+    roles: list[tuple[str, int, int, int, int]] | None = None,
+) -> JobConfig:
+    """The single-task Muster job a trace task becomes (or, given `roles` as (name, tasks, cpus,
+    memory_mb, gpus), that gang); BadRow if JobConfig rejects it."""
+    shape = roles or [("task", 1, cpus, memory_mb, gpus)]
     try:
         return JobConfig.model_validate(
             {
@@ -187,13 +199,14 @@ def job_config(name: str, cpus: int, memory_mb: int, gpus: int, gpu_type: str | 
                 "gpuType": gpu_type,
                 "taskRoles": [
                     {
-                        "name": "task",
-                        "taskNumber": 1,
-                        "cpuNumber": cpus,
-                        "memoryMB": memory_mb,
-                        "gpuNumber": gpus,
+                        "name": role,
+                        "taskNumber": count,
+                        "cpuNumber": role_cpus,
+                        "memoryMB": role_memory_mb,
+                        "gpuNumber": role_gpus,
                         "command": "replay",
                     }
+                    for role, count, role_cpus, role_memory_mb, role_gpus in shape
                 ],
             }
         )
@@ -358,7 +371,29 @@ def read_alibaba_tasks(path: Path, nodes: list[NodeState], seed: int, skipped: l
     return tasks
 
 
-def read_simple_tasks(path: Path, skipped: list[str]) -> list[TraceTask]:
+def gang_config(
+    name: str, cpus: int, memory_mb: int, gpus: int, model: str | None, per_node: int
+) -> JobConfig:
+    """The job of a simple-trace row. One task, unless it asks for more GPUs than the largest node
+    has (`per_node`): then a gang of tasks of `per_node` GPUs (role `task`), and one of the rest
+    (role `rest`) if `per_node` does not divide `gpus`, as a Philly job spanning servers runs.
+    The row's CPUs and memory are the job's: each task gets its GPUs' share, rounded up."""
+    if not per_node or gpus <= per_node:
+        return job_config(name, cpus, memory_mb, gpus, model)
+    whole, rest = divmod(gpus, per_node)
+
+    def share(total: int, part: int, floor: int) -> int:
+        return max(floor, math.ceil(total * part / gpus))
+
+    roles = [("task", whole, share(cpus, per_node, 1), share(memory_mb, per_node, MIN_MEMORY_MB), per_node)]
+    if rest:
+        roles.append(("rest", 1, share(cpus, rest, 1), share(memory_mb, rest, MIN_MEMORY_MB), rest))
+    return job_config(name, cpus, memory_mb, gpus, model, roles)
+
+
+def read_simple_tasks(path: Path, skipped: list[str], per_node: int = 0) -> list[TraceTask]:
+    """Tasks of a simple CSV (`per_node`: the most GPUs a node has; a job asking for more becomes a
+    gang, `gang_config`)."""
     tasks: list[TraceTask] = []
     seen: set[str] = set()
     for line, row in _rows(path, SIMPLE_COLUMNS):
@@ -371,7 +406,7 @@ def read_simple_tasks(path: Path, skipped: list[str]) -> list[TraceTask]:
             cpus = _int(row, "cpus", SIMPLE_DEFAULTS["cpus"])
             memory_mb = _int(row, "memory_mb", SIMPLE_DEFAULTS["memory_mb"])
             model = row.get("gpu_model") or None
-            config = job_config(name, cpus, memory_mb, gpus, model)
+            config = gang_config(name, cpus, memory_mb, gpus, model, per_node)
         except BadRow as e:
             skipped.append(f"{path.name} line {line}, {e}")
             continue
@@ -403,7 +438,7 @@ def load(
     if alibaba:
         tasks = read_alibaba_tasks(tasks_csv, nodes, seed, skipped)
     else:
-        tasks = read_simple_tasks(tasks_csv, skipped)
+        tasks = read_simple_tasks(tasks_csv, skipped, max((len(n.gpus) for n in nodes), default=0))
     order = sorted(range(len(tasks)), key=lambda i: (tasks[i].arrival, i))
     tasks = [tasks[i] for i in order][:limit]
     notes = []

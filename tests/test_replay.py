@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from muster.services.scheduler.placement import NodeState, PendingJob
+from muster.services.scheduler.placement import NodeState, PendingJob, allocate
 from muster.shared.messages import GpuDevice
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,18 +20,24 @@ if str(ROOT) not in sys.path:  # bench/ is not an installed package; `python -m 
 
 from bench import replay as rp  # noqa: E402
 from bench.replay_policies import (  # noqa: E402
+    LEVELS,
     POLICIES,
+    LeastAttained,
     Need,
     NodeIndex,
     best_fit,
     first_fit,
+    greedy_best_fit,
     greedy_first_fit,
     muster,
     strict_fifo,
 )
 from bench.replay_trace import TraceError, gpu_type_for, job_config, load, read_nodes  # noqa: E402
+from bench.replay_workload import philly_like  # noqa: E402
+from bench.replay_workload import write as write_workload  # noqa: E402
 
 SAMPLE = ROOT / "tests" / "data" / "alibaba-gpu-2023-sample"
+PHILLY = ROOT / "tests" / "data" / "philly-like" / "jobs-300-seed1.csv"
 
 
 def write(path: Path, text: str) -> Path:
@@ -133,6 +139,136 @@ def test_allocation_is_time_weighted_per_bucket_and_saturation_only_while_a_gpu_
     assert meter.saturated_s == 11 and meter.stranded_gpu_s == 24 and meter.free_gpu_s == 32
 
 
+# ------------------------------------------------------------------ the baselines of issue 27
+
+ONE_NODE = "n1,32,131072,8,V100"
+
+
+def test_greedy_backfills_past_a_blocked_head_that_muster_and_fifo_reserve_for(tmp_path: Path) -> None:
+    # a holds 4 of 8 GPUs until 100; b needs all 8; c fits beside a now, but runs until 202.
+    tasks = "name,submit_time,duration,gpus\na,0,100,4\nb,1,10,8\nc,2,200,4"
+    nodes = nodes_csv(tmp_path, ONE_NODE)
+    assert starts(run(tmp_path, tasks, nodes, "greedy")) == {"a": 0, "b": 202, "c": 2}  # b pushed back
+    for policy in ("muster", "fifo"):
+        assert starts(run(tmp_path, tasks, nodes, policy)) == {"a": 0, "b": 100, "c": 110}
+
+
+def test_oracle_sjf_runs_the_shortest_waiting_job_first(tmp_path: Path) -> None:
+    tasks = "name,submit_time,duration,gpus\na,0,100,8\nb,1,50,8\nc,2,10,8"
+    nodes = nodes_csv(tmp_path, ONE_NODE)
+    assert starts(run(tmp_path, tasks, nodes, "greedy")) == {"a": 0, "b": 100, "c": 150}
+    sjf = run(tmp_path, tasks, nodes, "sjf")
+    assert starts(sjf) == {"a": 0, "b": 110, "c": 100}  # non-preemptive: a runs to its end
+    assert sum(sjf.jcts) < sum(run(tmp_path, tasks, nodes, "greedy").jcts)
+
+
+def test_las_stops_a_job_past_its_level_for_a_new_one_and_resumes_it_where_it_was(tmp_path: Path) -> None:
+    # a takes all 8 GPUs for 20,000 s: past the first level (1 GPU-hour) at 450 s. b (100 s) comes
+    # at 1,000: a is stopped, b runs 1,000-1,100, a resumes and ends 100 s late.
+    nodes = nodes_csv(tmp_path, ONE_NODE)
+    las = run(tmp_path, "name,submit_time,duration,gpus\na,0,20000,8\nb,1000,100,8", nodes, "las")
+    assert starts(las) == {"a": 0, "b": 1000}
+    assert las.jcts == [20100, 100] and las.delays == [100, 0]  # a's wait: its time not running
+    assert (las.stops, las.stopped_jobs) == (1, 1)
+    assert las.report()["active_s"] == 1100  # until a's restart, the last start
+    greedy = run(tmp_path, "name,submit_time,duration,gpus\na,0,20000,8\nb,1000,100,8", nodes, "greedy")
+    assert starts(greedy) == {"a": 0, "b": 20000}
+
+
+def test_las_does_not_stop_a_job_of_the_same_level_until_it_climbs_one(tmp_path: Path) -> None:
+    # b comes at 100, when a has 800 GPU-seconds: the same level, so b waits, until a reaches
+    # 3,600 GPU-seconds at 450 s (a wake-up the policy asked for: nothing arrives or ends then).
+    assert LEVELS[0] == 3600
+    nodes = nodes_csv(tmp_path, ONE_NODE)
+    las = run(tmp_path, "name,submit_time,duration,gpus\na,0,20000,8\nb,100,100,8", nodes, "las")
+    assert starts(las) == {"a": 0, "b": 450}
+    assert las.jcts == [20100, 450] and las.stops == 1
+
+
+def test_las_stops_only_what_the_waiting_job_needs_and_leaves_the_nodes_as_they_were() -> None:
+    nodes = {
+        n: NodeState(n, 32, 131072, [GpuDevice(index=i, model="V100") for i in range(8)])
+        for n in ("n1", "n2")
+    }
+    las = LeastAttained()
+    old = [PendingJob(name, job_config(name, 1, 1024, 8, None)) for name in ("x", "y")]
+    for job, node, at in zip(old, ("n1", "n2"), (0.0, 100.0), strict=True):
+        specs = greedy_best_fit({node: nodes[node]}, [job])[job.job_id]
+        allocate(nodes, job.config, specs)
+        las.place(nodes, [])  # builds its index on these nodes
+        las.clock = at
+        las.started(job, specs)
+    new = PendingJob("z", job_config("z", 1, 1024, 4, None))
+    las.clock = 300.0  # x has run 2,400 GPU-seconds, y 1,600: level 0, as z: nobody is stopped
+    assert las.place(nodes, [new]) == {} and las.stops == []
+    las.clock = 1000.0  # x has run 8,000, y 7,200: both of level 1
+    before = {n.name: set(n.used_gpus) for n in nodes.values()}
+    decided = las.place(nodes, [new])
+    assert list(decided) == ["z"] and las.stops == ["y"]  # one of the two, the newest start
+    assert {spec.node for spec in decided["z"]} == {"n2"}
+    assert {n.name: set(n.used_gpus) for n in nodes.values()} == before
+
+
+def test_a_philly_row_of_more_gpus_than_a_node_is_a_gang_of_whole_nodes_and_a_bad_row_is_named(
+    tmp_path: Path,
+) -> None:
+    tasks = write(
+        tmp_path / "p.csv",
+        "submit_time,duration,gpus,cpus\n0,10,16,32\n1,10,20,\n2,10,1.5,\n3,10,,\n4,ten,1,\n5,10,4,",
+    )
+    trace = load(tasks, None, rp.uniform_nodes(5, 8, "V100", 64, 512 * 1024))
+    assert trace.skipped == [
+        "p.csv line 4, column gpus: '1.5' is not a whole number",
+        "p.csv line 5, column gpus: empty",
+        "p.csv line 6, column duration: 'ten' is not a number",
+    ]
+    sixteen, twenty, four = trace.tasks
+    shape = [(r.name, r.taskNumber, r.gpuNumber, r.cpuNumber) for r in sixteen.config.taskRoles]
+    assert shape == [("task", 2, 8, 16)] and sixteen.gpus == 16
+    assert [(r.name, r.taskNumber, r.gpuNumber) for r in twenty.config.taskRoles] == [
+        ("task", 2, 8),
+        ("rest", 1, 4),
+    ]
+    assert twenty.gpus == 20 and four.gpus == 4
+    # the gangs hold 2 and 3 nodes at once, the 4-GPU job the half the 20-GPU gang leaves of one
+    result = rp.replay(trace, POLICIES["greedy"]())
+    assert starts(result) == {"job-000002": 0, "job-000003": 1, "job-000007": 5}
+    # on 4 nodes the 20-GPU gang needs 3 whole or shared nodes while the first holds 2: it waits
+    trace.nodes = rp.uniform_nodes(4, 8, "V100", 64, 512 * 1024)
+    assert starts(rp.replay(trace, POLICIES["greedy"]()))["job-000003"] == 10
+
+
+def test_the_committed_philly_sample_is_what_its_command_writes(tmp_path: Path) -> None:
+    out = tmp_path / "again.csv"
+    with out.open("w") as f:
+        write_workload(f, philly_like(300, seed=1))
+    assert out.read_text() == PHILLY.read_text()
+    gpus = Counter(int(line.split(",")[2]) for line in PHILLY.read_text().splitlines()[1:])
+    assert gpus[1] > 150 and gpus[16] + gpus[32] > 5  # mostly 1 GPU, a few gangs
+
+
+def test_the_philly_sample_replays_under_every_baseline(capsys: pytest.CaptureFixture[str]) -> None:
+    assert rp.main(["--trace", str(PHILLY), "--nodes", "8", "--policies", "all", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    by_policy = {r["policy"]: r for r in report["policies"]}
+    assert list(by_policy) == list(rp.BASELINES)
+    for r in by_policy.values():
+        assert r["placed"] == 300 and r["left_waiting"] == 0
+        for figure in ("queue_delay_s", "jct_s"):
+            f = r[figure]
+            assert 0 <= f["p50"] <= f["p99"] <= f["max"] and f["mean"] <= f["max"]
+        assert 0 < r["gpu_alloc_active"] <= 1 and 0 < r["saturated_share_active"] <= 1
+        assert 0 < r["gpu_alloc_arrivals"] <= 1
+        assert r["preemptions"] == 0 or r["policy"] == "las"
+    assert by_policy["las"]["preemptions"] > 0
+    # the oracle's mean completion time beats the same greedy packing in arrival order
+    assert by_policy["sjf"]["jct_s"]["mean"] <= by_policy["greedy"]["jct_s"]["mean"]
+    # every job runs exactly its duration: completion = wait + duration, stops or not
+    total = sum(int(line.split(",")[1]) for line in PHILLY.read_text().splitlines()[1:])
+    for r in by_policy.values():
+        assert abs((r["jct_s"]["mean"] - r["queue_delay_s"]["mean"]) * 300 - total) < 300 * 0.2
+
+
 # ------------------------------------------------------------------ parsers
 
 
@@ -140,7 +276,7 @@ def test_a_bad_row_is_skipped_and_named_not_a_crash(tmp_path: Path) -> None:
     nodes = nodes_csv(tmp_path, "n1,32,131072,8,V100", "n2,x,131072,8,V100")
     tasks = write(
         tmp_path / "t.csv",
-        "submit_time,duration,gpus,cpus\n0,10,1,2\n5,10,x,2\n6,-3,1,1\n7,10,100,1\n8,10,1,",
+        "submit_time,duration,gpus,cpus\n0,10,1,2\n5,10,x,2\n6,-3,1,1\n7,10,1,2000\n8,10,1,",
     )
     trace = load(tasks, nodes)
     assert [t.name for t in trace.tasks] == ["job-000002", "job-000006"]  # named by line
@@ -149,7 +285,7 @@ def test_a_bad_row_is_skipped_and_named_not_a_crash(tmp_path: Path) -> None:
         "nodes.csv line 3, column cpus: 'x' is not a number",
         "t.csv line 3, column gpus: 'x' is not a number",
         "t.csv line 4, column duration: '-3' is not a finite number ≥ 0",
-        "t.csv line 5, as a Muster job, taskRoles.0.gpuNumber: Input should be less than or equal to 64",
+        "t.csv line 5, as a Muster job, taskRoles.0.cpuNumber: Input should be less than or equal to 1024",
     ]
     assert trace.tasks[1].config.taskRoles[0].cpuNumber == 1  # an empty cpus cell: the default
 
@@ -273,7 +409,7 @@ def test_policies_decide_without_changing_the_nodes() -> None:
         nodes = random_nodes(rng)
         before = {n.name: (n.used_cpus, n.used_memory_mb, set(n.used_gpus)) for n in nodes.values()}
         queue = [PendingJob(name, job_config(name, 1, 1024, gpus, None)) for name, gpus in tasks]
-        for decide in (muster, strict_fifo, greedy_first_fit):
+        for decide in (muster, strict_fifo, greedy_first_fit, greedy_best_fit):
             decide(nodes, queue)
             assert {
                 n.name: (n.used_cpus, n.used_memory_mb, set(n.used_gpus)) for n in nodes.values()
