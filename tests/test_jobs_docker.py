@@ -3,6 +3,7 @@ gloo, with torch bind-mounted from this environment (nothing can be pulled here)
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sysconfig
 from pathlib import Path
@@ -52,10 +53,18 @@ async def test_pytorch_gloo_allreduce_in_docker_containers(base_image, cluster, 
     lines = sorted(line for t in a.tasks for line in t.last_lines if "all_reduce" in line)
     assert lines == [f"rank {r}/3: all_reduce sum 6 ok (master 127.0.0.1)" for r in range(3)]
 
-    # They really ran in containers, labelled with their job; the agent removed them afterwards.
+    # They really ran in containers, labelled with their job; the agent removes them afterwards
+    # (it may still be at it: a sparse list, no inspect of a container going away, until none).
     engine = docker.from_env()
     try:
-        left = engine.containers.list(all=True, filters={"label": f"muster.job={record.job_id}"})
+        deadline = asyncio.get_running_loop().time() + 60
+        while True:
+            left = engine.containers.list(
+                all=True, sparse=True, filters={"label": f"muster.job={record.job_id}"}
+            )
+            if not left or asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.5)
         assert left == []
     finally:
         engine.close()
