@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client as NATS
+from nats.js.kv import KeyValue
 
 from muster.services.gateway.listing import Listing, Summary
 from muster.shared import bus, client, subjects
@@ -152,6 +153,13 @@ class Gateway:
                 self.proc.wait()
 
 
+async def put_all(kv: KeyValue, data: list[bytes]) -> None:
+    """The records into the jobs bucket as `j<n>`, 500 writes in flight at a time."""
+    for i in range(0, len(data), 500):
+        chunk = data[i : i + 500]
+        await asyncio.gather(*(kv.put(f"j{i + k:012x}", raw) for k, raw in enumerate(chunk)))
+
+
 async def caught_up(nc: NATS, n: int, timeout: float = 600) -> float:
     """Seconds until the gateway answers with all `n` jobs listed."""
     start = time.monotonic()
@@ -205,10 +213,7 @@ async def measure(n: int, runs: int, live_every: int, command_bytes: int, workdi
                 await caught_up(nc, 0)
                 await asyncio.sleep(1)
                 empty = rss(gateway.proc.pid)
-                kv = buckets[subjects.JOBS_BUCKET]
-                for i in range(0, n, 500):
-                    chunk = data[i : i + 500]
-                    await asyncio.gather(*(kv.put(f"j{i + k:012x}", raw) for k, raw in enumerate(chunk)))
+                await put_all(buckets[subjects.JOBS_BUCKET], data)
                 await caught_up(nc, n)
                 grown = rss(gateway.proc.pid) - empty
                 commands = {

@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from bench.listing import Gateway, caught_up, records
+from bench.listing import Gateway, caught_up, put_all, records
 from muster.shared import bus, subjects
 from muster.shared.natsserver import NatsServer, free_port
 
@@ -67,10 +67,7 @@ async def measure(n: int, runs: int, workdir: Path) -> dict[str, Any]:
             _, buckets = await bus.ensure_jetstream(nc)
             gateway = Gateway(server.url, workdir, "gateway")
             try:
-                kv = buckets[subjects.JOBS_BUCKET]
-                for i in range(0, n, 500):
-                    chunk = data[i : i + 500]
-                    await asyncio.gather(*(kv.put(f"j{i + k:012x}", raw) for k, raw in enumerate(chunk)))
+                await put_all(buckets[subjects.JOBS_BUCKET], data)
                 await caught_up(nc, n)
                 port = free_port()
                 ui = subprocess.Popen(  # noqa: ASYNC220 (started once, before anything is timed)

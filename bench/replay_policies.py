@@ -352,36 +352,38 @@ def strict_fifo(
     return out
 
 
-def greedy_first_fit(
-    nodes: Mapping[str, NodeState], queue: Sequence[PendingJob], kept: Kept | None = None
+def _greedy(
+    nodes: Mapping[str, NodeState],
+    queue: Sequence[PendingJob],
+    kept: Kept | None,
+    choose: Choose,
 ) -> Placements:
-    """Arrival order, skipping what does not fit; each task on the first node by name that fits."""
+    """`queue` in its order, skipping what does not fit (no reservation), each task on the node
+    `choose` picks (NodeIndex.first or NodeIndex.best)."""
     out: Placements = {}
     tentative = _Tentative(kept or Kept(nodes))
     try:
         for job in queue:
-            specs = tentative.place(job, NodeIndex.first)
+            specs = tentative.place(job, choose)
             if specs is not None:
                 out[job.job_id] = specs
     finally:
         tentative.undo()
     return out
+
+
+def greedy_first_fit(
+    nodes: Mapping[str, NodeState], queue: Sequence[PendingJob], kept: Kept | None = None
+) -> Placements:
+    """Arrival order, skipping what does not fit; each task on the first node by name that fits."""
+    return _greedy(nodes, queue, kept, NodeIndex.first)
 
 
 def greedy_best_fit(
     nodes: Mapping[str, NodeState], queue: Sequence[PendingJob], kept: Kept | None = None
 ) -> Placements:
     """`queue` in its order, skipping what does not fit (no reservation); best-fit nodes."""
-    out: Placements = {}
-    tentative = _Tentative(kept or Kept(nodes))
-    try:
-        for job in queue:
-            specs = tentative.place(job, NodeIndex.best)
-            if specs is not None:
-                out[job.job_id] = specs
-    finally:
-        tentative.undo()
-    return out
+    return _greedy(nodes, queue, kept, NodeIndex.best)
 
 
 class Indexed(Policy):

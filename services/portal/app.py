@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -55,6 +56,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 class Unauthorized(Exception):
     pass
+
+
+class Unavailable(Exception):
+    """The bus cannot be reached (503)."""
 
 
 @dataclass
@@ -126,10 +131,6 @@ class Connections:
         for held in self.held.values():
             await self._close(held.nc)
         self.held.clear()
-
-
-class Unavailable(Exception):
-    pass
 
 
 class Portal:
@@ -296,8 +297,7 @@ class Portal:
         return dict(request["form"])
 
     def _form_ok(self, request: web.Request, form: dict[str, Any]) -> bool:
-        origin = request.headers.get("Origin")
-        if origin and origin != "null" and origin.split("://", 1)[-1] != request.host:
+        if not _same_origin(request):
             return False
         token = request.headers.get("X-Muster-Form") or form.get("_form")
         return self.sessions.check_form_token(request["session"], token if isinstance(token, str) else None)
@@ -370,8 +370,7 @@ class Portal:
         form = await request.post()
         name, secret = str(form.get("name", "")).strip(), str(form.get("secret", ""))
         target = _next(str(form.get("next", "")))
-        origin = request.headers.get("Origin")
-        if origin and origin != "null" and origin.split("://", 1)[-1] != request.host:
+        if not _same_origin(request):
             raise web.HTTPForbidden(text="sign in from this portal's own page")
         error = None
         if self.logins is None:
@@ -838,9 +837,13 @@ def _attempt_asked(request: web.Request, attempts: list[dict[str, Any]]) -> dict
     return next((a for a in attempts if a["attempt"] == n), attempts[-1])
 
 
-def _line_in(message: str) -> int | None:
-    import re
+def _same_origin(request: web.Request) -> bool:
+    """No Origin (not a browser's cross-site request), or this portal's own."""
+    origin = request.headers.get("Origin")
+    return not origin or origin == "null" or origin.split("://", 1)[-1] == request.host
 
+
+def _line_in(message: str) -> int | None:
     m = re.search(r"line (\d+)", message)
     return int(m[1]) if m else None
 
