@@ -120,6 +120,7 @@ class Connections:
             for key, held in list(self.held.items()):
                 if held.used < cutoff or held.nc.is_closed:
                     del self.held[key]
+                    self.locks.pop(key, None)  # the per-person lock goes with the connection
                     await self._close(held.nc)
 
     @staticmethod
