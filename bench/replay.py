@@ -52,7 +52,7 @@ from muster.services.scheduler.placement import NodeState, PendingJob, allocate,
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "alibaba-gpu-2023"
 SAMPLE_TRACE = ROOT / "tests" / "data" / "alibaba-gpu-2023-sample"
-BASELINES = ("muster", "fifo", "firstfit", "greedy", "sjf", "las")  # --policies all
+BASELINES = ("muster", "muster-reserve", "fifo", "firstfit", "greedy", "sjf", "las")  # --policies all
 MAX_BUCKETS = 5000  # the allocation series is widened past its bucket rather than grow longer
 
 

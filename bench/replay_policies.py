@@ -38,6 +38,7 @@ from muster.services.scheduler.placement import (
     FED_CPUS,
     Capacity,
     Cluster,
+    Loan,
     NodeState,
     PendingJob,
     allocate,
@@ -308,29 +309,54 @@ def muster(nodes: Mapping[str, NodeState], queue: Sequence[PendingJob]) -> Place
 class MusterKept(Policy):
     """The scheduler's placement core as the service keeps it: a `Cluster` (the indexed nodes)
     and a `Capacity` (the same nodes empty) built for the nodes of the first decision, then kept
-    in step with what the replay commits, as the service's view keeps them with the bus."""
+    in step with what the replay commits, as the service's view keeps them with the bus.
 
-    def __init__(self) -> None:
-        super().__init__("muster", self._decide)
+    `lend`: jobs behind the protected head start on its claimed resources, and running jobs that
+    arrived after the head are stopped (keeping their progress) as soon as the head would fit on
+    what is free plus what they hold (`placement` module docstring); without it the claims idle
+    until the head fits (the rule before issue 27, kept as `muster-reserve` to measure against).
+    `snapshot`: rebuild the index from the nodes for every decision instead (the same starts,
+    slower)."""
+
+    def __init__(self, name: str = "muster", lend: bool = True, snapshot: bool = False) -> None:
+        super().__init__(name, self._decide)
+        self.lend, self.snapshot = lend, snapshot
         self._nodes: Mapping[str, NodeState] | None = None
         self._cluster = Cluster()
         self._capacity = Capacity()
+        self.running: dict[str, Loan] = {}  # oldest start first
+        self.arrived: dict[str, int] = {}  # job -> its place in arrival order (the queue's order)
+
+    def _ahead(self, waiting: str, running: str) -> bool:
+        return self.arrived[waiting] < self.arrived[running]
 
     def _decide(self, nodes: Mapping[str, NodeState], queue: Sequence[PendingJob]) -> Placements:
-        if self._nodes is not nodes:
+        if self._nodes is not nodes or self.snapshot:
             self._nodes, self._cluster, self._capacity = (
                 nodes,
                 Cluster(nodes.values()),
                 Capacity(nodes.values()),
             )
-        return self._cluster.plan(queue, self._capacity, window=WINDOW).placements
+        for job in queue:
+            self.arrived.setdefault(job.job_id, len(self.arrived))
+        result = self._cluster.plan(
+            queue,
+            self._capacity,
+            window=WINDOW,
+            running=list(self.running.values()) if self.lend else (),
+            ahead=self._ahead if self.lend else None,
+        )
+        self.stops = list(result.stop)
+        return result.placements
 
     def started(self, job: PendingJob, tasks: Sequence[TaskSpec]) -> None:
-        if self._nodes is not None:
+        self.running[job.job_id] = Loan(job.job_id, job.config, list(tasks))
+        if self._nodes is not None and not self.snapshot:
             self._cluster.allocate(job.config, tasks)
 
     def ended(self, job: PendingJob, tasks: Sequence[TaskSpec]) -> None:
-        if self._nodes is not None:
+        self.running.pop(job.job_id, None)
+        if self._nodes is not None and not self.snapshot:
             self._cluster.release(job.config, tasks)
 
 
@@ -589,7 +615,8 @@ class LeastAttained(Indexed):
 
 POLICIES: dict[str, Callable[[], Policy]] = {
     "muster": MusterKept,
-    "muster_snapshot": lambda: Policy("muster_snapshot", muster),
+    "muster_snapshot": lambda: MusterKept("muster_snapshot", snapshot=True),
+    "muster-reserve": lambda: MusterKept("muster-reserve", lend=False),
     "fifo": lambda: Indexed("fifo", strict_fifo),
     "firstfit": lambda: Indexed("firstfit", greedy_first_fit),
     "greedy": lambda: Indexed("greedy", greedy_best_fit),
