@@ -184,6 +184,7 @@ class Run:
     decide_s: float
     bucket_s: float
     order: dict[str, float] | None = None  # a sharing policy's order (bench/replay_vcs.py)
+    waited: dict[str, float] = field(default_factory=dict)  # job -> its wait (as `delays`)
     stops: int = 0  # running jobs a preemptive policy stopped
     stopped_jobs: int = 0  # distinct jobs among them
     last_start: float = 0.0  # the last start, a stopped job's restart included
@@ -296,6 +297,7 @@ def replay(
         now = t
         policy.clock = now
         changed = now >= wake
+        stopped_now = False
         wake = math.inf
         while ending and ending[0][0] <= now:
             _, order_no, name = heapq.heappop(ending)
@@ -320,6 +322,7 @@ def replay(
             tick = time.perf_counter()
             decided = policy.place(nodes, [jobs[name] for name in queue])
             decide_s += time.perf_counter() - tick
+            stopped_now = bool(policy.stops)
             for name in policy.stops:
                 stop(name)
                 stops += 1
@@ -357,6 +360,8 @@ def replay(
         if queue:
             asked = policy.wakeup()
             wake = math.inf if asked is None else max(asked, math.nextafter(now, math.inf))
+            if stopped_now:  # the stopped jobs wait again: decide once more, as a cycle would next
+                wake = math.nextafter(now, math.inf)
         gpu_waits = any(need.gpus for need in waiting)
         stranded = stranded_gpus((nodes[n] for n in with_free), waiting) if gpu_waits else 0
         state = (used, gpu_waits, stranded)
@@ -375,6 +380,7 @@ def replay(
         jobs=len(trace.tasks),
         started=started,
         delays=list(delay_of.values()),
+        waited=delay_of,
         jcts=list(jct_of.values()),
         stops=stops,
         stopped_jobs=len(left),
