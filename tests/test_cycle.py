@@ -2,7 +2,7 @@
 each row is a cluster, its virtual clusters, what runs and what waits, and the decision expected,
 one line per act in the order the service applies them (`Decision.lines()`):
 
-    preempt <victim attempt> for <job> (priority|reclaim)
+    preempt <victim attempt> for <job> (priority|reclaim|head)
     place <job>.<attempt> <role>.<index>@<node>[<gpus>] ... [borrowed]
     wait <job>: <reason> [unschedulable]
     shrink <attempt> <role>.<index>@<node> for <job>
@@ -114,6 +114,33 @@ ROWS = [
         queue=[J("head", tasks=2, gpus=4, at=1), J("small", gpus=2, at=2)],
         expect=["wait head: *holding resources on a, b", "place small.1 w.0@c[0, 1]"],
         waiting=["head"],
+    ),
+    Row(
+        "the head lends its reservation: a later job runs on what is held for it",
+        nodes={"a": 4},
+        running=[R(J("r", gpus=2), ("a:0,1",))],
+        queue=[J("head", gpus=4, at=1), J("small", gpus=2, at=2)],
+        expect=["wait head: *holding resources on a", "place small.1 w.0@a[2, 3]"],
+    ),
+    Row(
+        "the head calls back a gang that started after it once it fits on what that gang holds",
+        nodes={"a": 4, "b": 2},
+        running=[R(J("later", gpus=4, at=5), ("a:0,1,2,3",))],
+        queue=[J("head", gpus=4, at=1), J("small", gpus=2, at=6), J("more", gpus=1, at=7)],
+        expect=[
+            "preempt later.1 for head (head)",
+            "wait head: first in line: stopping 1 gang(s) that started after it (later); "
+            "it starts on a once they have stopped",
+            "place small.1 w.0@b[0, 1]",  # beside it, on what is free and not held for the head
+            "wait more: *",  # nothing is lent on what the head is about to take
+        ],
+    ),
+    Row(
+        "a gang submitted before the head, or of higher priority, is not called back",
+        nodes={"a": 4},
+        running=[R(J("first", gpus=2), ("a:0,1",)), R(J("hi", gpus=2, priority="high", at=5), ("a:2,3",))],
+        queue=[J("head", gpus=4, at=1)],
+        expect=["wait head: *"],
     ),
     Row(
         "the queue left after a cycle is in sharing order (priority first), the placed left out",
@@ -338,3 +365,43 @@ def test_nothing_is_decided_while_a_preempted_gang_is_still_stopping() -> None:
     v.attempts["x2.1"] = stopping
     v.attempt_changed("x2.1")
     assert decide(v, vcs, quota.Fixeds(), NOW).lines() == ["wait y1: waiting for 1 preempted gang(s) to stop"]
+
+
+def test_while_a_gang_stops_for_the_head_nothing_else_is_stopped_and_nothing_is_lent_on_its_place() -> None:
+    row = next(r for r in ROWS if r.name.startswith("the head calls back"))
+    v, vcs = view_of(row)
+    stopping = v.attempts["later.1"].model_copy(update={"preempted_by": "head", "ended_at": NOW})
+    v.attempts["later.1"] = stopping
+    v.attempt_changed("later.1")
+    lines = decide(v, vcs, quota.Fixeds(), NOW).lines()
+    assert matches(
+        lines,
+        [
+            "wait head: waiting for 1 gang(s) stopped for it to stop",
+            "place small.1 w.0@b[0, 1]",
+            "wait more: *",
+        ],
+    ), lines
+    # Once its tasks have stopped, the head starts where they were, before anyone behind it.
+    tasks = [t.model_copy(update={"state": TaskState.STOPPED}) for t in stopping.tasks]
+    v.attempts["later.1"] = stopping.model_copy(update={"tasks": tasks})
+    v.attempt_changed("later.1")
+    lines = decide(v, vcs, quota.Fixeds(), NOW).lines()
+    assert lines[0] == "place head.1 w.0@a[0, 1, 2, 3]", lines
+
+
+def test_without_lending_the_claims_idle_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    from muster.services.scheduler import cycle
+
+    monkeypatch.setattr(cycle, "LEND", False)
+    for name, expect in [
+        (
+            "the head lends",
+            ["wait head: *holding resources on a", "wait small: waiting behind job head (FIFO)*"],
+        ),
+        ("the head calls back", ["wait head: *", "place small.1 w.0@b[0, 1]", "wait more: *"]),
+    ]:
+        row = next(r for r in ROWS if r.name.startswith(name))
+        v, vcs = view_of(row)
+        lines = decide(v, vcs, quota.Fixeds(), NOW).lines()
+        assert matches(lines, expect), lines

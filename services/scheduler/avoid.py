@@ -3,8 +3,9 @@ never to the point that a job waits for ever."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
+from typing import Any
 
 from muster.services.scheduler import placement
 from muster.shared import settings
@@ -32,18 +33,22 @@ def plan_around(
     queue: Sequence[placement.PendingJob] | placement.Backlog,
     avoid: set[str],
     window: int | None = None,
+    lending: Mapping[str, Any] | None = None,
 ) -> placement.Plan:
     """Place around the nodes to avoid; a job that fits only on them still runs there: avoiding
-    is a preference, never a reason to wait forever. `cluster` is left as it was."""
+    is a preference, never a reason to wait forever. `cluster` is left as it was. `lending`:
+    `Cluster.plan`'s running/ahead/stop_first, for the first plan (the second places only jobs
+    that fit nowhere else)."""
+    more = dict(lending or {})
     if not avoid:
-        return cluster.plan(queue, capacity, avoid, window)
+        return cluster.plan(queue, capacity, avoid, window, **more)
     jobs: Sequence[placement.PendingJob]
     if isinstance(queue, Sequence):
-        plan = cluster.plan(queue, capacity, avoid, window)
+        plan = cluster.plan(queue, capacity, avoid, window, **more)
         jobs = queue
     else:
         noted = _Noted(queue)
-        plan = cluster.plan(noted, capacity, avoid, window)
+        plan = cluster.plan(noted, capacity, avoid, window, **more)
         jobs = noted.jobs
     stuck = [j for j in jobs if j.job_id in plan.unschedulable]
     if not isinstance(queue, Sequence):  # its rest came in any order: the second plan needs it

@@ -6,10 +6,16 @@ and changed only tentatively (every tentative allocation is undone before `decid
 `fixed`, a cache across cycles, moves on by one cycle.
 
 What a cycle decides, in the order the service applies it:
-1. **Preemptions.** With virtual clusters or priorities in use (quota.py): the first waiting job,
-   in sharing order, that does not fit now but would if some gangs stopped gets them stopped —
-   lower-priority gangs of its own VC ("priority"), or borrowed gangs of other VCs when it is
-   within its quota ("reclaim"). None while any gang is still stopping.
+1. **Preemptions.** The protected head (placement.py: the first waiting job that does not fit)
+   lends its reservation: jobs behind it run on what it holds, and once it would fit on what is
+   free plus what gangs that started after it hold (same VC, no higher priority, submitted later),
+   the fewest of them are stopped for it ("head"), gracefully and uncharged (they wait again in
+   their place), and it starts on what they free the next cycle. While any gang is being stopped
+   for someone, the plan lends nothing: what the head is to use is held for it as it frees. With
+   virtual clusters or priorities in use (quota.py), when no head calls gangs back: the first
+   waiting job, in sharing order, that does not fit now but would if some gangs stopped gets them
+   stopped — lower-priority gangs of its own VC ("priority"), or borrowed gangs of other VCs when
+   it is within its quota ("reclaim"). None while any gang is still stopping.
 2. **Placements and reasons**, in queue order: the plan of the waiting queue (placement.py, a
    bounded backfill window, around nodes to avoid), each placement marked `borrowed` when its VC
    is beyond its quota, counted in sharing order; every other waiting job's reason, when it
@@ -26,6 +32,7 @@ import itertools
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 from muster.services.scheduler import elastic, placement, quota
 from muster.services.scheduler.avoid import nodes_to_avoid, plan_around
@@ -37,6 +44,8 @@ from muster.shared.messages import QUEUE_SHOWN, AttemptRecord, TaskSpec, Virtual
 # Jobs behind the head that one plan tries at most (Slurm's bf_max_job_test); later ones wait.
 BACKFILL_WINDOW = settings.number("MUSTER_BACKFILL_WINDOW", 500, int, low=0)
 PREEMPT_TRIES = 16  # waiting jobs one cycle looks at for a preemption that would let them run
+# The head lends its reservation and calls back what overtook it (placement.py); 0: the claims idle.
+LEND = settings.number("MUSTER_LEND_RESERVATION", 1, int, low=0, high=1) == 1
 
 
 @dataclass(frozen=True)
@@ -61,7 +70,8 @@ class Wait:
 @dataclass(frozen=True)
 class Preempt:
     """Stop `victim` (a running gang) for the waiting job `for_job`; `kind`: "priority" (same
-    VC, lower priority) or "reclaim" (capacity another VC borrowed); `why`: its attempt's rule."""
+    VC, lower priority), "reclaim" (capacity another VC borrowed) or "head" (it started after
+    the protected head, which now fits on what it holds); `why`: its attempt's rule."""
 
     victim: quota.Running
     for_job: Job
@@ -167,13 +177,27 @@ def _place(
     held_back: dict[str, str] = {}
     order: quota.Order[placement.PendingJob] | None = None
     queue: list[placement.PendingJob] | quota.Order[placement.PendingJob]
+    running: list[quota.Running] | None = None
     if vcs or view.ranked:
         order, ledger, running = _sharing(view, vcs, fixed, waiting, at)
         queue = order
     else:
         queue = [placement.PendingJob(j.job_id, j.config.smallest()) for j, _ in waiting]
+    if LEND and running is None:
+        running = view.running(at)
+    lending, gangs = _lending(view, waiting, running or [])
     avoid = nodes_to_avoid(view.avoid_candidates(at), at)
-    plan = plan_around(view.cluster, view.capacity, queue, avoid, window)
+    plan = plan_around(view.cluster, view.capacity, queue, avoid, window, lending)
+    by_id = {job.job_id: job for job, _ in waiting}
+    decision.preempt = [
+        _stop_for_head(gangs[victim], by_id[head])
+        for victim, head in plan.stop.items()
+        if not gangs[victim].stopping  # one being stopped for it already is not stopped twice
+    ]
+    for job_id in plan.pending:  # a head whose gangs are being stopped for it says so
+        n = sum(1 for r in running or [] if r.stopping and r.preempted_by == job_id)
+        if n:
+            plan.pending[job_id] = f"waiting for {n} gang(s) stopped for it to stop"
     borrowed: set[str] = set()
     jobs: dict[str, Job] = {}
     if order is not None:
@@ -195,7 +219,8 @@ def _place(
             if not ledger.within(vc, use):
                 borrowed.add(job.job_id)
             ledger.take(vc, job.user, use)
-        decision.preempt = _preempt_for(view, _in_order(order, jobs), plan, ledger, running, tries)
+        if not decision.preempt:
+            decision.preempt = _preempt_for(view, _in_order(order, jobs), plan, ledger, running or [], tries)
         plan.pending.update(held_back)
     # With no node registered at all, the cluster is starting, not too small.
     registered = bool(view.capacity.cluster.nodes)
@@ -226,6 +251,40 @@ def _place(
             tries,
         )
     )
+
+
+def _lending(
+    view: View, waiting: list[tuple[Job, int]], running: list[quota.Running]
+) -> tuple[dict[str, Any], dict[str, quota.Running]]:
+    """`Cluster.plan`'s lending arguments, and the gangs a head may call back (by job id). A
+    waiting job stood ahead of a running gang if it is of the same VC, of no lower priority, and
+    was submitted before it (the queue's order, read from the records, so a new leader agrees). While
+    gangs are being stopped for someone, no other gang is called back (what they free may be
+    enough), and each head they stop for is planned onto what they hold (named in `Plan.stop`
+    again, not stopped twice), so nothing is lent on the resources it is about to take."""
+    if not LEND:
+        return {}, {}
+    jobs = {job.job_id: job for job, _ in waiting}
+    stopping_for = {r.job_id: r.preempted_by for r in running if r.stopping and r.preempted_by}
+
+    def ahead(waiting_id: str, running_id: str) -> bool:
+        if stopping_for:
+            return stopping_for.get(running_id) == waiting_id
+        w, r = jobs.get(waiting_id), view.jobs.get(running_id)
+        if w is None or r is None or w.config.virtualCluster != r.config.virtualCluster:
+            return False
+        if rank(w.config.priority) < rank(r.config.priority):
+            return False
+        return w.submitted_at < r.submitted_at
+
+    gangs = {r.job_id: r for r in running if r.tasks and (r.job_id in stopping_for or not r.stopping)}
+    loans = [placement.Loan(r.job_id, r.config, r.tasks) for r in gangs.values()]
+    return {"running": loans, "ahead": ahead, "stop_first": True}, gangs
+
+
+def _stop_for_head(victim: quota.Running, head: Job) -> Preempt:
+    why = f"stopped to let job {head.job_id}, which waited longer, start (it started after it; not charged)"
+    return Preempt(victim, head, "head", why)
 
 
 def _in_order(order: quota.Order[placement.PendingJob], jobs: Mapping[str, Job]) -> Iterator[Job]:

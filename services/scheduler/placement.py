@@ -222,9 +222,11 @@ class _Statement:
     """Tentative allocations of one gang (or of a whole plan): kept as they are, or undone by
     `discard`. Bound to a `Cluster`, every allocation keeps its index in step."""
 
-    def __init__(self, cluster: Cluster | None = None) -> None:
+    def __init__(
+        self, cluster: Cluster | None = None, done: list[tuple[NodeState, int, int, list[int]]] | None = None
+    ) -> None:
         self.cluster = cluster
-        self.done: list[tuple[NodeState, int, int, list[int]]] = []
+        self.done: list[tuple[NodeState, int, int, list[int]]] = list(done or [])
 
     def allocate(self, node: NodeState, cpus: int, memory_mb: int, gpus: list[int]) -> None:
         if self.cluster is not None:
@@ -815,6 +817,7 @@ class Cluster:
         window: int | None = None,
         running: Sequence[Loan] = (),
         ahead: Callable[[str, str], bool] | None = None,
+        stop_first: bool = False,
     ) -> Plan:
         """Place the queue in FIFO order with backfill around the head (see the module docstring),
         as tentative allocations that are all undone before returning: the cluster is unchanged.
@@ -823,7 +826,10 @@ class Cluster:
         queue; given, the head lends its claimed resources (module docstring): a job behind it
         that fits only on them is placed, and a head that fits on what is free plus what the
         gangs of `running` (oldest start first) behind it hold is placed there, the ones it
-        displaces in `Plan.stop` (counted as gone for the rest of the plan).
+        displaces in `Plan.stop` (counted as gone for the rest of the plan). `stop_first`: the
+        caller stops them before it can place the head (the scheduler service: a gang takes its
+        grace to stop), so the head is not placed: it stays the head, its claims where it is to
+        go, nothing is lent for the rest of the plan, and the gangs to stop still hold theirs.
 
         `capacity`: the same nodes as if empty (kept by the caller across plans; built here when
         None). `window`: how many jobs behind the head are tried at most (like Slurm's
@@ -841,6 +847,7 @@ class Cluster:
         known: dict[Hashable, tuple[int, str | None, str, bool]] = {}
         tried_behind = 0
         lifted: list[Loan] = []  # loans to stop: released from the cluster until the plan ends
+        lend = ahead is not None
         jobs = iter(queue)
         rest = None if isinstance(queue, Sequence) else queue.rest
         try:
@@ -886,7 +893,6 @@ class Cluster:
                     known[key] = (placed, result.head, never, True)
                     continue
                 if result.head is not None:  # did it fail only because of the head's claims?
-                    lend = ahead is not None
                     specs, failed = _place(groups, self, {}, free, stmt, keep=lend)
                     if failed is None and lend:  # on loan: stopped if the head can start
                         result.placements[job.job_id] = sorted(specs, key=lambda t: (t.role_no, t.index))
@@ -904,7 +910,20 @@ class Cluster:
                 mine: list[Loan] = []
                 if result.head is None and ahead is not None:
                     mine = [r for r in running if r.job_id not in result.stop and ahead(job.job_id, r.job_id)]
+                    mark = len(stmt.done)
                     taken, stop = self._call_back(groups, mine, free, stmt) if mine else ([], [])
+                    if taken and stop_first:  # it goes where it was placed, once they have stopped
+                        result.reserved = _Statement(None, stmt.done[mark:]).claims()
+                        stmt.discard(mark)
+                        self._put_back(stop)
+                        result.head, lend = job.job_id, False
+                        result.stop = {r.job_id: job.job_id for r in stop}
+                        names, held = ", ".join(r.job_id for r in stop), ", ".join(sorted(result.reserved))
+                        result.pending[job.job_id] = (
+                            f"first in line: stopping {len(stop)} gang(s) that started after it "
+                            f"({names}); it starts on {held} once they have stopped"
+                        )
+                        continue
                     if taken:
                         result.placements[job.job_id] = sorted(taken, key=lambda t: (t.role_no, t.index))
                         for r in stop:
@@ -1088,10 +1107,11 @@ def plan(
     window: int | None = None,
     running: Sequence[Loan] = (),
     ahead: Callable[[str, str], bool] | None = None,
+    stop_first: bool = False,
 ) -> Plan:
     """Place the queue in FIFO order with backfill around the head (see the module docstring).
 
     `nodes` and the jobs are not changed; nodes named in `avoid` get nothing. A planner that
     runs often keeps a `Cluster` and a `Capacity` up to date instead and calls `Cluster.plan`."""
     all_nodes = list(nodes)
-    return Cluster(all_nodes).plan(queue, Capacity(all_nodes), avoid, window, running, ahead)
+    return Cluster(all_nodes).plan(queue, Capacity(all_nodes), avoid, window, running, ahead, stop_first)
