@@ -6,8 +6,9 @@
 A discrete-event driver: arrivals and completions in a heap of simulated time; after each batch of
 events at one instant, if something arrived or freed, the policy decides over the whole waiting
 queue (arrival order) and what it places starts now and ends `duration` later. Nothing is re-planned
-when nothing changed. A preemptive policy (`las`) may stop running jobs first: a stopped job keeps
-its progress, waits again, and runs its remaining time when started next; it also names times at
+when nothing changed. A preemptive policy (`las`, `muster`) may stop running jobs first: a stopped
+job keeps its progress (unless `--lose-progress`), waits again, and runs its remaining time when
+started next; the replay decides once more right after the stops, and a policy may name times at
 which it wants to decide again (a running job changing priority). Trace files and how their
 tasks become Muster jobs: `bench/replay_trace.py`
 (fractional GPUs take a whole GPU; a multi-model gpu_spec is narrowed to one model; both counted in
@@ -52,7 +53,7 @@ from muster.services.scheduler.placement import NodeState, PendingJob, allocate,
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "alibaba-gpu-2023"
 SAMPLE_TRACE = ROOT / "tests" / "data" / "alibaba-gpu-2023-sample"
-BASELINES = ("muster", "muster-reserve", "fifo", "firstfit", "greedy", "sjf", "las")  # --policies all
+BASELINES = ("muster", "muster-reserve", "muster-las", "fifo", "firstfit", "greedy", "sjf", "las")  # all
 MAX_BUCKETS = 5000  # the allocation series is widened past its bucket rather than grow longer
 
 
@@ -240,10 +241,12 @@ def replay(
     speedup: float = 1.0,
     bucket_s: float | None = None,
     never: Mapping[str, str] | None = None,
+    lose_progress: bool = False,
 ) -> Run:
     """Replay `trace` under `policy` in simulated time. `bucket_s`: the allocation series' step
     (default: an hour of the trace, 3600 / speedup); `never`: tasks kept out of the queue (by
-    default, asked of Muster's core here)."""
+    default, asked of Muster's core here); `lose_progress`: a stopped job runs its whole duration
+    again (no checkpoint), its lost run time counted as waiting."""
     clock = time.perf_counter()
     never = never_fits(trace.nodes, trace.tasks) if never is None else never
     nodes = {n.name: n.copy(empty=True) for n in trace.nodes}
@@ -326,7 +329,8 @@ def replay(
             for name in policy.stops:
                 stop(name)
                 stops += 1
-                left[name] = left.get(name, tasks[name].duration) - (now - ran_from[name])
+                ran = 0.0 if lose_progress else now - ran_from[name]
+                left[name] = left.get(name, tasks[name].duration) - ran
                 queue.append(name)
                 waiting.update(n for _, _, n in job_needs[name])
             if policy.stops:
@@ -561,6 +565,11 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds per allocation sample (default: an hour of the trace, 3600/K)",
     )
     p.add_argument("--seed", type=int, default=0, help="for tasks whose times are drawn (multigpu50)")
+    p.add_argument(
+        "--lose-progress",
+        action="store_true",
+        help="a stopped job (las, muster) starts again from the beginning instead of where it was",
+    )
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     return p
 
@@ -612,8 +621,12 @@ def main(argv: list[str] | None = None) -> int:
             return Sharing(name, facts, vcs_for(trace.nodes, args.vcs, not args.no_borrow), trace.nodes)
         return POLICIES[name]()
 
-    runs = [replay(trace, policy(name), args.speedup, args.bucket, never).report() for name in policies]
+    runs = [
+        replay(trace, policy(name), args.speedup, args.bucket, never, args.lose_progress).report()
+        for name in policies
+    ]
     about = describe(trace, args.speedup)
+    about["stops_lose_progress"] = args.lose_progress
     if args.vcs:
         about.update(vcs=args.vcs, users_per_vc=args.users, borrow=not args.no_borrow)
     if not args.json:

@@ -1,7 +1,13 @@
 """The placement policies `bench.replay` compares, each as `(nodes, queue) -> {job_id: [TaskSpec]}`.
 
   * `muster`: the scheduler's own core, `muster.services.scheduler.placement.plan` (FIFO, best fit,
-    backfill around a reserved head), with the service's backfill window.
+    backfill around a reserved head), with the service's backfill window, lending the head's
+    reservation as the service does: jobs behind it run on what it holds, and running jobs that
+    arrived after it are stopped (keeping their progress) once it fits on what they hold.
+  * `muster-reserve`: the same without lending: the claims idle until the head fits (the rule
+    before issue 27).
+  * `muster-las`: `muster` with the queue in least-attained-service order (Tiresias' levels, as
+    `las`) instead of arrival order, through the same core (`MusterLeastAttained`).
   * `fifo`: strict FIFO. Jobs start in arrival order only; the first that does not fit blocks
     every later one (no backfill). Nodes are chosen by the same best-fit rank as Muster's.
   * `firstfit`: FIFO order, greedy: any job that fits starts, each task on the first node in name
@@ -613,10 +619,52 @@ class LeastAttained(Indexed):
         return None
 
 
+class MusterLeastAttained(MusterKept):
+    """Muster's core, lending, with the queue in least-attained-service order (`level` of the
+    GPU-seconds a job has run, then arrival) instead of arrival order: the head is the first job
+    in that order that does not fit, and it calls back running jobs behind it in that order, so a
+    new job stops jobs that have run past a level (Tiresias' discretised LAS, through the same
+    `plan`). Jobs that never ran keep arrival order among themselves; a job stopped after it ran
+    waits behind every new one of a lower level, so FIFO's bound is not kept by construction
+    (tests/test_queue_guarantee.py measures it). No wake-up at level crossings: it decides at
+    arrivals and completions, which an overloaded cluster has often."""
+
+    def __init__(self) -> None:
+        super().__init__("muster-las")
+        self.attained: dict[str, float] = {}  # GPU-seconds run before the current start
+        self.since: dict[str, tuple[float, int]] = {}  # running job -> (start, GPUs)
+
+    def _key(self, job_id: str) -> tuple[int, int]:
+        done = self.attained.get(job_id, 0.0)
+        if job_id in self.since:
+            start, gpus = self.since[job_id]
+            done += gpus * (self.clock - start)
+        return level(done), self.arrived[job_id]
+
+    def _ahead(self, waiting: str, running: str) -> bool:
+        return self._key(waiting) < self._key(running)
+
+    def _decide(self, nodes: Mapping[str, NodeState], queue: Sequence[PendingJob]) -> Placements:
+        for job in queue:
+            self.arrived.setdefault(job.job_id, len(self.arrived))
+        return super()._decide(nodes, sorted(queue, key=lambda job: self._key(job.job_id)))
+
+    def started(self, job: PendingJob, tasks: Sequence[TaskSpec]) -> None:
+        super().started(job, tasks)
+        self.since[job.job_id] = (self.clock, sum(len(t.gpus) for t in tasks))
+
+    def ended(self, job: PendingJob, tasks: Sequence[TaskSpec]) -> None:
+        self.attained[job.job_id] = self.attained.get(job.job_id, 0.0)
+        start, gpus = self.since.pop(job.job_id, (self.clock, 0))
+        self.attained[job.job_id] += gpus * (self.clock - start)
+        super().ended(job, tasks)
+
+
 POLICIES: dict[str, Callable[[], Policy]] = {
     "muster": MusterKept,
     "muster_snapshot": lambda: MusterKept("muster_snapshot", snapshot=True),
     "muster-reserve": lambda: MusterKept("muster-reserve", lend=False),
+    "muster-las": MusterLeastAttained,
     "fifo": lambda: Indexed("fifo", strict_fifo),
     "firstfit": lambda: Indexed("firstfit", greedy_first_fit),
     "greedy": lambda: Indexed("greedy", greedy_best_fit),

@@ -160,6 +160,19 @@ def test_greedy_backfills_past_a_blocked_head_that_muster_and_fifo_reserve_for(t
     assert sorted(mine.delays) == [0, 212 - 2 - 200, 99]
 
 
+def test_muster_las_stops_a_job_past_a_level_for_a_new_one_muster_keeps_arrival_order(tmp_path: Path) -> None:
+    # a runs 8 GPUs for 10,000 s: past one GPU-hour (LEVELS[0]) after 450 s. b (8 GPUs, 10 s)
+    # arrives at 1,000: first in least-attained order, it calls a back; under arrival order it
+    # waits for a.
+    assert LEVELS[0] == 3600
+    tasks = "name,submit_time,duration,gpus\na,0,10000,8\nb,1000,10,8"
+    nodes = nodes_csv(tmp_path, ONE_NODE)
+    las = run(tmp_path, tasks, nodes, "muster-las")
+    assert starts(las) == {"a": 0, "b": 1000} and las.stops == 1
+    assert sorted(las.jcts) == [10, 10010]  # a resumed at 1,010 with its 1,000 s kept
+    assert starts(run(tmp_path, tasks, nodes, "muster")) == {"a": 0, "b": 10000}
+
+
 def test_oracle_sjf_runs_the_shortest_waiting_job_first(tmp_path: Path) -> None:
     tasks = "name,submit_time,duration,gpus\na,0,100,8\nb,1,50,8\nc,2,10,8"
     nodes = nodes_csv(tmp_path, ONE_NODE)
@@ -266,7 +279,7 @@ def test_the_philly_sample_replays_under_every_baseline(capsys: pytest.CaptureFi
             assert 0 <= f["p50"] <= f["p99"] <= f["max"] and f["mean"] <= f["max"]
         assert 0 < r["gpu_alloc_active"] <= 1 and 0 < r["saturated_share_active"] <= 1
         assert 0 < r["gpu_alloc_arrivals"] <= 1
-        assert r["preemptions"] == 0 or r["policy"] in ("las", "muster")
+        assert r["preemptions"] == 0 or r["policy"] in ("las", "muster", "muster-las")
     assert by_policy["las"]["preemptions"] > 0
     # Issue 27's targets, on this sample: lending the head's reservation (muster) against the
     # reservation that idles (muster-reserve), greedy backfill, oracle SJF and strict FIFO.
