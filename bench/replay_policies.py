@@ -333,8 +333,10 @@ class MusterKept(Policy):
         self.running: dict[str, Loan] = {}  # oldest start first
         self.arrived: dict[str, int] = {}  # job -> its place in arrival order (the queue's order)
 
-    def _ahead(self, waiting: str, running: str) -> bool:
-        return self.arrived[waiting] < self.arrived[running]
+    def _stoppable(self, waiting: str) -> list[Loan]:
+        """The running jobs that arrived after `waiting`, oldest start first."""
+        mine, arrived = self.arrived[waiting], self.arrived
+        return [loan for job_id, loan in self.running.items() if arrived[job_id] > mine]
 
     def _decide(self, nodes: Mapping[str, NodeState], queue: Sequence[PendingJob]) -> Placements:
         if self._nodes is not nodes or self.snapshot:
@@ -349,8 +351,7 @@ class MusterKept(Policy):
             queue,
             self._capacity,
             window=WINDOW,
-            running=list(self.running.values()) if self.lend else (),
-            ahead=self._ahead if self.lend else None,
+            stoppable=self._stoppable if self.lend else None,
         )
         self.stops = list(result.stop)
         return result.placements
@@ -641,8 +642,9 @@ class MusterLeastAttained(MusterKept):
             done += gpus * (self.clock - start)
         return level(done), self.arrived[job_id]
 
-    def _ahead(self, waiting: str, running: str) -> bool:
-        return self._key(waiting) < self._key(running)
+    def _stoppable(self, waiting: str) -> list[Loan]:
+        mine = self._key(waiting)
+        return [loan for job_id, loan in self.running.items() if self._key(job_id) > mine]
 
     def _decide(self, nodes: Mapping[str, NodeState], queue: Sequence[PendingJob]) -> Placements:
         for job in queue:

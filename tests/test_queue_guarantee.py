@@ -100,11 +100,15 @@ def test_a_plan_stops_only_what_stood_behind_the_head_it_places_and_leaves_no_he
 
     cluster = Cluster(nodes)
     before = {n.name: (n.used_cpus, n.used_memory_mb, set(n.used_gpus)) for n in cluster.nodes.values()}
-    result = cluster.plan(queue, running=running, ahead=ahead)
+
+    def stoppable(waiting: str) -> list[Loan]:
+        return [r for r in running if ahead(waiting, r.job_id)]
+
+    result = cluster.plan(queue, stoppable=stoppable)
     assert {
         n.name: (n.used_cpus, n.used_memory_mb, set(n.used_gpus)) for n in cluster.nodes.values()
     } == before
-    assert plan(nodes, queue, running=running, ahead=ahead).placements == result.placements
+    assert plan(nodes, queue, stoppable=stoppable).placements == result.placements
 
     configs = {j.job_id: j.config for j in queue} | {r.job_id: r.config for r in running}
     for victim, head in result.stop.items():

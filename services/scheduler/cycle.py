@@ -267,19 +267,23 @@ def _lending(
     jobs = {job.job_id: job for job, _ in waiting}
     stopping_for = {r.job_id: r.preempted_by for r in running if r.stopping and r.preempted_by}
 
-    def ahead(waiting_id: str, running_id: str) -> bool:
+    def ahead(w: Job, r: quota.Running) -> bool:
         if stopping_for:
-            return stopping_for.get(running_id) == waiting_id
-        w, r = jobs.get(waiting_id), view.jobs.get(running_id)
-        if w is None or r is None or w.config.virtualCluster != r.config.virtualCluster:
+            return stopping_for.get(r.job_id) == w.job_id
+        job = view.jobs.get(r.job_id)
+        if job is None or w.config.virtualCluster != job.config.virtualCluster:
             return False
-        if rank(w.config.priority) < rank(r.config.priority):
-            return False
-        return w.submitted_at < r.submitted_at
+        return rank(w.config.priority) >= rank(job.config.priority) and w.submitted_at < job.submitted_at
 
     gangs = {r.job_id: r for r in running if r.tasks and (r.job_id in stopping_for or not r.stopping)}
-    loans = [placement.Loan(r.job_id, r.config, r.tasks) for r in gangs.values()]
-    return {"running": loans, "ahead": ahead, "stop_first": True}, gangs
+
+    def stoppable(waiting_id: str) -> list[placement.Loan]:
+        w = jobs.get(waiting_id)
+        if w is None:
+            return []
+        return [placement.Loan(r.job_id, r.config, r.tasks) for r in gangs.values() if ahead(w, r)]
+
+    return {"stoppable": stoppable, "stop_first": True}, gangs
 
 
 def _stop_for_head(victim: quota.Running, head: Job) -> Preempt:

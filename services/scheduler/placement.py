@@ -24,10 +24,10 @@ what is free after subtracting the claims, so it can use any node the head does 
 resources the head leaves over on the nodes it does need; a job that fits only by using claimed
 resources waits "behind" the head. Only the head is protected: other waiting jobs may be overtaken.
 
-Lending the reservation (`ahead` given): with no runtimes known, claimed resources would sit idle
+Lending the reservation (`stoppable` given): with no runtimes known, claimed resources would sit idle
 until the head fits. Instead a job behind the head that fits only by using them starts *on loan*.
-The caller hands every plan the gangs that run (`running`) and says which waiting job stood ahead
-of which running one in the queue (`ahead`); as soon as the head would fit on what is free plus
+The caller says which running gangs stood behind a waiting job in the queue (`stoppable`); as
+soon as the head would fit on what is free plus
 what the running gangs behind it hold, the plan places the head there and names the gangs it
 displaces (`Plan.stop`: released newest first until the head fits, then every one it does not
 displace is kept). The caller stops them gracefully and uncharged (they keep their place in the
@@ -168,14 +168,14 @@ class Plan:
     unschedulable: set[str] = field(default_factory=set)  # pending jobs that can never fit now
     head: str | None = None  # the blocked job that backfill must not delay
     reserved: dict[str, Claim] = field(default_factory=dict)  # node -> what is held for the head
-    # With lending (`ahead`): running gangs to stop, gracefully and uncharged, before a head in
+    # With lending (`stoppable`): running gangs to stop, gracefully and uncharged, before a head in
     # `placements` can start, each -> the head it is stopped for.
     stop: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Loan:
-    """A running gang as the head may call it back (`Cluster.plan`'s `running`)."""
+    """A running gang as a head may call it back (what `Cluster.plan`'s `stoppable` returns)."""
 
     job_id: str
     config: JobConfig
@@ -815,17 +815,16 @@ class Cluster:
         capacity: Capacity | None = None,
         avoid: Set[str] = frozenset(),
         window: int | None = None,
-        running: Sequence[Loan] = (),
-        ahead: Callable[[str, str], bool] | None = None,
+        stoppable: Callable[[str], Sequence[Loan]] | None = None,
         stop_first: bool = False,
     ) -> Plan:
         """Place the queue in FIFO order with backfill around the head (see the module docstring),
         as tentative allocations that are all undone before returning: the cluster is unchanged.
 
-        `ahead(waiting, running)`: whether the waiting job stood ahead of the running one in the
-        queue; given, the head lends its claimed resources (module docstring): a job behind it
-        that fits only on them is placed, and a head that fits on what is free plus what the
-        gangs of `running` (oldest start first) behind it hold is placed there, the ones it
+        `stoppable(job)`: the running gangs that stood behind the waiting `job` in the queue,
+        oldest start first, as the cluster holds them. Given, the head lends its claimed resources
+        (module docstring): a job behind it that fits only on them is placed, and a head that
+        fits on what is free plus what its stoppable gangs hold is placed there, the ones it
         displaces in `Plan.stop` (counted as gone for the rest of the plan). `stop_first`: the
         caller stops them before it can place the head (the scheduler service: a gang takes its
         grace to stop), so the head is not placed: it stays the head, its claims where it is to
@@ -847,7 +846,7 @@ class Cluster:
         known: dict[Hashable, tuple[int, str | None, str, bool]] = {}
         tried_behind = 0
         lifted: list[Loan] = []  # loans to stop: released from the cluster until the plan ends
-        lend = ahead is not None
+        lend = stoppable is not None
         jobs = iter(queue)
         rest = None if isinstance(queue, Sequence) else queue.rest
         try:
@@ -908,8 +907,10 @@ class Cluster:
                 assert failed is not None
                 # The running gangs that stood behind it (if this becomes the head): it may stop them.
                 mine: list[Loan] = []
-                if result.head is None and ahead is not None:
-                    mine = [r for r in running if r.job_id not in result.stop and ahead(job.job_id, r.job_id)]
+                if result.head is None and stoppable is not None:
+                    mine = [r for r in stoppable(job.job_id) if r.job_id not in result.stop]
+                    if mine and not self._might_fit(groups, mine, avoid):
+                        mine = []  # not even with all of them gone: not worth lifting them
                     mark = len(stmt.done)
                     taken, stop = self._call_back(groups, mine, free, stmt) if mine else ([], [])
                     if taken and stop_first:  # it goes where it was placed, once they have stopped
@@ -947,6 +948,39 @@ class Cluster:
             stmt.discard()
             self._put_back(lifted)
         return result
+
+    def _might_fit(self, groups: Groups, loans: Sequence[Loan], avoid: Set[str]) -> bool:
+        """A cheap necessary test for a head of one task (that fits on no node as it is): some
+        node the loans hold tasks on has, with what they hold there, the task's GPUs (of its
+        model), CPUs and memory. True for a gang (it is tried)."""
+        if len(groups) != 1 or len(groups[0][1]) != 1:
+            return True
+        shape = groups[0][0]
+        held: dict[str, list[int]] = {}  # node -> [GPUs of the model, CPUs, memory]
+        for loan in loans:
+            for task in loan.tasks:
+                node = self.nodes.get(task.node)
+                if node is None or task.node in avoid:
+                    continue
+                role = _role_of(loan.config, task)
+                mine = held.setdefault(task.node, [0, 0, 0])
+                if shape.model is None:
+                    mine[0] += len(task.gpus)
+                elif task.gpus:
+                    models = dict(node.devices())
+                    mine[0] += sum(1 for i in task.gpus if models.get(i) == shape.model)
+                mine[1] += role.cpuNumber
+                mine[2] += role.memoryMB
+        for name, (gpus, cpus, memory_mb) in held.items():
+            node = self.nodes[name]
+            free_gpus = node.free_gpu_count if shape.model is None else len(node.free_gpus(shape.model))
+            if (
+                free_gpus + gpus >= shape.gpus
+                and node.free_cpus + cpus >= shape.cpus
+                and node.free_memory_mb + memory_mb >= shape.memory_mb
+            ):
+                return True
+        return False
 
     def _lift(self, loans: Sequence[Loan]) -> None:
         for loan in loans:
@@ -1105,8 +1139,7 @@ def plan(
     queue: Sequence[PendingJob],
     avoid: Set[str] = frozenset(),
     window: int | None = None,
-    running: Sequence[Loan] = (),
-    ahead: Callable[[str, str], bool] | None = None,
+    stoppable: Callable[[str], Sequence[Loan]] | None = None,
     stop_first: bool = False,
 ) -> Plan:
     """Place the queue in FIFO order with backfill around the head (see the module docstring).
@@ -1114,4 +1147,4 @@ def plan(
     `nodes` and the jobs are not changed; nodes named in `avoid` get nothing. A planner that
     runs often keeps a `Cluster` and a `Capacity` up to date instead and calls `Cluster.plan`."""
     all_nodes = list(nodes)
-    return Cluster(all_nodes).plan(queue, Capacity(all_nodes), avoid, window, running, ahead, stop_first)
+    return Cluster(all_nodes).plan(queue, Capacity(all_nodes), avoid, window, stoppable, stop_first)
