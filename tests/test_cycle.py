@@ -143,6 +143,17 @@ ROWS = [
         expect=["wait head: *"],
     ),
     Row(
+        "with virtual clusters the head calls back only its own user's later gangs (the order is by share)",
+        nodes={"a": 4, "b": 4},
+        vcs={"team": (8, True)},
+        running=[
+            R(J("bobs", gpus=4, vc="team", user="bob", at=5), ("a:0,1,2,3",)),
+            R(J("mine", gpus=2, vc="team", at=6), ("b:0,1",)),
+        ],
+        queue=[J("head", gpus=4, vc="team", at=1)],
+        expect=["preempt mine.1 for head (head)", "wait head: *stopping 1 gang(s)*(mine)*on b once*"],
+    ),
+    Row(
         "the queue left after a cycle is in sharing order (priority first), the placed left out",
         nodes={"a": 2},
         running=[R(J("r", gpus=1, priority="high"), ("a:0",))],

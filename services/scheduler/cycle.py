@@ -8,10 +8,12 @@ and changed only tentatively (every tentative allocation is undone before `decid
 What a cycle decides, in the order the service applies it:
 1. **Preemptions.** The protected head (placement.py: the first waiting job that does not fit)
    lends its reservation: jobs behind it run on what it holds, and once it would fit on what is
-   free plus what gangs that started after it hold (same VC, no higher priority, submitted later),
-   the fewest of them are stopped for it ("head"), gracefully and uncharged (they wait again in
-   their place), and it starts on what they free the next cycle. While any gang is being stopped
-   for someone, the plan lends nothing: what the head is to use is held for it as it frees. With
+   free plus what gangs behind it in the queue hold (same VC and priority, submitted later and,
+   with virtual clusters or priorities in use, by the same user), the fewest of them are
+   stopped for it ("head"), gracefully and uncharged (they wait again in their place), and it
+   starts on what they free the next cycle. While any gang is being stopped for someone, no
+   other gang is called back, and the job it is stopped for is planned onto what it holds, which
+   is then lent to nobody. With
    virtual clusters or priorities in use (quota.py), when no head calls gangs back: the first
    waiting job, in sharing order, that does not fit now but would if some gangs stopped gets them
    stopped — lower-priority gangs of its own VC ("priority"), or borrowed gangs of other VCs when
@@ -185,7 +187,7 @@ def _place(
         queue = [placement.PendingJob(j.job_id, j.config.smallest()) for j, _ in waiting]
     if LEND and running is None:
         running = view.running(at)
-    lending, gangs = _lending(view, waiting, running or [])
+    lending, gangs = _lending(view, waiting, running or [], order is not None)
     avoid = nodes_to_avoid(view.avoid_candidates(at), at)
     plan = plan_around(view.cluster, view.capacity, queue, avoid, window, lending)
     by_id = {job.job_id: job for job, _ in waiting}
@@ -254,11 +256,13 @@ def _place(
 
 
 def _lending(
-    view: View, waiting: list[tuple[Job, int]], running: list[quota.Running]
+    view: View, waiting: list[tuple[Job, int]], running: list[quota.Running], sharing: bool
 ) -> tuple[dict[str, Any], dict[str, quota.Running]]:
     """`Cluster.plan`'s lending arguments, and the gangs a head may call back (by job id). A
-    waiting job stood ahead of a running gang if it is of the same VC, of no lower priority, and
-    was submitted before it (the queue's order, read from the records, so a new leader agrees). While
+    waiting job stood ahead of a running gang if it is of the same VC and priority, submitted
+    before it and (in sharing order, which puts a VC's users by their share) of the same user:
+    the queue's order, read from the records, so a new leader agrees (a lower priority gang is
+    priority preemption's). While
     gangs are being stopped for someone, no other gang is called back (what they free may be
     enough), and each head they stop for is planned onto what they hold (named in `Plan.stop`
     again, not stopped twice), so nothing is lent on the resources it is about to take."""
@@ -273,7 +277,10 @@ def _lending(
         job = view.jobs.get(r.job_id)
         if job is None or w.config.virtualCluster != job.config.virtualCluster:
             return False
-        return rank(w.config.priority) >= rank(job.config.priority) and w.submitted_at < job.submitted_at
+        if rank(w.config.priority) != rank(job.config.priority):
+            return False  # a lower priority gang is priority preemption's (quota.py)
+        # The sharing order puts users of one VC by their share: only a user's own are in order.
+        return (not sharing or w.user == job.user) and w.submitted_at < job.submitted_at
 
     gangs = {r.job_id: r for r in running if r.tasks and (r.job_id in stopping_for or not r.stopping)}
 
