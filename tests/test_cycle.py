@@ -416,3 +416,11 @@ def test_without_lending_the_claims_idle_as_before(monkeypatch: pytest.MonkeyPat
         v, vcs = view_of(row)
         lines = decide(v, vcs, quota.Fixeds(), NOW).lines()
         assert matches(lines, expect), lines
+
+
+def test_a_gang_stopped_for_the_head_is_told_why_in_words() -> None:
+    row = next(r for r in ROWS if r.name.startswith("the head calls back"))
+    v, vcs = view_of(row)
+    (stop,) = decide(v, vcs, quota.Fixeds(), NOW).preempt
+    assert (stop.victim.job_id, stop.for_job.job_id, stop.kind) == ("later", "head", "head")
+    assert stop.why == "stopped to let job head, which waited longer, start"

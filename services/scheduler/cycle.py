@@ -294,7 +294,7 @@ def _lending(
 
 
 def _stop_for_head(victim: quota.Running, head: Job) -> Preempt:
-    why = f"stopped to let job {head.job_id}, which waited longer, start (it started after it; not charged)"
+    why = f"stopped to let job {head.job_id}, which waited longer, start"
     return Preempt(victim, head, "head", why)
 
 
