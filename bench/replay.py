@@ -1,7 +1,8 @@
 """Trace replay: a GPU cluster trace in simulated time, placed by Muster's own core and baselines.
 
     python -m bench.replay [--trace DIR_OR_CSV] [--nodes-csv F | --nodes N ...]
-                           [--policies muster,fifo,firstfit|all] [--limit N] [--speedup K] [--json]
+                           [--policies muster,fifo,firstfit|all] [--limit N] [--speedup K]
+                           [--lose-progress] [--json]
 
 A discrete-event driver: arrivals and completions in a heap of simulated time; after each batch of
 events at one instant, if something arrived or freed, the policy decides over the whole waiting
