@@ -250,10 +250,18 @@ class TaskSpec(BaseModel):
     index: Index
     node: Name
     gpus: list[GpuIndex] = Field(default_factory=list, max_length=MAX_NODE_GPUS)
+    # Set only for a task that asks for part of one GPU (its role's fractional gpuNumber): its
+    # share of `gpus[0]` in thousandths. That GPU is shared, with fractional tasks only.
+    gpu_milli: int | None = Field(default=None, ge=1, lt=1000)
 
     @property
     def key(self) -> str:
         return f"{self.role}.{self.index}"
+
+    @property
+    def gpu_share(self) -> float:
+        """The GPUs this task holds: a count, or the part of its one GPU."""
+        return self.gpu_milli / 1000 if self.gpu_milli is not None else float(len(self.gpus))
 
 
 class Assignment(Command):
