@@ -160,7 +160,9 @@ TABLE = [
         "taskRoles[0].gpuNumber",
         "part of a GPU is given in hundredths (0.01 to 0.99), got 0.005",
     ),
-    row("gpuNumber-65", mutate("taskRoles[0].gpuNumber", 65), "taskRoles[0].gpuNumber", "must be ≤ 64, got 65"),
+    row(
+        "gpuNumber-65", mutate("taskRoles[0].gpuNumber", 65), "taskRoles[0].gpuNumber", "must be ≤ 64, got 65"
+    ),
     row(
         "command-list",
         mutate("taskRoles[0].command", ["python", "x.py"]),
