@@ -8,8 +8,8 @@ The scheduler service feeds it snapshots and commits the `Plan` it returns.
 Per job, in queue order:
   * feasible nodes for a task: enough free CPUs, memory and GPUs of the job's `gpuType` (any model
     when unset, matched case-insensitively) on one node; a task gets exact device indexes;
-  * rank: GPU tasks go where the fewest free GPUs remain, then where the fewest of those would be
-    left *starved* (without `FED_CPUS` CPUs each beside them); CPU-only tasks to GPU-less nodes
+  * rank: GPU tasks go where the fewest free GPUs would be left *starved* (without `FED_CPUS`
+    CPUs each beside them), then where the fewest free GPUs remain; CPU-only tasks to GPU-less nodes
     first, then to the node with the fewest free GPUs; then best fit on CPUs and memory;
   * a job's largest tasks are placed first; if any task finds no node, the job places nothing;
   * a task that asks for part of one GPU (gpuNumber 0.01 to 0.99, `TaskSpec.gpu_milli` in
@@ -435,15 +435,16 @@ def starved(gpus_after: int, cpus_after: int) -> int:
 
 
 def _best_fit(node: NodeState, shape: _Shape, claim: Claim | None) -> Rank:
-    """Smaller is better: leave the fewest free GPUs, of those (for a GPU task) the fewest
-    starved, then the fewest free CPUs and memory."""
+    """Smaller is better: for a GPU task, starve the fewest of the free GPUs it leaves, then
+    leave the fewest free GPUs; for a CPU-only task, GPU-less nodes first, then the fewest free
+    GPUs; then the fewest free CPUs and memory."""
     cpus, memory_mb = (claim.cpus, claim.memory_mb) if claim else (0, 0)
     free_gpus = node.free_gpu_count if claim is None else len(_usable_gpus(node, None, claim))
     gpus_after = free_gpus - shape.gpus
     cpus_after = node.free_cpus - cpus - shape.cpus
     memory_after = node.free_memory_mb - memory_mb - shape.memory_mb
     if shape.gpus:
-        return (gpus_after, starved(gpus_after, cpus_after), cpus_after, memory_after, node.name)
+        return (starved(gpus_after, cpus_after), gpus_after, cpus_after, memory_after, node.name)
     return (bool(node.gpus), gpus_after, cpus_after, memory_after, node.name)
 
 
@@ -817,7 +818,8 @@ class Cluster:
                         found is None or _best_fit(node, shape, None) < _best_fit(found, shape, None)
                     ):
                         found = node
-            if found is not None:
+            # More free GPUs left can still starve fewer: look on until one starves none.
+            if found is not None and (not shape.gpus or _best_fit(found, shape, None)[0] == 0):
                 break
         for name, claim in claims.items():
             node = self.nodes.get(name)
