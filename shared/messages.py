@@ -465,6 +465,7 @@ class TaskStatus(BaseModel):
     index: Index
     node: Name
     gpus: list[GpuIndex] = Field(default_factory=list, max_length=MAX_NODE_GPUS)
+    gpu_milli: int | None = Field(default=None, ge=1, lt=1000)  # as TaskSpec's: a share of gpus[0]
     state: TaskState = TaskState.PLACED
     # An elastic role's task: when it joined a running attempt (else the attempt's placed_at),
     # and whether the scheduler removed it (shrinking the role): it holds its node until its
@@ -486,7 +487,25 @@ class TaskStatus(BaseModel):
 
     def spec(self) -> TaskSpec:
         return TaskSpec(
-            role=self.role, role_no=self.role_no, index=self.index, node=self.node, gpus=self.gpus
+            role=self.role,
+            role_no=self.role_no,
+            index=self.index,
+            node=self.node,
+            gpus=self.gpus,
+            gpu_milli=self.gpu_milli,
+        )
+
+    @classmethod
+    def placed(cls, spec: TaskSpec, **more: Any) -> TaskStatus:
+        """A task just placed where `spec` says."""
+        return cls(
+            role=spec.role,
+            role_no=spec.role_no,
+            index=spec.index,
+            node=spec.node,
+            gpus=spec.gpus,
+            gpu_milli=spec.gpu_milli,
+            **more,
         )
 
 

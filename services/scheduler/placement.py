@@ -481,7 +481,9 @@ def _closest_to_free(live: Mapping[str, NodeState]) -> Ranker:
     less what the head's earlier tasks already claimed there."""
 
     def rank(node: NodeState, shape: _Shape, _claim: Claim | None) -> Rank:
-        real = live[node.name]
+        real = live.get(node.name)
+        if real is None:  # out of the live view (it did not add up): nothing counts as free there
+            return (1, 1, 1, node.name)
         gpus = len(real.free_gpus(shape.model)) - len(node.used_gpus)
         return (
             -gpus,
