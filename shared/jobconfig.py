@@ -8,6 +8,7 @@ checked by the validator service, not here.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Annotated, Any, Literal, TypeGuard
@@ -15,6 +16,7 @@ from typing import Annotated, Any, Literal, TypeGuard
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StringConstraints,
@@ -107,12 +109,50 @@ class PortType(_Model):
         return v
 
 
+WHOLE_GPU = 1000  # a GPU in thousandths: a shared task's share of its GPU (TaskSpec.gpu_milli)
+MAX_GPUS = 64
+
+
+def _gpu_number(v: Any) -> Any:
+    """Whole GPUs (0 to 64), or part of one GPU in hundredths (0.01 to 0.99). A float that is a
+    whole number (2.0) is that whole number: JSON writers and YAML may write it so."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError(
+            f"must be a number of GPUs (0 to {MAX_GPUS}, or 0.01 to 0.99 of one GPU), got {_show(v)}"
+        )
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise ValueError(f"must be a finite number of GPUs, got {v}")
+        if v.is_integer():
+            v = int(v)
+        elif not 0 < v < 1:
+            raise ValueError(
+                f"a task asks for whole GPUs, or for part of one GPU (0.01 to 0.99), got {v}: "
+                "a task cannot hold part of a GPU beside whole ones"
+            )
+        elif abs(v * 100 - round(v * 100)) > 1e-6:
+            raise ValueError(f"part of a GPU is given in hundredths (0.01 to 0.99), got {v}")
+        else:
+            return round(v, 2)
+    if v < 0:
+        raise ValueError(f"must be ≥ 0, got {v}")
+    if v > MAX_GPUS:
+        raise ValueError(f"must be ≤ {MAX_GPUS}, got {v}")
+    return v
+
+
+# Whole GPUs, or part of one GPU shared with other tasks (docs/gpus.md): OpenPAI's field, an
+# integer there, takes a fraction here so that a config asks for a share the way it asks for a
+# GPU. Hundredths: the Alibaba GPU 2023 trace's shares are all multiples of 0.01 (0.05 to 0.81).
+GpuNumber = Annotated[int | float, BeforeValidator(_gpu_number)]
+
+
 class TaskRole(_Model):
     name: Ident
     taskNumber: int = Field(ge=1, le=MAX_TASKS_PER_ROLE)
     cpuNumber: int = Field(ge=1, le=1024)
     memoryMB: int = Field(ge=100, le=16 * 1024 * 1024)
-    gpuNumber: int = Field(ge=0, le=64)
+    gpuNumber: GpuNumber
     command: str = Field(min_length=1, max_length=MAX_COMMAND_CHARS)
     shmMB: int | None = Field(default=None, ge=1)
     minFailedTaskCount: int | None = Field(default=None, ge=1)
@@ -129,6 +169,22 @@ class TaskRole(_Model):
     @property
     def elastic(self) -> bool:
         return self.minTaskNumber is not None and self.maxTaskNumber is not None
+
+    @property
+    def shares_gpu(self) -> bool:
+        """Each task asks for part of one GPU, which it shares with other such tasks."""
+        return isinstance(self.gpuNumber, float)
+
+    @property
+    def gpu_devices(self) -> int:
+        """The GPU devices each task is given: its whole GPUs, or the one it has a part of."""
+        return 1 if self.shares_gpu else int(self.gpuNumber)
+
+    @property
+    def gpu_milli(self) -> int:
+        """What each task holds of each of its GPU devices, in thousandths: its share of the one
+        it shares, else WHOLE_GPU (whole GPUs, or none)."""
+        return round(self.gpuNumber * WHOLE_GPU) if self.shares_gpu else WHOLE_GPU
 
     @field_validator("command")
     @classmethod

@@ -250,10 +250,18 @@ class TaskSpec(BaseModel):
     index: Index
     node: Name
     gpus: list[GpuIndex] = Field(default_factory=list, max_length=MAX_NODE_GPUS)
+    # Set only for a task that asks for part of one GPU (its role's fractional gpuNumber): its
+    # share of `gpus[0]` in thousandths. That GPU is shared, with fractional tasks only.
+    gpu_milli: int | None = Field(default=None, ge=1, lt=1000)
 
     @property
     def key(self) -> str:
         return f"{self.role}.{self.index}"
+
+    @property
+    def gpu_share(self) -> float:
+        """The GPUs this task holds: a count, or the part of its one GPU."""
+        return self.gpu_milli / 1000 if self.gpu_milli is not None else float(len(self.gpus))
 
 
 class Assignment(Command):
@@ -457,6 +465,7 @@ class TaskStatus(BaseModel):
     index: Index
     node: Name
     gpus: list[GpuIndex] = Field(default_factory=list, max_length=MAX_NODE_GPUS)
+    gpu_milli: int | None = Field(default=None, ge=1, lt=1000)  # as TaskSpec's: a share of gpus[0]
     state: TaskState = TaskState.PLACED
     # An elastic role's task: when it joined a running attempt (else the attempt's placed_at),
     # and whether the scheduler removed it (shrinking the role): it holds its node until its
@@ -478,7 +487,25 @@ class TaskStatus(BaseModel):
 
     def spec(self) -> TaskSpec:
         return TaskSpec(
-            role=self.role, role_no=self.role_no, index=self.index, node=self.node, gpus=self.gpus
+            role=self.role,
+            role_no=self.role_no,
+            index=self.index,
+            node=self.node,
+            gpus=self.gpus,
+            gpu_milli=self.gpu_milli,
+        )
+
+    @classmethod
+    def placed(cls, spec: TaskSpec, **more: Any) -> TaskStatus:
+        """A task just placed where `spec` says."""
+        return cls(
+            role=spec.role,
+            role_no=spec.role_no,
+            index=spec.index,
+            node=spec.node,
+            gpus=spec.gpus,
+            gpu_milli=spec.gpu_milli,
+            **more,
         )
 
 

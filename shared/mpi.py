@@ -125,7 +125,7 @@ def errors(data: dict[str, Any]) -> list[FieldError]:
 
 def slots(config: JobConfig, role: str) -> int:
     """Ranks one task of `role` hosts: its GPUs, or 1 for a CPU-only role."""
-    gpus = config.role(role).gpuNumber
+    gpus = config.role(role).gpu_devices
     return gpus if gpus > 0 else 1
 
 

@@ -18,15 +18,16 @@ ANY_MODEL = "*"  # in an Amount's gpus: every GPU, whatever its model
 
 @dataclass
 class Amount:
-    """Resources: GPUs by lower-cased model (and ANY_MODEL: all of them), CPUs, memory."""
+    """Resources: GPUs by lower-cased model (and ANY_MODEL: all of them), CPUs, memory. A task
+    that shares a GPU counts its share (0.25), so GPU counts are kept to thousandths."""
 
-    gpus: dict[str, int] = field(default_factory=dict)
+    gpus: dict[str, float] = field(default_factory=dict)
     cpus: int = 0
     memory_mb: int = 0
 
     def add(self, other: Amount, sign: int = 1) -> None:
         for model, n in other.gpus.items():
-            self.gpus[model] = self.gpus.get(model, 0) + sign * n
+            self.gpus[model] = gpu_count(self.gpus.get(model, 0) + sign * n)
         self.cpus += sign * other.cpus
         self.memory_mb += sign * other.memory_mb
 
@@ -34,18 +35,25 @@ class Amount:
         """`2 v100, 1 GPUs of any model, 8 CPUs, 4096 MB`: GPUs by model, and those of no model
         (jobs without a gpuType) apart, never "0 GPUs" for a job that asks for some."""
         named = {m: n for m, n in sorted(self.gpus.items()) if m != ANY_MODEL and n}
-        parts = [f"{n} {m}" for m, n in named.items()]
-        other = self.gpus.get(ANY_MODEL, 0) - sum(named.values())
+        parts = [f"{n:g} {m}" for m, n in named.items()]
+        other = gpu_count(self.gpus.get(ANY_MODEL, 0) - sum(named.values()))
         if other > 0:
-            parts.append(f"{other} GPUs of any model")
+            parts.append(f"{other:g} GPUs of any model")
         return f"{', '.join(parts) or '0 GPUs'}, {self.cpus} CPUs, {self.memory_mb} MB"
+
+
+def gpu_count(n: float) -> float:
+    """A GPU count kept to thousandths (what a share is given in), an int when whole: sums of
+    shares must come back to exactly what they were when the shares are taken away."""
+    n = round(n, 3)
+    return int(n) if float(n).is_integer() else n
 
 
 def need(config: JobConfig) -> Amount:
     """What a whole job asks for (elastic roles at their minimum); its GPUs under ANY_MODEL and,
     with a gpuType, that model too."""
     config = config.smallest()
-    gpus = sum(r.gpuNumber * r.taskNumber for r in config.taskRoles)
+    gpus = gpu_count(sum(r.gpuNumber * r.taskNumber for r in config.taskRoles))
     amount = Amount(
         {ANY_MODEL: gpus},
         sum(r.cpuNumber * r.taskNumber for r in config.taskRoles),
@@ -75,10 +83,11 @@ def held(config: JobConfig, tasks: Iterable[TaskSpec], model_of: Callable[[str, 
         role = roles[t.role_no]
         amount.cpus += role.cpuNumber
         amount.memory_mb += role.memoryMB
+        each = 1 if t.gpu_milli is None else t.gpu_milli / 1000
         for index in t.gpus:
             model = (model_of(t.node, index) or "?").lower()
-            amount.gpus[model] = amount.gpus.get(model, 0) + 1
-            amount.gpus[ANY_MODEL] = amount.gpus.get(ANY_MODEL, 0) + 1
+            amount.gpus[model] = gpu_count(amount.gpus.get(model, 0) + each)
+            amount.gpus[ANY_MODEL] = gpu_count(amount.gpus.get(ANY_MODEL, 0) + each)
     return amount
 
 
@@ -109,14 +118,14 @@ def capacity_of(nodes: Iterable[Sized]) -> Amount:
 class Limit:
     """A VC's quota as an Amount (None: that resource is not limited), and whether it borrows."""
 
-    gpus: dict[str, int]
+    gpus: dict[str, float]
     cpus: int | None
     memory_mb: int | None
     borrow: bool = True
 
     def fits(self, used: Amount, extra: Amount) -> bool:
         for model, n in extra.gpus.items():
-            if n and used.gpus.get(model, 0) + n > self.gpus.get(model, 0):
+            if n and gpu_count(used.gpus.get(model, 0) + n) > self.gpus.get(model, 0):
                 return False
         if self.cpus is not None and used.cpus + extra.cpus > self.cpus:
             return False
@@ -132,14 +141,14 @@ class Limit:
         return max(parts, default=0.0)
 
     def shown(self) -> str:
-        gpus = ", ".join(f"{n} {m}" for m, n in sorted(self.gpus.items()) if m != ANY_MODEL)
+        gpus = ", ".join(f"{n:g} {m}" for m, n in sorted(self.gpus.items()) if m != ANY_MODEL)
         cpus = "any CPUs" if self.cpus is None else f"{self.cpus} CPUs"
         mem = "any memory" if self.memory_mb is None else f"{self.memory_mb} MB"
         return f"{gpus or 'no GPUs'}, {cpus}, {mem}"
 
 
 def _limit(q: Quota, borrow: bool) -> Limit:
-    gpus = {m.lower(): n for m, n in q.gpus.items()}
+    gpus: dict[str, float] = {m.lower(): n for m, n in q.gpus.items()}
     gpus[ANY_MODEL] = sum(gpus.values())
     return Limit(gpus, q.cpus, q.memory_mb, borrow)
 

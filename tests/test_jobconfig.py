@@ -146,7 +146,22 @@ TABLE = [
         "gpuNumber-null",
         mutate("taskRoles[0].gpuNumber", None),
         "taskRoles[0].gpuNumber",
-        "must be an integer, got null",
+        "must be a number of GPUs (0 to 64, or 0.01 to 0.99 of one GPU), got null",
+    ),
+    row(
+        "gpuNumber-one-and-a-half",
+        mutate("taskRoles[0].gpuNumber", 1.5),
+        "taskRoles[0].gpuNumber",
+        "a task asks for whole GPUs, or for part of one GPU (0.01 to 0.99), got 1.5",
+    ),
+    row(
+        "gpuNumber-thousandth",
+        mutate("taskRoles[0].gpuNumber", 0.005),
+        "taskRoles[0].gpuNumber",
+        "part of a GPU is given in hundredths (0.01 to 0.99), got 0.005",
+    ),
+    row(
+        "gpuNumber-65", mutate("taskRoles[0].gpuNumber", 65), "taskRoles[0].gpuNumber", "must be ≤ 64, got 65"
     ),
     row(
         "command-list",
@@ -523,6 +538,10 @@ def test_retry_count_special_values_accepted(retry: int) -> None:
         ("taskRoles[1].portList[0]", {"label": "_x", "beginAt": 65436, "portNumber": 100}),
         ("taskRoles[0].memoryMB", 100),
         ("taskRoles[0].gpuNumber", 0),
+        ("taskRoles[0].gpuNumber", 64),
+        ("taskRoles[0].gpuNumber", 0.01),  # part of one GPU, in hundredths
+        ("taskRoles[0].gpuNumber", 0.99),
+        ("taskRoles[0].gpuNumber", 2.0),  # a whole number written as a float is that number
         ("taskRoles[0].name", "_private"),
         ("jobName", "J" * 64),
         ("jobName", "0-job_A"),
@@ -539,6 +558,19 @@ def test_boundary_values_accepted(path: str, value: Any) -> None:
     config, errors = check_job(mutate(path, value))
     assert errors == [], [str(e) for e in errors]
     assert config is not None
+
+
+def test_a_part_of_a_gpu_is_kept_as_given_and_counted_in_thousandths() -> None:
+    config, errors = check_job(mutate("taskRoles[0].gpuNumber", 0.25))
+    assert errors == [] and config is not None
+    role = config.taskRoles[0]
+    assert (role.gpuNumber, role.shares_gpu, role.gpu_devices, role.gpu_milli) == (0.25, True, 1, 250)
+    assert '"gpuNumber":0.25' in config.model_dump_json()
+    config, _ = check_job(mutate("taskRoles[0].gpuNumber", 2.0))
+    assert config is not None
+    whole = config.taskRoles[0]
+    assert (whole.gpuNumber, type(whole.gpuNumber), whole.shares_gpu, whole.gpu_devices) == (2, int, False, 2)
+    assert '"gpuNumber":2,' in config.model_dump_json()
 
 
 def test_config_is_frozen() -> None:

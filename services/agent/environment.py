@@ -152,7 +152,7 @@ def render_hostfile(spec: ClusterSpec, config: JobConfig) -> str:
         return gang.hostfile
     slots: dict[str, int] = {}
     for ep in gang.order:
-        gpus = config.taskRoles[ep.role_no].gpuNumber
+        gpus = config.taskRoles[ep.role_no].gpu_devices
         slots[ep.host] = slots.get(ep.host, 0) + (gpus if gpus > 0 else 1)
     gang.hostfile = "".join(f"{host} slots={n}\n" for host, n in slots.items())
     return gang.hostfile

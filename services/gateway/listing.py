@@ -61,7 +61,7 @@ class Summary(NamedTuple):
     submitted: int  # microseconds since the epoch: with job_id, the list's order
     updated: int
     tasks: int
-    gpus: int
+    gpus: float
     attempt: int
     reason: str
     roles: tuple[tuple[int, int], ...] = ()  # per role: CPUs and memory (MB) a task holds
@@ -80,7 +80,7 @@ class Summary(NamedTuple):
             micros(r.submitted_at),
             micros(r.updated_at),
             c.total_tasks,
-            sum(role.gpuNumber * role.taskNumber for role in c.taskRoles),
+            round(sum(role.gpuNumber * role.taskNumber for role in c.taskRoles), 3),
             r.attempt,
             r.reason[:REASON_CHARS],
             _ROLES.setdefault(roles, roles) if len(_ROLES) < ROLES_KEPT or roles in _ROLES else roles,

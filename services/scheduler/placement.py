@@ -8,10 +8,16 @@ The scheduler service feeds it snapshots and commits the `Plan` it returns.
 Per job, in queue order:
   * feasible nodes for a task: enough free CPUs, memory and GPUs of the job's `gpuType` (any model
     when unset, matched case-insensitively) on one node; a task gets exact device indexes;
-  * rank: GPU tasks go where the fewest free GPUs remain, then where the fewest of those would be
-    left *starved* (without `FED_CPUS` CPUs each beside them); CPU-only tasks to GPU-less nodes
+  * rank: GPU tasks go where the fewest free GPUs would be left *starved* (without `FED_CPUS`
+    CPUs each beside them), then where the fewest free GPUs remain; CPU-only tasks to GPU-less nodes
     first, then to the node with the fewest free GPUs; then best fit on CPUs and memory;
-  * a job's largest tasks are placed first; if any task finds no node, the job places nothing.
+  * a job's largest tasks are placed first; if any task finds no node, the job places nothing;
+  * a task that asks for part of one GPU (gpuNumber 0.01 to 0.99, `TaskSpec.gpu_milli` in
+    thousandths) shares a GPU with other such tasks: each GPU index is held whole by one task or
+    shared, never both (`NodeState.used_gpus` / `NodeState.shared`). A share goes into the shared
+    GPU it fills best (on nodes where it starves the fewest untouched GPUs), else to an untouched
+    GPU of a node that already shares one, else where a 1-GPU task would go; CPU-only tasks keep
+    off the CPUs of nodes whose shared GPUs still have room.
 
 A job that does not fit even when every schedulable node is empty is *unschedulable*: it waits
 with a reason saying it can never run on the current nodes and it never blocks the queue.
@@ -55,7 +61,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Seq
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from muster.shared.jobconfig import JobConfig, TaskRole
+from muster.shared.jobconfig import WHOLE_GPU, JobConfig, TaskRole
 from muster.shared.messages import GpuDevice, NodeInfo, TaskSpec
 
 NEVER = "can never run on the current nodes: "
@@ -78,7 +84,8 @@ class NodeState:
     gpus: list[GpuDevice]
     used_cpus: int = 0
     used_memory_mb: int = 0
-    used_gpus: set[int] = field(default_factory=set)
+    used_gpus: set[int] = field(default_factory=set)  # held whole, each by one task
+    shared: dict[int, int] = field(default_factory=dict)  # index -> thousandths held by fractional tasks
     _devices: tuple[list[GpuDevice], list[tuple[int, str]]] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -97,8 +104,17 @@ class NodeState:
 
     @property
     def free_gpu_count(self) -> int:
-        """Free GPUs of any model."""
-        return len(self.gpus) - len(self.used_gpus)
+        """Untouched GPUs of any model: neither held whole nor shared."""
+        return len(self.gpus) - len(self.used_gpus) - len(self.shared)
+
+    def room(self, model: str | None = None) -> list[tuple[int, int]]:
+        """(thousandths left, index) of each shared GPU of `model` (any when None) with room."""
+        want = model.lower() if model else None
+        return [
+            (WHOLE_GPU - used, i)
+            for i, m in self.devices()
+            if (used := self.shared.get(i)) is not None and used < WHOLE_GPU and (want is None or m == want)
+        ]
 
     def devices(self) -> list[tuple[int, str]]:
         """(index, lower-cased model) of every GPU, by index."""
@@ -109,11 +125,15 @@ class NodeState:
     def free_gpus(self, model: str | None = None) -> list[int]:
         """Free device indexes of `model` (any model when None, case-insensitive), ascending."""
         want = model.lower() if model else None
-        return [i for i, m in self.devices() if i not in self.used_gpus and (want is None or m == want)]
+        return [
+            i
+            for i, m in self.devices()
+            if i not in self.used_gpus and i not in self.shared and (want is None or m == want)
+        ]
 
-    def use(self, cpus: int, memory_mb: int, gpus: Sequence[int]) -> None:
+    def use(self, cpus: int, memory_mb: int, gpus: Sequence[int], milli: int = WHOLE_GPU) -> None:
         """Count a placed task's usage; ValueError (and no change) if it would not fit."""
-        _take(self, cpus, memory_mb, gpus)
+        _take(self, cpus, memory_mb, gpus, milli)
 
     def copy(self, *, empty: bool = False) -> NodeState:
         if empty:
@@ -127,6 +147,7 @@ class NodeState:
                 self.used_cpus,
                 self.used_memory_mb,
                 set(self.used_gpus),
+                dict(self.shared),
             )
         twin._devices = (self.gpus, self.devices())  # a cache, shared: the device list never changes
         return twin
@@ -185,8 +206,9 @@ class Loan:
 # ------------------------------------------------------------------ accounting
 
 
-def _take(node: NodeState, cpus: int, memory_mb: int, gpus: Sequence[int]) -> None:
-    """Add a task's usage to `node`; ValueError (and no change) if it would not fit."""
+def _take(node: NodeState, cpus: int, memory_mb: int, gpus: Sequence[int], milli: int = WHOLE_GPU) -> None:
+    """Add a task's usage to `node`; ValueError (and no change) if it would not fit. `milli` below
+    WHOLE_GPU: the task's share of its one GPU, which is then shared (fractional tasks only)."""
     known = {d.index for d in node.gpus}
     for i in gpus:
         if i not in known:
@@ -195,6 +217,18 @@ def _take(node: NodeState, cpus: int, memory_mb: int, gpus: Sequence[int]) -> No
             raise ValueError(f"GPU {i} on node {node.name} is already in use")
     if len(set(gpus)) != len(gpus):
         raise ValueError(f"GPU indexes {list(gpus)} on node {node.name} repeat")
+    if milli < WHOLE_GPU:
+        if len(gpus) != 1:
+            raise ValueError(f"a share of a GPU is of one GPU, not {len(gpus)} on node {node.name}")
+        if node.shared.get(gpus[0], 0) + milli > WHOLE_GPU:
+            raise ValueError(
+                f"GPU {gpus[0]} on node {node.name} has {WHOLE_GPU - node.shared[gpus[0]]}/1000 left, "
+                f"not {milli}"
+            )
+    else:
+        for i in gpus:
+            if i in node.shared:
+                raise ValueError(f"GPU {i} on node {node.name} is shared: it cannot be held whole")
     if node.used_cpus + cpus > node.cpus:
         raise ValueError(f"node {node.name}: {node.used_cpus + cpus} CPUs would exceed its {node.cpus}")
     if node.used_memory_mb + memory_mb > node.memory_mb:
@@ -203,19 +237,35 @@ def _take(node: NodeState, cpus: int, memory_mb: int, gpus: Sequence[int]) -> No
         )
     node.used_cpus += cpus
     node.used_memory_mb += memory_mb
-    node.used_gpus.update(gpus)
+    if milli < WHOLE_GPU:
+        node.shared[gpus[0]] = node.shared.get(gpus[0], 0) + milli
+    else:
+        node.used_gpus.update(gpus)
 
 
-def _give_back(node: NodeState, cpus: int, memory_mb: int, gpus: Sequence[int]) -> None:
+def _give_back(
+    node: NodeState, cpus: int, memory_mb: int, gpus: Sequence[int], milli: int = WHOLE_GPU
+) -> None:
     """Remove a task's usage from `node`; ValueError (and no change) if it was not in use."""
-    for i in gpus:
-        if i not in node.used_gpus:
-            raise ValueError(f"GPU {i} on node {node.name} is not in use")
+    if milli < WHOLE_GPU:
+        if len(gpus) != 1 or node.shared.get(gpus[0], 0) < milli:
+            raise ValueError(f"GPU {list(gpus)} on node {node.name} does not hold a share of {milli}/1000")
+    else:
+        for i in gpus:
+            if i not in node.used_gpus:
+                raise ValueError(f"GPU {i} on node {node.name} is not in use")
     if cpus > node.used_cpus or memory_mb > node.used_memory_mb:
         raise ValueError(f"node {node.name} has less in use than the task to release")
     node.used_cpus -= cpus
     node.used_memory_mb -= memory_mb
-    node.used_gpus.difference_update(gpus)
+    if milli < WHOLE_GPU:
+        left = node.shared[gpus[0]] - milli
+        if left:
+            node.shared[gpus[0]] = left
+        else:
+            del node.shared[gpus[0]]  # the last share gone: the GPU is untouched again
+    else:
+        node.used_gpus.difference_update(gpus)
 
 
 class _Statement:
@@ -223,30 +273,35 @@ class _Statement:
     `discard`. Bound to a `Cluster`, every allocation keeps its index in step."""
 
     def __init__(
-        self, cluster: Cluster | None = None, done: list[tuple[NodeState, int, int, list[int]]] | None = None
+        self,
+        cluster: Cluster | None = None,
+        done: list[tuple[NodeState, int, int, list[int], int]] | None = None,
     ) -> None:
         self.cluster = cluster
-        self.done: list[tuple[NodeState, int, int, list[int]]] = list(done or [])
+        self.done: list[tuple[NodeState, int, int, list[int], int]] = list(done or [])
 
-    def allocate(self, node: NodeState, cpus: int, memory_mb: int, gpus: list[int]) -> None:
+    def allocate(
+        self, node: NodeState, cpus: int, memory_mb: int, gpus: list[int], milli: int = WHOLE_GPU
+    ) -> None:
         if self.cluster is not None:
-            self.cluster.take(node.name, cpus, memory_mb, gpus)
+            self.cluster.take(node.name, cpus, memory_mb, gpus, milli)
         else:
-            _take(node, cpus, memory_mb, gpus)
-        self.done.append((node, cpus, memory_mb, gpus))
+            _take(node, cpus, memory_mb, gpus, milli)
+        self.done.append((node, cpus, memory_mb, gpus, milli))
 
     def discard(self, mark: int = 0) -> None:
         """Undo the allocations made since `mark` (a length of `done`; 0: all of them)."""
         while len(self.done) > mark:
-            node, cpus, memory_mb, gpus = self.done.pop()
+            node, cpus, memory_mb, gpus, milli = self.done.pop()
             if self.cluster is not None:
-                self.cluster.give(node.name, cpus, memory_mb, gpus)
+                self.cluster.give(node.name, cpus, memory_mb, gpus, milli)
             else:
-                _give_back(node, cpus, memory_mb, gpus)
+                _give_back(node, cpus, memory_mb, gpus, milli)
 
     def claims(self) -> dict[str, Claim]:
+        """What the allocations hold per node; a share of a GPU holds that whole GPU."""
         out: dict[str, Claim] = {}
-        for node, cpus, memory_mb, gpus in self.done:
+        for node, cpus, memory_mb, gpus, _milli in self.done:
             claim = out.setdefault(node.name, Claim())
             claim.cpus += cpus
             claim.memory_mb += memory_mb
@@ -279,11 +334,15 @@ def _allocate_all(
             node = nodes.get(task.node)
             if node is None:
                 raise ValueError(f"task {task.key} is on unknown node {task.node}")
-            if len(task.gpus) != role.gpuNumber:
+            if len(task.gpus) != role.gpu_devices:
                 raise ValueError(
                     f"task {task.key} holds {len(task.gpus)} GPUs, its role needs {role.gpuNumber}"
                 )
-            stmt.allocate(node, role.cpuNumber, role.memoryMB, list(task.gpus))
+            if task.gpu_milli != (role.gpu_milli if role.shares_gpu else None):
+                raise ValueError(
+                    f"task {task.key} holds {task.gpu_share} of a GPU, its role needs {role.gpuNumber}"
+                )
+            stmt.allocate(node, role.cpuNumber, role.memoryMB, list(task.gpus), role.gpu_milli)
     except ValueError:
         stmt.discard()
         raise
@@ -292,18 +351,22 @@ def _allocate_all(
 def release(nodes: Mapping[str, NodeState], config: JobConfig, tasks: Iterable[TaskSpec]) -> None:
     """Give back the resources of ended tasks. Tasks on nodes no longer in `nodes` are skipped (the
     node took its resources with it). All or nothing: ValueError if something was not in use."""
-    done: list[tuple[NodeState, int, int, list[int]]] = []
+    done: list[tuple[NodeState, int, int, list[int], int]] = []
     try:
         for task in tasks:
             role = _role_of(config, task)
             node = nodes.get(task.node)
             if node is not None:
-                _give_back(node, role.cpuNumber, role.memoryMB, list(task.gpus))
-                done.append((node, role.cpuNumber, role.memoryMB, list(task.gpus)))
+                _give_back(node, role.cpuNumber, role.memoryMB, list(task.gpus), _milli_of(task))
+                done.append((node, role.cpuNumber, role.memoryMB, list(task.gpus), _milli_of(task)))
     except ValueError:
-        for node, cpus, memory_mb, gpus in reversed(done):
-            _take(node, cpus, memory_mb, gpus)
+        for node, cpus, memory_mb, gpus, milli in reversed(done):
+            _take(node, cpus, memory_mb, gpus, milli)
         raise
+
+
+def _milli_of(task: TaskSpec) -> int:
+    return WHOLE_GPU if task.gpu_milli is None else task.gpu_milli
 
 
 # ------------------------------------------------------------------ one gang
@@ -313,10 +376,21 @@ def release(nodes: Mapping[str, NodeState], config: JobConfig, tasks: Iterable[T
 class _Shape:
     """What one task needs on one node."""
 
-    gpus: int
+    gpus: int  # GPU devices (1 for a share of one)
     cpus: int
     memory_mb: int
     model: str | None  # lower-cased gpuType; None = any model
+    milli: int = WHOLE_GPU  # below WHOLE_GPU: a share of one GPU, which it shares
+
+    @property
+    def shares(self) -> bool:
+        return self.milli < WHOLE_GPU
+
+    def spec(self, task: _Task, node: str, gpus: list[int]) -> TaskSpec:
+        milli = self.milli if self.shares else None
+        return TaskSpec(
+            role=task.role, role_no=task.role_no, index=task.index, node=node, gpus=gpus, gpu_milli=milli
+        )
 
 
 @dataclass(frozen=True)
@@ -337,15 +411,19 @@ def _demand(config: JobConfig) -> Groups:
     model = config.gpuType.lower() if config.gpuType else None
     groups: dict[_Shape, list[_Task]] = {}
     for role_no, role in enumerate(config.taskRoles):
-        shape = _Shape(role.gpuNumber, role.cpuNumber, role.memoryMB, model if role.gpuNumber else None)
+        shape = _Shape(
+            role.gpu_devices, role.cpuNumber, role.memoryMB, model if role.gpuNumber else None, role.gpu_milli
+        )
         tasks = groups.setdefault(shape, [])
         tasks.extend(_Task(role_no, i, role.name) for i in range(role.taskNumber))
-    return sorted(groups.items(), key=lambda kv: (kv[0].gpus, kv[0].cpus, kv[0].memory_mb), reverse=True)
+    return sorted(
+        groups.items(), key=lambda kv: (kv[0].gpus, kv[0].milli, kv[0].cpus, kv[0].memory_mb), reverse=True
+    )
 
 
 def _usable_gpus(node: NodeState, model: str | None, claim: Claim | None) -> list[int]:
     """Free device indexes of `model` (any when None), ascending, less those `claim` holds."""
-    free = [(i, m) for i, m in node.devices() if i not in node.used_gpus]
+    free = [(i, m) for i, m in node.devices() if i not in node.used_gpus and i not in node.shared]
     if claim is not None and claim.gpus:
         held = Counter(claim.gpus)
         kept = []
@@ -358,10 +436,31 @@ def _usable_gpus(node: NodeState, model: str | None, claim: Claim | None) -> lis
     return [i for i, m in free if model is None or m == model]
 
 
+def _has_room(node: NodeState) -> bool:
+    """Whether a GPU of `node` is shared and has room for more."""
+    return any(used < WHOLE_GPU for used in node.shared.values())
+
+
+def _shared_gpu(node: NodeState, shape: _Shape) -> int | None:
+    """The shared GPU of `node` a share of `shape` best fits (the least room left after it), or None."""
+    rooms = [(left - shape.milli, i) for left, i in node.room(shape.model) if left >= shape.milli]
+    return min(rooms)[1] if rooms else None
+
+
+def _gpus_for(node: NodeState, shape: _Shape, claim: Claim | None) -> list[int]:
+    """The device indexes a task of `shape` gets on `node` (known to fit): a share goes to the
+    shared GPU it fits best, else to an untouched one, which it makes shared."""
+    if shape.shares and (i := _shared_gpu(node, shape)) is not None:
+        return [i]
+    return _usable_gpus(node, shape.model, claim)[: shape.gpus]
+
+
 def _fits(node: NodeState, shape: _Shape, claim: Claim | None) -> bool:
     cpus, memory_mb = (claim.cpus, claim.memory_mb) if claim else (0, 0)
     if node.free_cpus - cpus < shape.cpus or node.free_memory_mb - memory_mb < shape.memory_mb:
         return False
+    if shape.shares and node.shared and _shared_gpu(node, shape) is not None:
+        return True
     if shape.gpus == 0 or (claim is None and shape.model is None):
         return node.free_gpu_count >= shape.gpus
     return node.free_gpu_count >= shape.gpus and len(_usable_gpus(node, shape.model, claim)) >= shape.gpus
@@ -373,15 +472,16 @@ def starved(gpus_after: int, cpus_after: int) -> int:
 
 
 def _best_fit(node: NodeState, shape: _Shape, claim: Claim | None) -> Rank:
-    """Smaller is better: leave the fewest free GPUs, of those (for a GPU task) the fewest
-    starved, then the fewest free CPUs and memory."""
+    """Smaller is better: for a GPU task, starve the fewest of the free GPUs it leaves, then
+    leave the fewest free GPUs; for a CPU-only task, GPU-less nodes first, then the fewest free
+    GPUs; then the fewest free CPUs and memory."""
     cpus, memory_mb = (claim.cpus, claim.memory_mb) if claim else (0, 0)
     free_gpus = node.free_gpu_count if claim is None else len(_usable_gpus(node, None, claim))
     gpus_after = free_gpus - shape.gpus
     cpus_after = node.free_cpus - cpus - shape.cpus
     memory_after = node.free_memory_mb - memory_mb - shape.memory_mb
     if shape.gpus:
-        return (gpus_after, starved(gpus_after, cpus_after), cpus_after, memory_after, node.name)
+        return (starved(gpus_after, cpus_after), gpus_after, cpus_after, memory_after, node.name)
     return (bool(node.gpus), gpus_after, cpus_after, memory_after, node.name)
 
 
@@ -405,11 +505,9 @@ def _place_gang(
                 return specs, (shape, task)
             _, i = heapq.heappop(heap)
             node, claim = nodes[i], claims.get(nodes[i].name)
-            gpus = _usable_gpus(node, shape.model, claim)[: shape.gpus]
-            stmt.allocate(node, shape.cpus, shape.memory_mb, gpus)
-            specs.append(
-                TaskSpec(role=task.role, role_no=task.role_no, index=task.index, node=node.name, gpus=gpus)
-            )
+            gpus = _gpus_for(node, shape, claim)
+            stmt.allocate(node, shape.cpus, shape.memory_mb, gpus, shape.milli)
+            specs.append(shape.spec(task, node.name, gpus))
             if _fits(node, shape, claim):
                 heapq.heappush(heap, (rank(node, shape, claim), i))
     return specs, None
@@ -420,7 +518,9 @@ def _closest_to_free(live: Mapping[str, NodeState]) -> Ranker:
     less what the head's earlier tasks already claimed there."""
 
     def rank(node: NodeState, shape: _Shape, _claim: Claim | None) -> Rank:
-        real = live[node.name]
+        real = live.get(node.name)
+        if real is None:  # out of the live view (it did not add up): nothing counts as free there
+            return (1, 1, 1, node.name)
         gpus = len(real.free_gpus(shape.model)) - len(node.used_gpus)
         return (
             -gpus,
@@ -449,12 +549,18 @@ def _reserve(groups: Groups, live: Cluster, empty: list[NodeState]) -> dict[str,
 # ------------------------------------------------------------------ reasons
 
 
-def _gpus(n: int, label: str | None) -> str:
+def _gpus(n: float, label: str | None) -> str:
+    if isinstance(n, float):  # a share of one GPU
+        return f"{n:g} of a {label or 'GPU'}"
     return f"{n} {label}" if label else f"{n} GPU{'' if n == 1 else 's'}"
 
 
+def _asked(shape: _Shape) -> float:
+    return shape.milli / WHOLE_GPU if shape.shares else shape.gpus
+
+
 def _shape_text(shape: _Shape, label: str | None) -> str:
-    parts = [_gpus(shape.gpus, label)] if shape.gpus else []
+    parts = [_gpus(_asked(shape), label)] if shape.gpus else []
     parts += [f"{shape.cpus} CPUs", f"{shape.memory_mb} MB"]
     return ", ".join(parts[:-1]) + " and " + parts[-1]
 
@@ -530,6 +636,8 @@ def _why_not_now(config: JobConfig, shape: _Shape, failed: _Task, placed: int, f
     label = config.gpuType
     if shape.gpus:
         block, where = free.gpu_block(shape.model)
+        if block == 0 and shape.shares:
+            return f"needs {_gpu_demand(config)}; no {label or 'GPU'} has {_asked(shape):g} free now"
         if block == 0:
             return f"needs {_gpu_demand(config)}; no {label or 'GPU'} is free now"
         if block < shape.gpus:
@@ -592,14 +700,17 @@ class Cluster:
     def __init__(self, nodes: Iterable[NodeState] = ()) -> None:
         self.nodes: dict[str, NodeState] = {n.name: n.copy() for n in nodes}
         self._sig: dict[str, tuple[str, ...]] = {}  # node -> its GPU models, lower-cased, sorted
-        self._groups: dict[tuple[bool, int], dict[tuple[str, ...], list[Entry]]] = {}
+        self._groups: dict[tuple[bool, int, bool], dict[tuple[str, ...], list[Entry]]] = {}
         self._most: dict[str | None, list[Top]] = {None: []}  # model (None: any) -> free GPUs
         self._cpus: list[Top] = []
         self._memory: list[Top] = []
         self.most_gpus = 0  # the most GPUs any node has (free-GPU groups go up to it)
+        self._sharing: set[str] = set()  # nodes with a shared GPU that has room left
+        self._hosting: set[str] = set()  # nodes with a shared GPU
         for node in self.nodes.values():
             self._learn(node)
             self._index(node, sort=False)
+            self._note_sharing(node)
         for group in self._groups.values():
             for entries in group.values():
                 entries.sort()
@@ -620,7 +731,7 @@ class Cluster:
         """Every (list, entry) that stands for `node` as it is now."""
         name, sig = node.name, self._sig[node.name]
         cpus, memory_mb, gpus = node.free_cpus, node.free_memory_mb, node.free_gpu_count
-        group = self._groups.setdefault((bool(node.gpus), gpus), {})
+        group = self._groups.setdefault((bool(node.gpus), gpus, _has_room(node)), {})
         out: list[tuple[list[Any], Any]] = [
             (group.setdefault(sig, []), (cpus, memory_mb, name)),
             (self._most[None], (gpus, name)),
@@ -630,9 +741,19 @@ class Cluster:
         if len(sig) == 1:  # the usual node: one model, so its free GPUs are all of that model
             out.append((self._most.setdefault(sig[0], []), (gpus, name)))
         elif sig:
-            free = Counter(m for i, m in node.devices() if i not in node.used_gpus)
+            free = Counter(m for i, m in node.devices() if i not in node.used_gpus and i not in node.shared)
             out += [(self._most.setdefault(m, []), (free[m], name)) for m in sig]
         return out
+
+    def _note_sharing(self, node: NodeState) -> None:
+        if node.shared:
+            self._hosting.add(node.name)
+        else:
+            self._hosting.discard(node.name)
+        if node.shared and any(used < WHOLE_GPU for used in node.shared.values()):
+            self._sharing.add(node.name)
+        else:
+            self._sharing.discard(node.name)
 
     def _index(self, node: NodeState, sort: bool = True) -> None:
         for entries, entry in self._entries(node):
@@ -653,28 +774,33 @@ class Cluster:
         self.nodes[mine.name] = mine
         self._learn(mine)
         self._index(mine)
+        self._note_sharing(mine)
 
     def remove(self, name: str) -> None:
         node = self.nodes.pop(name, None)
         if node is not None:
             self._unindex(node)
             del self._sig[name]
+            self._sharing.discard(name)
+            self._hosting.discard(name)
 
-    def take(self, name: str, cpus: int, memory_mb: int, gpus: Sequence[int]) -> None:
+    def take(self, name: str, cpus: int, memory_mb: int, gpus: Sequence[int], milli: int = WHOLE_GPU) -> None:
         node = self.nodes[name]
         self._unindex(node)
         try:
-            _take(node, cpus, memory_mb, gpus)
+            _take(node, cpus, memory_mb, gpus, milli)
         finally:
             self._index(node)
+            self._note_sharing(node)
 
-    def give(self, name: str, cpus: int, memory_mb: int, gpus: Sequence[int]) -> None:
+    def give(self, name: str, cpus: int, memory_mb: int, gpus: Sequence[int], milli: int = WHOLE_GPU) -> None:
         node = self.nodes[name]
         self._unindex(node)
         try:
-            _give_back(node, cpus, memory_mb, gpus)
+            _give_back(node, cpus, memory_mb, gpus, milli)
         finally:
             self._index(node)
+            self._note_sharing(node)
 
     def allocate(self, config: JobConfig, tasks: Iterable[TaskSpec]) -> None:
         """`allocate` on this cluster's nodes, through the index (all or nothing)."""
@@ -682,41 +808,57 @@ class Cluster:
 
     def release(self, config: JobConfig, tasks: Iterable[TaskSpec]) -> None:
         """`release` on this cluster's nodes, through the index (tasks of gone nodes skipped)."""
-        done: list[tuple[str, int, int, list[int]]] = []
+        done: list[tuple[str, int, int, list[int], int]] = []
         try:
             for task in tasks:
                 role = _role_of(config, task)
                 if task.node in self.nodes:
-                    self.give(task.node, role.cpuNumber, role.memoryMB, list(task.gpus))
-                    done.append((task.node, role.cpuNumber, role.memoryMB, list(task.gpus)))
+                    self.give(task.node, role.cpuNumber, role.memoryMB, list(task.gpus), _milli_of(task))
+                    done.append((task.node, role.cpuNumber, role.memoryMB, list(task.gpus), _milli_of(task)))
         except ValueError:
-            for name, cpus, memory_mb, gpus in reversed(done):
-                self.take(name, cpus, memory_mb, gpus)
+            for name, cpus, memory_mb, gpus, milli in reversed(done):
+                self.take(name, cpus, memory_mb, gpus, milli)
             raise
 
     # -------------------------------------------------------- questions
 
     def best(self, shape: _Shape, claims: Mapping[str, Claim], avoid: Set[str]) -> NodeState | None:
         """The node the best-fit rank puts first for one task of `shape`, or None if none fits;
-        avoided nodes are never chosen, claimed ones only with what their claim leaves."""
+        avoided nodes are never chosen, claimed ones only with what their claim leaves. A share
+        of a GPU goes into a GPU already shared where one has room (`_best_share`), else to an
+        untouched GPU on a node that already shares one (`_new_share`), and only then where a
+        1-GPU task would go. A CPU-only task goes where no GPU capacity is left: nodes whose
+        shared GPUs have room come after those whose GPUs are full, at each level of free GPUs."""
+        if shape.shares and self._sharing:
+            shared = self._best_share(shape, claims, avoid)
+            if shared is not None:
+                return shared
+        if shape.shares and self._hosting:
+            shared = self._new_share(shape, claims, avoid)
+            if shared is not None:
+                return shared
         found: NodeState | None = None
+        levels: list[tuple[tuple[bool, int, bool], ...]]
         if shape.gpus:
-            order = [(True, k) for k in range(shape.gpus, self.most_gpus + 1)]
-        else:
-            order = [(False, 0), *((True, k) for k in range(self.most_gpus + 1))]
-        for key in order:
-            group = self._groups.get(key)
-            if not group:
-                continue
-            for sig, entries in group.items():
-                if shape.model is not None and shape.model not in sig:
+            levels = [((True, k, False), (True, k, True)) for k in range(shape.gpus, self.most_gpus + 1)]
+        else:  # where no GPU capacity is left first: shared GPUs with room after untouched ones
+            levels = [((False, 0, False),)]
+            levels += [((True, k, room),) for k in range(self.most_gpus + 1) for room in (False, True)]
+        for level in levels:
+            for key in level:
+                group = self._groups.get(key)
+                if not group:
                     continue
-                node = self._least_starved(entries, shape, key[1] - shape.gpus, claims, avoid)
-                if node is not None and (
-                    found is None or _best_fit(node, shape, None) < _best_fit(found, shape, None)
-                ):
-                    found = node
-            if found is not None:
+                for sig, entries in group.items():
+                    if shape.model is not None and shape.model not in sig:
+                        continue
+                    node = self._least_starved(entries, shape, key[1] - shape.gpus, claims, avoid)
+                    if node is not None and (
+                        found is None or _best_fit(node, shape, None) < _best_fit(found, shape, None)
+                    ):
+                        found = node
+            # More free GPUs left can still starve fewer: look on until one starves none.
+            if found is not None and (not shape.gpus or _best_fit(found, shape, None)[0] == 0):
                 break
         for name, claim in claims.items():
             node = self.nodes.get(name)
@@ -727,6 +869,53 @@ class Cluster:
             ):
                 found = node
         return found
+
+    def _best_share(self, shape: _Shape, claims: Mapping[str, Claim], avoid: Set[str]) -> NodeState | None:
+        """The node whose shared GPU a share of `shape` fills best: the least room left on that
+        GPU, then (as best fit) the fewest starved untouched GPUs, the fewest CPUs and memory
+        left. A pass over the nodes with shared GPUs (the few that run fractional tasks)."""
+        best: tuple[Rank, NodeState] | None = None
+        for name in self._sharing:
+            if name in avoid:
+                continue
+            node = self.nodes[name]
+            claim = claims.get(name)
+            cpus, memory_mb = (claim.cpus, claim.memory_mb) if claim else (0, 0)
+            cpus_after = node.free_cpus - cpus - shape.cpus
+            memory_after = node.free_memory_mb - memory_mb - shape.memory_mb
+            if cpus_after < 0 or memory_after < 0:
+                continue
+            rooms = [left for left, _ in node.room(shape.model) if left >= shape.milli]
+            if not rooms:
+                continue
+            untouched = node.free_gpu_count
+            rank: Rank = (
+                starved(untouched, cpus_after),
+                min(rooms) - shape.milli,
+                cpus_after,
+                memory_after,
+                name,
+            )
+            if best is None or rank < best[0]:
+                best = (rank, node)
+        return None if best is None else best[1]
+
+    def _new_share(self, shape: _Shape, claims: Mapping[str, Claim], avoid: Set[str]) -> NodeState | None:
+        """Where no shared GPU has room: the best-fit node among those that already share a GPU
+        (an untouched GPU there becomes shared), so that shared GPUs gather on few nodes and
+        the others stay whole for whole-GPU tasks. A pass over the nodes that share GPUs."""
+        best: tuple[Rank, NodeState] | None = None
+        for name in self._hosting:
+            if name in avoid:
+                continue
+            node = self.nodes[name]
+            claim = claims.get(name)
+            if not _fits(node, shape, claim):
+                continue
+            rank = _best_fit(node, shape, claim)
+            if best is None or rank < best[0]:
+                best = (rank, node)
+        return None if best is None else best[1]
 
     def _least_starved(
         self,
@@ -791,7 +980,7 @@ class Cluster:
     def could_host(self, shape: _Shape, avoid: Set[str]) -> bool:
         """A cheap necessary test: some node has the GPUs, some the CPUs, some the memory."""
         return (
-            self.gpu_block(shape.model, avoid)[0] >= shape.gpus
+            (self.gpu_block(shape.model, avoid)[0] >= shape.gpus or (shape.shares and bool(self._sharing)))
             and self.cpu_block(avoid)[0] >= shape.cpus
             and self.memory_block(avoid)[0] >= shape.memory_mb
         )
@@ -952,8 +1141,8 @@ class Cluster:
     def _might_fit(self, groups: Groups, loans: Sequence[Loan], avoid: Set[str]) -> bool:
         """A cheap necessary test for a head of one task (that fits on no node as it is): some
         node the loans hold tasks on has, with what they hold there, the task's GPUs (of its
-        model), CPUs and memory. True for a gang (it is tried)."""
-        if len(groups) != 1 or len(groups[0][1]) != 1:
+        model), CPUs and memory. True for a gang or a share of one GPU (it is tried)."""
+        if len(groups) != 1 or len(groups[0][1]) != 1 or groups[0][0].shares:
             return True
         shape = groups[0][0]
         held: dict[str, list[int]] = {}  # node -> [GPUs of the model, CPUs, memory]
@@ -1074,11 +1263,9 @@ def _place(
             if node is None:
                 failed = (shape, task)
                 break
-            gpus = _usable_gpus(node, shape.model, claims.get(node.name))[: shape.gpus]
-            stmt.allocate(node, shape.cpus, shape.memory_mb, gpus)
-            specs.append(
-                TaskSpec(role=task.role, role_no=task.role_no, index=task.index, node=node.name, gpus=gpus)
-            )
+            gpus = _gpus_for(node, shape, claims.get(node.name))
+            stmt.allocate(node, shape.cpus, shape.memory_mb, gpus, shape.milli)
+            specs.append(shape.spec(task, node.name, gpus))
         if failed is not None:
             break
     if failed is not None or not keep:

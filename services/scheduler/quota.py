@@ -43,6 +43,7 @@ from muster.shared.vcquota import DEFAULT_VC as DEFAULT_VC
 from muster.shared.vcquota import Amount as Amount
 from muster.shared.vcquota import Limit as Limit
 from muster.shared.vcquota import capacity_of as capacity_of
+from muster.shared.vcquota import gpu_count
 from muster.shared.vcquota import held as held
 from muster.shared.vcquota import limits as limits
 from muster.shared.vcquota import need as need
@@ -144,7 +145,7 @@ class Fixed:
     submitted_at: datetime
     need: Amount  # read, never changed
     group: tuple[int, str, str] = field(init=False)  # (rank, VC, user): its group in the order
-    least: tuple[int, int, int] = field(init=False)  # its GPUs (of any model), CPUs and MB
+    least: tuple[float, int, int] = field(init=False)  # its GPUs (of any model), CPUs and MB
     at: int = field(init=False)  # submitted_at in microseconds: compared faster, in the same order
     model: str | None = field(init=False)  # the GPU model its GPUs count against too, if any
 
@@ -253,7 +254,7 @@ class Order(Generic[T]):
         self.looked = 0  # jobs looked over in a pass for their group's largest and smallest needs
         self.sorted_groups = 0  # groups given out of submission order, sorted
         self._held: dict[str, str] = {}
-        self._whys: dict[tuple[str, tuple[int, int, int], str | None], str] = {}
+        self._whys: dict[tuple[str, tuple[float, int, int], str | None], str] = {}
         self._carry: tuple[int, int, int, str, int] | None = None  # the last group's next job
         self._index: dict[str, Fixed] | None = None
         self._groups: dict[tuple[int, str, str], _Group[T]] = {}
@@ -304,7 +305,7 @@ class Order(Generic[T]):
         gpus, cpus, memory_mb = zip(*[fx.least for fx in fxs], strict=True)
         least = (min(gpus), min(cpus), min(memory_mb))
         most = (max(gpus), max(cpus), max(memory_mb))
-        models: dict[str, int] = {}
+        models: dict[str, float] = {}
         for fx in fxs:
             if fx.model is not None and fx.least[0] > models.get(fx.model, 0):
                 models[fx.model] = fx.least[0]
@@ -322,12 +323,12 @@ class Order(Generic[T]):
         return g.kind
 
     @staticmethod
-    def _fits(lim: Limit, used: Amount, amount: tuple[int, int, int], models: dict[str, int]) -> bool:
+    def _fits(lim: Limit, used: Amount, amount: tuple[float, int, int], models: dict[str, float]) -> bool:
         gpus, cpus, memory_mb = amount
-        if gpus and used.gpus.get(ANY_MODEL, 0) + gpus > lim.gpus.get(ANY_MODEL, 0):
+        if gpus and gpu_count(used.gpus.get(ANY_MODEL, 0) + gpus) > lim.gpus.get(ANY_MODEL, 0):
             return False
         for model, k in models.items():
-            if k and used.gpus.get(model, 0) + k > lim.gpus.get(model, 0):
+            if k and gpu_count(used.gpus.get(model, 0) + k) > lim.gpus.get(model, 0):
                 return False
         if lim.cpus is not None and used.cpus + cpus > lim.cpus:
             return False
