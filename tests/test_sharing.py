@@ -1,5 +1,6 @@
 """Issue 10, sharing the cluster, with the real services on sim nodes: a high-priority job
-preempts a whole low-priority gang, which resumes later uncharged; a virtual cluster borrows
+preempts a whole low-priority gang, which resumes later uncharged; the first job in line lends
+what it waits for and calls it back the same way; a virtual cluster borrows
 idle capacity and another reclaims it; a quota that may not be exceeded holds; fair share
 between two users of one VC. Waits are bounded and generous (the machine may be busy); no
 verdict depends on timing: each step waits for the state it needs."""
@@ -143,6 +144,34 @@ async def test_a_high_priority_job_preempts_a_whole_low_gang_which_resumes_uncha
     other = await bench.submit("other-low", gpus=2, priority="low")
     await bench.until("it waits with a reason", lambda: _reason(bench, other))
     assert await bench.attempt(other, 1) is None and not (await bench.attempt(low, 2)).ended
+
+
+async def test_the_head_lends_what_it_waits_for_and_calls_it_back_uncharged(bench):
+    # 4 GPUs: first holds 2; head needs all 4 and waits, first in line; later (2 GPUs, submitted
+    # after it) runs at once on what is held for the head. When first ends, the head would fit on
+    # what is free plus what later holds: later is stopped for it, uncharged (retryCount 0: a
+    # charged retry would fail it), the head runs, and later runs again as attempt 2.
+    first = await bench.submit("first", gpus=2)
+    await bench.until("first runs", lambda: bench.running(first))
+    head = await bench.submit("head", gpus=4, seconds=2)
+    await bench.until("the head waits first in line", lambda: _reason(bench, head, "first in line"))
+    later = await bench.submit("later", gpus=2, retryCount=0)
+    await bench.until("later runs on what is held for the head", lambda: bench.running(later))
+    await bench.kill(first)
+
+    async def stopped() -> bool:
+        a = await bench.attempt(later, 1)
+        return a is not None and a.ended and all(t.state.ended for t in a.tasks)
+
+    await bench.until("later is stopped for the head", stopped)
+    a = await bench.attempt(later, 1)
+    assert a.preempted_by == head and a.rule == f"stopped to let job {head}, which waited longer, start"
+    await bench.until("the head succeeds", lambda: _final(bench, head, JobState.SUCCEEDED))
+    await bench.until("later runs again", lambda: bench.running(later, 2))
+    record = await bench.job(later)
+    assert record.retries == 0 and record.platform_retries == 0
+    assert JobEventKind.PREEMPTED in await bench.events(later)
+    assert (await bench.job(head)).attempt == 1
 
 
 async def test_a_vc_borrows_idle_gpus_and_another_reclaims_them(bench):
