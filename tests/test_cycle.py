@@ -154,6 +154,16 @@ ROWS = [
         expect=["preempt mine.1 for head (head)", "wait head: *stopping 1 gang(s)*(mine)*on b once*"],
     ),
     Row(
+        "gangs stopped for the head: no elastic role shrinks for it as well",
+        nodes={"a": 4},
+        running=[
+            R(J("e", gpus=1, elastic=(1, 2)), ("a:0", "a:1")),
+            R(J("later", gpus=2, at=5), ("a:2,3",)),
+        ],
+        queue=[J("head", gpus=1, at=1)],
+        expect=["preempt later.1 for head (head)", "wait head: first in line: stopping 1 gang(s)*"],
+    ),
+    Row(
         "the queue left after a cycle is in sharing order (priority first), the placed left out",
         nodes={"a": 2},
         running=[R(J("r", gpus=1, priority="high"), ("a:0",))],

@@ -239,6 +239,7 @@ def _place(
         decision.queue = _queue((job.job_id for job, _ in waiting), plan.placements)
     else:  # taken on from where the plan left it (after `rest()`: what the order still holds)
         decision.queue = _queue((p.job_id for p in order.ordered()), plan.placements)
+    stopped_for = set(plan.stop.values())
     # In queue order; what is shrunk for reads the first `tries` of them only.
     blocked = (job for job, _ in waiting) if order is None else _in_order(order, jobs)
     decision.blocked = list(
@@ -249,6 +250,7 @@ def _place(
                 if job.job_id in plan.pending
                 and job.job_id not in plan.unschedulable
                 and job.job_id not in held_back
+                and job.job_id not in stopped_for  # gangs stop for it: nothing shrinks for it too
             ),
             tries,
         )
