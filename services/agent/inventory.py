@@ -44,12 +44,9 @@ def parse_gpus(spec: str) -> list[GpuDevice]:
 def discover_gpus(nvml: Any = None) -> list[GpuDevice] | None:
     """GPUs through NVML; None when there is no NVIDIA driver (or no nvidia-ml-py). `nvml`: the
     pynvml module, or what stands in for it (a test's fake NVML)."""
-    if nvml is None:
-        try:
-            import pynvml as nvml
-        except ImportError:
-            return None
-    pynvml = nvml
+    pynvml = nvml if nvml is not None else _import_nvml()
+    if pynvml is None:
+        return None
     try:
         pynvml.nvmlInit()
     except Exception:
@@ -65,6 +62,14 @@ def discover_gpus(nvml: Any = None) -> list[GpuDevice] | None:
         return devices
     finally:
         pynvml.nvmlShutdown()
+
+
+def _import_nvml() -> Any:
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    return pynvml
 
 
 def short_model(name: str) -> str:
