@@ -228,6 +228,8 @@ class MpsDaemons:
         async with state.lock:
             pipe, logs = self.dirs(gpu)
             if not state.users and not await self.control.running(pipe):
+                # What a daemon that died left in its pipe directory is not to be found by the new one.
+                shutil.rmtree(pipe, ignore_errors=True)
                 pipe.mkdir(parents=True, exist_ok=True)
                 logs.mkdir(parents=True, exist_ok=True)
                 # Tasks of another user (a container's) reach the daemon's pipes through it.
