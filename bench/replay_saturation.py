@@ -28,6 +28,11 @@ is reported beside it. Rules:
     `share` on the Alibaba trace: its refusals there are 1-GPU tasks that find free GPUs only on
     nodes whose CPUs or memory are spent.
 
+  * `muster-whole`, `muster`: Muster's own placement core (services/scheduler/placement.py,
+    `Cluster.place_alone` then `Cluster.allocate`, as the scheduler commits a plan), each task a
+    one-task job; `muster-whole` with every share rounded up to a whole GPU (what a config could
+    ask before fractional gpuNumber), `muster` with the shares kept (gpuNumber 0.05 ... 0.81).
+
 CPUs and memory are whole-node checks, as in Muster's placement.
 """
 
@@ -45,10 +50,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.replay import DEFAULT_TRACE, SAMPLE_TRACE
-from bench.replay_trace import Trace, TraceError, load
+from bench.replay_trace import Trace, TraceError, TraceTask, load
+from muster.services.scheduler import placement
 
 WHOLE = 1000  # milli-GPUs in one GPU
-RULES = ("whole", "share", "fgd")
+RULES = ("whole", "share", "fgd", "muster-whole", "muster")
 
 
 @dataclass(frozen=True)
@@ -232,9 +238,39 @@ class Saturation:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
 
 
+class MusterPlacer:
+    """Muster's placement core as the saturation loop drives it: one job per task, placed alone
+    on the live cluster and committed, or refused."""
+
+    def __init__(self, trace: Trace, keep_fractions: bool) -> None:
+        self.cluster = placement.Cluster(n.copy(empty=True) for n in trace.nodes)
+        self.jobs = [self._job(i, t, keep_fractions) for i, t in enumerate(trace.tasks)]
+
+    @staticmethod
+    def _job(i: int, task: TraceTask, keep_fractions: bool) -> placement.PendingJob:
+        config = task.config
+        role = config.taskRoles[0]
+        if keep_fractions and role.gpuNumber == 1 and task.gpu_milli < WHOLE:
+            role = role.model_copy(update={"gpuNumber": task.gpu_milli / WHOLE})
+            config = config.model_copy(update={"taskRoles": [role]})
+        return placement.PendingJob(f"t{i}", config)
+
+    def place(self, position: int) -> bool:
+        job = self.jobs[position]
+        specs = self.cluster.place_alone(job)
+        if specs is None:
+            return False
+        self.cluster.allocate(job.config, specs)
+        return True
+
+    def held(self) -> int:
+        return sum(len(n.used_gpus) + len(n.shared) for n in self.cluster.nodes.values())
+
+
 def saturate(trace: Trace, rule: str, threshold: float = 0.05) -> Saturation:
     clock = time.perf_counter()
-    asks = asks_of(trace, keep_fractions=rule != "whole")
+    asks = asks_of(trace, keep_fractions=rule not in ("whole", "muster-whole"))
+    muster = MusterPlacer(trace, rule == "muster") if rule.startswith("muster") else None
     frag = Fragmentation(asks) if rule == "fgd" else None
     nodes = [
         Node(
@@ -253,6 +289,17 @@ def saturate(trace: Trace, rule: str, threshold: float = 0.05) -> Saturation:
     reached: int | None = None
     for position, ask in enumerate(asks, 1):
         arrived += ask.share
+        if muster is not None:
+            if muster.place(position - 1):
+                useful += ask.share
+            else:
+                refused += ask.share
+                if first is None:
+                    first, useful_first = position, useful / total
+            if ask.gpus and refused >= threshold * arrived and refused > 0:
+                reached = position
+                break
+            continue
         where = place(nodes, ask, frag)
         if where is None:
             refused += ask.share
@@ -267,7 +314,7 @@ def saturate(trace: Trace, rule: str, threshold: float = 0.05) -> Saturation:
         if ask.gpus and refused >= threshold * arrived and refused > 0:
             reached = position
             break
-    held = sum(1 for n in nodes for f in n.free if f < WHOLE)
+    held = muster.held() if muster is not None else sum(1 for n in nodes for f in n.free if f < WHOLE)
     return Saturation(
         rule,
         len(asks),

@@ -514,6 +514,19 @@ class TaskStatus(BaseModel):
             gpu_milli=self.gpu_milli,
         )
 
+    @classmethod
+    def placed(cls, spec: TaskSpec, **more: Any) -> TaskStatus:
+        """A task just placed where `spec` says."""
+        return cls(
+            role=spec.role,
+            role_no=spec.role_no,
+            index=spec.index,
+            node=spec.node,
+            gpus=spec.gpus,
+            gpu_milli=spec.gpu_milli,
+            **more,
+        )
+
 
 class FailureKind(StrEnum):
     USER = "user"  # the command exited non-zero, or ran out of memory

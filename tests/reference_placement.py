@@ -1,8 +1,9 @@
 """Placement core: a snapshot of nodes and a FIFO queue of gangs in, a plan out. No I/O.
 
 (The planner before the index, kept for tests/test_placement_differential.py. One change since
-the copy: the best-fit rank's starved-GPU key, `muster.services.scheduler.placement.FED_CPUS`, a policy
-both planners share; the index must still find exactly what this pass over the nodes finds.)
+the copy: the best-fit rank's starved-GPU key, `muster.services.scheduler.placement.FED_CPUS`, first
+for GPU tasks since fractional GPUs came (docs/BENCHMARKS.md, saturation), a policy both
+planners share; the index must still find exactly what this pass over the nodes finds.)
 
 Owns per-node resource accounting (`NodeState`, `allocate`, `release`), gang placement of one job
 (feasibility → best-fit rank → tentative allocations committed or discarded as a whole, like
@@ -305,7 +306,7 @@ def _best_fit(node: NodeState, shape: _Shape, claim: Claim | None) -> Rank:
     memory_after = node.free_memory_mb - memory_mb - shape.memory_mb
     if shape.gpus:  # the starved-GPU key, added to both planners since the copy (the policy)
         starved = max(0, gpus_after - cpus_after // FED_CPUS)
-        return (gpus_after, starved, cpus_after, memory_after, node.name)
+        return (starved, gpus_after, cpus_after, memory_after, node.name)
     return (bool(node.gpus), gpus_after, cpus_after, memory_after, node.name)
 
 

@@ -1,5 +1,7 @@
 """Property test: a random cluster lives through random submits and completions, with the planner
-run after each step and its plans committed; the invariants of placement hold at every step."""
+run after each step and its plans committed; the invariants of placement hold at every step, for
+whole GPUs and for shares of one (gpuNumber 0.25 ...): each GPU index is held whole by one task, or
+shared by fractional tasks whose shares add up to at most one GPU, never both."""
 
 from __future__ import annotations
 
@@ -33,7 +35,10 @@ def nodes(draw: Any) -> list[NodeState]:
 
 roles = st.lists(
     st.tuples(
-        st.integers(1, 3), st.integers(1, 8), st.integers(1, 8), st.sampled_from([0, 0, 1, 1, 2, 4, 8])
+        st.integers(1, 3),
+        st.integers(1, 8),
+        st.integers(1, 8),
+        st.sampled_from([0, 0, 1, 1, 2, 4, 8, 0.25, 0.5, 0.75, 0.1]),
     ),
     min_size=1,
     max_size=2,
@@ -44,7 +49,7 @@ complete = st.tuples(st.just("complete"), st.integers(0, 1000))
 operations = st.lists(st.one_of(submit, submit, submit, complete), min_size=6, max_size=24)
 
 
-def make_job(n: int, shape: list[tuple[int, int, int, int]], gpu_type: str | None) -> PendingJob:
+def make_job(n: int, shape: list[tuple[int, int, int, float]], gpu_type: str | None) -> PendingJob:
     config = JobConfig.model_validate(
         {
             "jobName": f"j{n}",
@@ -78,16 +83,26 @@ def check(view: dict[str, NodeState], queue: list[PendingJob], result: Plan) -> 
         assert [(t.role_no, t.role, t.index) for t in tasks] == expected
         for t in tasks:
             devices = {d.index: d.model for d in view[t.node].gpus}
-            assert len(t.gpus) == config.taskRoles[t.role_no].gpuNumber
+            role = config.taskRoles[t.role_no]
+            assert len(t.gpus) == role.gpu_devices
+            assert t.gpu_milli == (role.gpu_milli if role.shares_gpu else None)
             if config.gpuType:
                 assert all(devices[i].lower() == config.gpuType.lower() for i in t.gpus)
 
 
-def check_capacity(view: dict[str, NodeState]) -> None:
+def check_capacity(view: dict[str, NodeState], running: dict[str, tuple[JobConfig, list[TaskSpec]]]) -> None:
+    shares: dict[tuple[str, int], int] = {}
+    for _, tasks in running.values():
+        for t in tasks:
+            if t.gpu_milli is not None:
+                shares[(t.node, t.gpus[0])] = shares.get((t.node, t.gpus[0]), 0) + t.gpu_milli
     for n in view.values():
         assert 0 <= n.used_cpus <= n.cpus
         assert 0 <= n.used_memory_mb <= n.memory_mb
         assert n.used_gpus <= {d.index for d in n.gpus}
+        assert not n.used_gpus & set(n.shared), "a GPU is held whole and shared"
+        assert all(0 < used <= 1000 for used in n.shared.values())
+        assert n.shared == {i: used for (node, i), used in shares.items() if node == n.name}
 
 
 @settings(max_examples=200, deadline=None)
@@ -117,16 +132,25 @@ def test_invariants_hold_through_submits_and_completions(cluster: list[NodeState
             assert Cluster(view.values()).place_alone(queue[0]) == alone.placements.get(queue[0].job_id)
             assert view == before
         seen: dict[str, set[int]] = {name: set(n.used_gpus) for name, n in view.items()}
+        shared: dict[str, dict[int, int]] = {name: dict(n.shared) for name, n in view.items()}
         for job in queue:
             if job.job_id in result.placements:
                 tasks = result.placements[job.job_id]
                 for t in tasks:
                     assert not seen[t.node] & set(t.gpus), "a GPU index is used twice"
-                    seen[t.node] |= set(t.gpus)
+                    if t.gpu_milli is None:
+                        assert not set(shared[t.node]) & set(t.gpus), "a shared GPU is also held whole"
+                        seen[t.node] |= set(t.gpus)
+                    else:
+                        shared[t.node][t.gpus[0]] = shared[t.node].get(t.gpus[0], 0) + t.gpu_milli
+                        assert shared[t.node][t.gpus[0]] <= 1000, "a GPU is shared beyond itself"
+                    event(f"shares a GPU: {t.gpu_milli is not None}")
                 allocate(view, job.config, tasks)  # raises on over-allocation or a GPU used twice
                 running[job.job_id] = (job.config, tasks)
-        check_capacity(view)
+        check_capacity(view, running)
         queue = [j for j in queue if j.job_id not in result.placements]
     for config, tasks in running.values():
         release(view, config, tasks)
-    assert all(n.used_cpus == n.used_memory_mb == 0 and not n.used_gpus for n in view.values())
+    assert all(
+        n.used_cpus == n.used_memory_mb == 0 and not n.used_gpus and not n.shared for n in view.values()
+    )

@@ -76,7 +76,7 @@ def snapshot(view: View, at: datetime) -> Snapshot:
         for device in node.gpus:
             counts = snap.gpus.setdefault((name, device.model), [0, 0])
             counts[0] += 1
-            counts[1] += device.index in node.used_gpus
+            counts[1] += device.index in node.used_gpus or device.index in node.shared  # held or shared
     return snap
 
 

@@ -8,10 +8,16 @@ The scheduler service feeds it snapshots and commits the `Plan` it returns.
 Per job, in queue order:
   * feasible nodes for a task: enough free CPUs, memory and GPUs of the job's `gpuType` (any model
     when unset, matched case-insensitively) on one node; a task gets exact device indexes;
-  * rank: GPU tasks go where the fewest free GPUs remain, then where the fewest of those would be
-    left *starved* (without `FED_CPUS` CPUs each beside them); CPU-only tasks to GPU-less nodes
+  * rank: GPU tasks go where the fewest free GPUs would be left *starved* (without `FED_CPUS`
+    CPUs each beside them), then where the fewest free GPUs remain; CPU-only tasks to GPU-less nodes
     first, then to the node with the fewest free GPUs; then best fit on CPUs and memory;
-  * a job's largest tasks are placed first; if any task finds no node, the job places nothing.
+  * a job's largest tasks are placed first; if any task finds no node, the job places nothing;
+  * a task that asks for part of one GPU (gpuNumber 0.01 to 0.99, `TaskSpec.gpu_milli` in
+    thousandths) shares a GPU with other such tasks: each GPU index is held whole by one task or
+    shared, never both (`NodeState.used_gpus` / `NodeState.shared`). A share goes into the shared
+    GPU it fills best (on nodes where it starves the fewest untouched GPUs), else to an untouched
+    GPU of a node that already shares one, else where a 1-GPU task would go; CPU-only tasks keep
+    off the CPUs of nodes whose shared GPUs still have room.
 
 A job that does not fit even when every schedulable node is empty is *unschedulable*: it waits
 with a reason saying it can never run on the current nodes and it never blocks the queue.
@@ -393,6 +399,11 @@ def _usable_gpus(node: NodeState, model: str | None, claim: Claim | None) -> lis
     return [i for i, m in free if model is None or m == model]
 
 
+def _has_room(node: NodeState) -> bool:
+    """Whether a GPU of `node` is shared and has room for more."""
+    return any(used < WHOLE_GPU for used in node.shared.values())
+
+
 def _shared_gpu(node: NodeState, shape: _Shape) -> int | None:
     """The shared GPU of `node` a share of `shape` best fits (the least room left after it), or None."""
     rooms = [(left - shape.milli, i) for left, i in node.room(shape.model) if left >= shape.milli]
@@ -424,15 +435,16 @@ def starved(gpus_after: int, cpus_after: int) -> int:
 
 
 def _best_fit(node: NodeState, shape: _Shape, claim: Claim | None) -> Rank:
-    """Smaller is better: leave the fewest free GPUs, of those (for a GPU task) the fewest
-    starved, then the fewest free CPUs and memory."""
+    """Smaller is better: for a GPU task, starve the fewest of the free GPUs it leaves, then
+    leave the fewest free GPUs; for a CPU-only task, GPU-less nodes first, then the fewest free
+    GPUs; then the fewest free CPUs and memory."""
     cpus, memory_mb = (claim.cpus, claim.memory_mb) if claim else (0, 0)
     free_gpus = node.free_gpu_count if claim is None else len(_usable_gpus(node, None, claim))
     gpus_after = free_gpus - shape.gpus
     cpus_after = node.free_cpus - cpus - shape.cpus
     memory_after = node.free_memory_mb - memory_mb - shape.memory_mb
     if shape.gpus:
-        return (gpus_after, starved(gpus_after, cpus_after), cpus_after, memory_after, node.name)
+        return (starved(gpus_after, cpus_after), gpus_after, cpus_after, memory_after, node.name)
     return (bool(node.gpus), gpus_after, cpus_after, memory_after, node.name)
 
 
@@ -469,7 +481,9 @@ def _closest_to_free(live: Mapping[str, NodeState]) -> Ranker:
     less what the head's earlier tasks already claimed there."""
 
     def rank(node: NodeState, shape: _Shape, _claim: Claim | None) -> Rank:
-        real = live[node.name]
+        real = live.get(node.name)
+        if real is None:  # out of the live view (it did not add up): nothing counts as free there
+            return (1, 1, 1, node.name)
         gpus = len(real.free_gpus(shape.model)) - len(node.used_gpus)
         return (
             -gpus,
@@ -649,12 +663,13 @@ class Cluster:
     def __init__(self, nodes: Iterable[NodeState] = ()) -> None:
         self.nodes: dict[str, NodeState] = {n.name: n.copy() for n in nodes}
         self._sig: dict[str, tuple[str, ...]] = {}  # node -> its GPU models, lower-cased, sorted
-        self._groups: dict[tuple[bool, int], dict[tuple[str, ...], list[Entry]]] = {}
+        self._groups: dict[tuple[bool, int, bool], dict[tuple[str, ...], list[Entry]]] = {}
         self._most: dict[str | None, list[Top]] = {None: []}  # model (None: any) -> free GPUs
         self._cpus: list[Top] = []
         self._memory: list[Top] = []
         self.most_gpus = 0  # the most GPUs any node has (free-GPU groups go up to it)
         self._sharing: set[str] = set()  # nodes with a shared GPU that has room left
+        self._hosting: set[str] = set()  # nodes with a shared GPU
         for node in self.nodes.values():
             self._learn(node)
             self._index(node, sort=False)
@@ -679,7 +694,7 @@ class Cluster:
         """Every (list, entry) that stands for `node` as it is now."""
         name, sig = node.name, self._sig[node.name]
         cpus, memory_mb, gpus = node.free_cpus, node.free_memory_mb, node.free_gpu_count
-        group = self._groups.setdefault((bool(node.gpus), gpus), {})
+        group = self._groups.setdefault((bool(node.gpus), gpus, _has_room(node)), {})
         out: list[tuple[list[Any], Any]] = [
             (group.setdefault(sig, []), (cpus, memory_mb, name)),
             (self._most[None], (gpus, name)),
@@ -694,6 +709,10 @@ class Cluster:
         return out
 
     def _note_sharing(self, node: NodeState) -> None:
+        if node.shared:
+            self._hosting.add(node.name)
+        else:
+            self._hosting.discard(node.name)
         if node.shared and any(used < WHOLE_GPU for used in node.shared.values()):
             self._sharing.add(node.name)
         else:
@@ -726,6 +745,7 @@ class Cluster:
             self._unindex(node)
             del self._sig[name]
             self._sharing.discard(name)
+            self._hosting.discard(name)
 
     def take(self, name: str, cpus: int, memory_mb: int, gpus: Sequence[int], milli: int = WHOLE_GPU) -> None:
         node = self.nodes[name]
@@ -768,30 +788,40 @@ class Cluster:
     def best(self, shape: _Shape, claims: Mapping[str, Claim], avoid: Set[str]) -> NodeState | None:
         """The node the best-fit rank puts first for one task of `shape`, or None if none fits;
         avoided nodes are never chosen, claimed ones only with what their claim leaves. A share
-        of a GPU goes into a GPU already shared where one has room (`_best_share`), and only
-        then takes an untouched GPU, as a 1-GPU task would."""
+        of a GPU goes into a GPU already shared where one has room (`_best_share`), else to an
+        untouched GPU on a node that already shares one (`_new_share`), and only then where a
+        1-GPU task would go. A CPU-only task goes where no GPU capacity is left: nodes whose
+        shared GPUs have room come after those whose GPUs are full, at each level of free GPUs."""
         if shape.shares and self._sharing:
             shared = self._best_share(shape, claims, avoid)
             if shared is not None:
                 return shared
+        if shape.shares and self._hosting:
+            shared = self._new_share(shape, claims, avoid)
+            if shared is not None:
+                return shared
         found: NodeState | None = None
+        levels: list[tuple[tuple[bool, int, bool], ...]]
         if shape.gpus:
-            order = [(True, k) for k in range(shape.gpus, self.most_gpus + 1)]
-        else:
-            order = [(False, 0), *((True, k) for k in range(self.most_gpus + 1))]
-        for key in order:
-            group = self._groups.get(key)
-            if not group:
-                continue
-            for sig, entries in group.items():
-                if shape.model is not None and shape.model not in sig:
+            levels = [((True, k, False), (True, k, True)) for k in range(shape.gpus, self.most_gpus + 1)]
+        else:  # where no GPU capacity is left first: shared GPUs with room after untouched ones
+            levels = [((False, 0, False),)]
+            levels += [((True, k, room),) for k in range(self.most_gpus + 1) for room in (False, True)]
+        for level in levels:
+            for key in level:
+                group = self._groups.get(key)
+                if not group:
                     continue
-                node = self._least_starved(entries, shape, key[1] - shape.gpus, claims, avoid)
-                if node is not None and (
-                    found is None or _best_fit(node, shape, None) < _best_fit(found, shape, None)
-                ):
-                    found = node
-            if found is not None:
+                for sig, entries in group.items():
+                    if shape.model is not None and shape.model not in sig:
+                        continue
+                    node = self._least_starved(entries, shape, key[1] - shape.gpus, claims, avoid)
+                    if node is not None and (
+                        found is None or _best_fit(node, shape, None) < _best_fit(found, shape, None)
+                    ):
+                        found = node
+            # More free GPUs left can still starve fewer: look on until one starves none.
+            if found is not None and (not shape.gpus or _best_fit(found, shape, None)[0] == 0):
                 break
         for name, claim in claims.items():
             node = self.nodes.get(name)
@@ -823,12 +853,29 @@ class Cluster:
                 continue
             untouched = node.free_gpu_count
             rank: Rank = (
-                min(rooms) - shape.milli,
                 starved(untouched, cpus_after),
+                min(rooms) - shape.milli,
                 cpus_after,
                 memory_after,
                 name,
             )
+            if best is None or rank < best[0]:
+                best = (rank, node)
+        return None if best is None else best[1]
+
+    def _new_share(self, shape: _Shape, claims: Mapping[str, Claim], avoid: Set[str]) -> NodeState | None:
+        """Where no shared GPU has room: the best-fit node among those that already share a GPU
+        (an untouched GPU there becomes shared), so that shared GPUs gather on few nodes and
+        the others stay whole for whole-GPU tasks. A pass over the nodes that share GPUs."""
+        best: tuple[Rank, NodeState] | None = None
+        for name in self._hosting:
+            if name in avoid:
+                continue
+            node = self.nodes[name]
+            claim = claims.get(name)
+            if not _fits(node, shape, claim):
+                continue
+            rank = _best_fit(node, shape, claim)
             if best is None or rank < best[0]:
                 best = (rank, node)
         return None if best is None else best[1]

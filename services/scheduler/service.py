@@ -287,12 +287,7 @@ class Scheduler:
         def change(a: AttemptRecord) -> AttemptRecord | None:
             if a.ended or a.resized_at != record.resized_at:
                 return None  # changed meanwhile: the next cycle looks again
-            joined = [
-                TaskStatus(
-                    role=s.role, role_no=s.role_no, index=s.index, node=s.node, gpus=s.gpus, placed_at=at
-                )
-                for s in added
-            ]
+            joined = [TaskStatus.placed(s, placed_at=at) for s in added]
             return a.model_copy(update={"tasks": [*a.tasks, *joined], "resized_at": at})
 
         updated = await self.kv_attempts.update(record.key, change)
@@ -435,10 +430,7 @@ class Scheduler:
             attempt=n,
             borrowed=borrowed,
             elastic=[r.name for r in job.config.taskRoles if r.elastic],
-            tasks=[
-                TaskStatus(role=t.role, role_no=t.role_no, index=t.index, node=t.node, gpus=t.gpus)
-                for t in tasks
-            ],
+            tasks=[TaskStatus.placed(t) for t in tasks],
         )
         if not await self.kv_attempts.create(record.key, record):
             existing = await self.kv_attempts.get(record.key)  # an earlier leader's: reuse it

@@ -24,7 +24,7 @@ import structlog
 
 from muster.services.scheduler import placement, quota
 from muster.services.scheduler.avoid import AVOID_WINDOW
-from muster.shared.jobconfig import JobConfig, rank
+from muster.shared.jobconfig import WHOLE_GPU, JobConfig, rank
 from muster.shared.lifecycle import attempt_to_place
 from muster.shared.liveness import Beats
 from muster.shared.messages import (
@@ -47,6 +47,7 @@ class Use:
     cpus: int
     memory_mb: int
     gpus: tuple[int, ...]
+    milli: int = WHOLE_GPU  # its share of its one GPU, for a task that shares one
 
 
 @dataclass(slots=True)
@@ -165,7 +166,7 @@ class View:
         state = placement.NodeState.from_info(self.nodes[name])
         try:
             for use in self._on.get(name, {}).values():
-                state.use(use.cpus, use.memory_mb, use.gpus)
+                state.use(use.cpus, use.memory_mb, use.gpus, use.milli)
         except ValueError as exc:
             # Never place on top of a view that does not add up: say so loudly, keep it out.
             if self.inconsistent.get(name) != str(exc):
@@ -220,7 +221,7 @@ class View:
             for t in record.tasks:
                 if not t.state.ended and 0 <= t.role_no < len(roles):
                     role = roles[t.role_no]
-                    new[t.key] = Use(t.node, role.cpuNumber, role.memoryMB, tuple(t.gpus))
+                    new[t.key] = Use(t.node, role.cpuNumber, role.memoryMB, tuple(t.gpus), role.gpu_milli)
         old = self._held.pop(key, {})
         if new:
             self._held[key] = new
