@@ -187,6 +187,18 @@ class JobEvent(Message):
 # ------------------------------------------------------------------ nodes, placement, rendezvous
 
 
+class GpuSharing(StrEnum):
+    """How an agent lets the tasks that hold part of one GPU share it (docs/gpus.md)."""
+
+    TIMESLICE = "timeslice"  # the same device, time-sliced by the driver: not isolated
+    MPS = "mps"  # NVIDIA MPS: each task's thread percentage and pinned memory limit set from its share
+
+    @property
+    def text(self) -> str:
+        """What a person is told a shared task gets."""
+        return "shared, time-sliced, not isolated" if self is GpuSharing.TIMESLICE else "shared, MPS"
+
+
 class GpuDevice(BaseModel):
     index: GpuIndex
     model: GpuModel
@@ -213,6 +225,8 @@ class NodeInfo(Message):
     # Where the agent serves /metrics (at `address`): Prometheus finds agents through the
     # supervisor's /sd/agents (HTTP service discovery). None: it serves none (a sim node).
     metrics_port: int | None = Field(default=None, ge=1, le=65535)
+    # How its tasks that hold part of one GPU share it (--gpu-sharing).
+    gpu_sharing: GpuSharing = GpuSharing.TIMESLICE
 
 
 # What no node record may claim (beyond: a forged or broken record, refused).
@@ -414,6 +428,8 @@ class TaskEvent(Message):
     kind: TaskEventKind
     cause: TaskCause | None = None  # set when kind is EXITED
     exit_code: ExitCode | None = None
+    # Set on RUNNING for a task holding part of a GPU: how its agent shares that GPU.
+    gpu_sharing: GpuSharing | None = None
     reason: Reason = ""  # cut to shapes.REASON characters
     last_lines: Lines = Field(default_factory=list)  # the last shapes.LINES, each cut to shapes.LINE
     at: AwareDatetime = Field(default_factory=now)
@@ -465,7 +481,10 @@ class TaskStatus(BaseModel):
     index: Index
     node: Name
     gpus: list[GpuIndex] = Field(default_factory=list, max_length=MAX_NODE_GPUS)
-    gpu_milli: int | None = Field(default=None, ge=1, lt=1000)  # as TaskSpec's: a share of gpus[0]
+    # A task holding part of one GPU: its share of gpus[0] in thousandths (TaskSpec.gpu_milli),
+    # and, once it runs, how its node shares that GPU (its agent's RUNNING report).
+    gpu_milli: int | None = Field(default=None, ge=1, lt=1000)
+    gpu_sharing: GpuSharing | None = None
     state: TaskState = TaskState.PLACED
     # An elastic role's task: when it joined a running attempt (else the attempt's placed_at),
     # and whether the scheduler removed it (shrinking the role): it holds its node until its

@@ -49,6 +49,9 @@ EXPECTED = {
     "gpu/job.json": Expected(
         code=2, said="can never run on the current nodes: no node has a GPU of type H100"
     ),
+    "gpu-sharing/job.json": Expected(
+        code=2, said="can never run on the current nodes: task half needs 0.5 of a GPU on one node"
+    ),
     "arena-mpijob/job.json": Expected(
         code=2, said="can never run on the current nodes", dataset="user-susan"
     ),

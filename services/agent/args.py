@@ -31,6 +31,14 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
         help="request GPU devices from Docker (auto: only for GPUs discovered through NVML)",
     )
     p.add_argument(
+        "--gpu-sharing",
+        choices=("timeslice", "mps"),
+        default=env("MUSTER_AGENT_GPU_SHARING", "timeslice"),
+        help="how tasks holding part of one GPU share it: timeslice (the same device, not isolated) or "
+        "mps (NVIDIA MPS: each task's thread percentage and pinned memory limit from its share; needs "
+        "nvidia-cuda-mps-control), see docs/gpus.md",
+    )
+    p.add_argument(
         "--runtime",
         choices=("auto", "docker", "process", "sim"),
         default=env("MUSTER_AGENT_RUNTIME", "auto"),

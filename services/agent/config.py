@@ -23,6 +23,7 @@ from muster.services.agent.inventory import (
 )
 from muster.services.agent.runtime import Runtime
 from muster.services.agent.service import AgentOptions, default_node_name
+from muster.shared.messages import GpuSharing
 from muster.shared.service import Service, serve_health
 
 log = structlog.get_logger(service="agent")
@@ -158,6 +159,7 @@ def options_from_args(args: argparse.Namespace, data_dir: str = "/tmp/muster") -
     check_sim_flags(args)
     check_network(args)
     check_output_limits()
+    sharing = check_gpu_sharing(args)
     return AgentOptions(
         node=node,
         address=args.address or machine_address(),
@@ -175,7 +177,25 @@ def options_from_args(args: argparse.Namespace, data_dir: str = "/tmp/muster") -
         data_roots=data_roots(args.data_roots, data_dir),
         task_user=args.task_user,
         pids_limit=args.pids_limit,
+        gpu_sharing=sharing,
     )
+
+
+def check_gpu_sharing(args: argparse.Namespace) -> GpuSharing:
+    """--gpu-sharing (MUSTER_AGENT_GPU_SHARING): mps is refused at start where the MPS control
+    binary is missing, rather than failing every shared task later."""
+    text = getattr(args, "gpu_sharing", "timeslice") or "timeslice"
+    try:
+        sharing = GpuSharing(text)
+    except ValueError:
+        raise SystemExit(f"--gpu-sharing {text!r}: use timeslice or mps") from None
+    if sharing is GpuSharing.MPS and args.runtime != "sim":
+        from muster.services.agent.gpushare import mps_available
+
+        why = mps_available()
+        if why is not None:
+            raise SystemExit(f"--gpu-sharing mps: {why}")
+    return sharing
 
 
 def check_output_limits() -> None:

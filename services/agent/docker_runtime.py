@@ -716,6 +716,8 @@ class DockerRuntime:
         }
         if user:
             kwargs["user"] = user
+        if launch.ipc_host:
+            kwargs["ipc_mode"] = "host"
         if launch.cpus > 0:
             # The engine refuses a limit above the CPUs it has: a node declared with more
             # (--overcommit) gives a task at most all of them.

@@ -12,7 +12,8 @@ Owns the variable families users' commands rely on:
 - MPI: MUSTER_MPI_HOSTFILE, OMPI_MCA_orte_default_hostfile (and `render_hostfile` for the file);
   for an MPI job (`extras.mpi`, shared/mpi.py) also MUSTER_MPI_NP, MUSTER_MPI_LAUNCHER, the rsh
   agent (OMPI_MCA_plm_rsh_agent) and OMPI_*/PMIX_* settings for the host network (docs/mpi.md).
-- GPUs: CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES.
+- GPUs: CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES; for a task holding part of one GPU also
+  MUSTER_GPU_SHARE, MUSTER_GPU_SHARING and, with MPS, CUDA_MPS_* (services/agent/gpushare.py).
 - Muster: MUSTER_JOB_ID, MUSTER_ATTEMPT, MUSTER_TASK_ROLE, MUSTER_TASK_INDEX.
 - The config's jobEnvs, as plain variables. The platform's variables win over a jobEnvs entry of
   the same name (jobEnvs cannot start with PAI_/MUSTER_, but could say TF_CONFIG or MASTER_ADDR).
@@ -34,9 +35,10 @@ import posixpath
 import re
 from dataclasses import dataclass
 
+from muster.services.agent.gpushare import share_env
 from muster.shared import mpi
 from muster.shared.jobconfig import JobConfig
-from muster.shared.messages import ClusterSpec, Endpoint
+from muster.shared.messages import ClusterSpec, Endpoint, GpuSharing
 
 # Role names as TensorFlow's TF_CONFIG and AI Platform's CLUSTER_SPEC spell them; a role name not
 # listed is kept as it is.
@@ -66,6 +68,12 @@ class TaskContext:
     default_fs_uri: str = ""  # PAI_DEFAULT_FS_URI
     hostfile_path: str | None = None  # where the MPI hostfile will be visible to the task
     rsh_agent_path: str | None = None  # an MPI job's plm_rsh_agent (services/agent/rsh.py)
+    # A task holding part of one GPU: its share in thousandths, how this node shares the GPU,
+    # its MPS daemon's pipe directory and the device's memory (MB, 0: unknown).
+    gpu_milli: int | None = None
+    gpu_sharing: GpuSharing = GpuSharing.TIMESLICE
+    mps_pipe: str | None = None
+    gpu_memory_mb: int = 0
 
 
 @dataclass(frozen=True)
@@ -115,7 +123,10 @@ def render_env(ctx: TaskContext) -> dict[str, str]:
     env.update(_modelarts(ctx, g))
     env.update(_pytorch(g, me, at))
     env.update(_mpi(ctx, gang, me))
-    env.update(_gpus(ctx.gpus))
+    if ctx.gpu_milli is not None and ctx.gpus:
+        env.update(share_env(ctx.gpus, ctx.gpu_milli, ctx.gpu_sharing, ctx.mps_pipe, ctx.gpu_memory_mb))
+    else:
+        env.update(_gpus(ctx.gpus))
     env.update(_muster(ctx, gang, me))
     return env
 

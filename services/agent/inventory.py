@@ -7,6 +7,7 @@ import itertools
 import os
 import re
 import socket
+from typing import Any
 
 import structlog
 
@@ -14,11 +15,13 @@ from muster.shared.messages import MAX_NODE_GPUS, GpuDevice
 
 log = structlog.get_logger(service="agent")
 
-_GPU_SPEC = re.compile(r"^\s*(\d+)\s*[xX×]\s*([A-Za-z0-9_.-]{1,64})\s*$")
+_GPU_SPEC = re.compile(r"^\s*(\d+)\s*[xX×]\s*([A-Za-z0-9_.-]{1,64})(?::(\d{1,9}))?\s*$")
 
 
 def parse_gpus(spec: str) -> list[GpuDevice]:
-    """`8xV100` or `4xV100,2xT4` -> devices indexed 0..n-1 in the order written. "" or "0" -> none."""
+    """`8xV100` or `4xV100,2xT4` -> devices indexed 0..n-1 in the order written. "" or "0" -> none.
+    `1xH100:81559` also declares each device's memory in MB (NVML reports it where there is a
+    driver): what an MPS task's pinned memory limit is a share of (services/agent/gpushare.py)."""
     spec = spec.strip()
     if spec in ("", "0", "none"):
         return []
@@ -28,20 +31,21 @@ def parse_gpus(spec: str) -> list[GpuDevice]:
         if not m:
             raise ValueError(
                 f"GPU spec {part.strip()[:80]!r}: expected COUNTxMODEL, e.g. 4xV100 "
-                "(a model of at most 64 letters, digits, '_', '.' and '-')"
+                "(a model of at most 64 letters, digits, '_', '.' and '-'), optionally :MEMORY_MB "
+                "(4xV100:16384)"
             )
         if len(devices) + int(m.group(1)) > MAX_NODE_GPUS:
             raise ValueError(f"at most {MAX_NODE_GPUS} GPUs on one node")
         for _ in range(int(m.group(1))):
-            devices.append(GpuDevice(index=len(devices), model=m.group(2)))
+            devices.append(GpuDevice(index=len(devices), model=m.group(2), memory_mb=int(m.group(3) or 0)))
     return devices
 
 
-def discover_gpus() -> list[GpuDevice] | None:
-    """GPUs through NVML; None when there is no NVIDIA driver (or no nvidia-ml-py)."""
-    try:
-        import pynvml
-    except ImportError:
+def discover_gpus(nvml: Any = None) -> list[GpuDevice] | None:
+    """GPUs through NVML; None when there is no NVIDIA driver (or no nvidia-ml-py). `nvml`: the
+    pynvml module, or what stands in for it (a test's fake NVML)."""
+    pynvml = nvml if nvml is not None else _import_nvml()
+    if pynvml is None:
         return None
     try:
         pynvml.nvmlInit()
@@ -58,6 +62,14 @@ def discover_gpus() -> list[GpuDevice] | None:
         return devices
     finally:
         pynvml.nvmlShutdown()
+
+
+def _import_nvml() -> Any:
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    return pynvml
 
 
 def short_model(name: str) -> str:

@@ -11,12 +11,14 @@ import os
 import shlex
 import signal
 import stat
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from dataclasses import field as dc_field
 from pathlib import Path
 
-from muster.services.agent import environment, rsh, workdirs
+from muster.services.agent import environment, gpushare, rsh, workdirs
 from muster.services.agent.prepare import Prepared
 from muster.services.agent.runtime import (
     LABEL_ATTEMPT,
@@ -33,7 +35,7 @@ from muster.services.agent.runtime import (
 )
 from muster.shared import hostpaths, mpi
 from muster.shared.jobconfig import RESERVED_ENV_PREFIXES, RESIZE_SIGNALS
-from muster.shared.messages import Assignment, ClusterSpec, TaskCause, TaskSpec
+from muster.shared.messages import Assignment, ClusterSpec, GpuSharing, TaskCause, TaskSpec
 
 MAX_AUTH_FILE = 4096  # bytes: three short lines
 
@@ -49,6 +51,19 @@ class Where:
     gpu_devices: bool
     data_roots: tuple[str, ...] = ()  # where dir fields may point ({user}: the submitter)
     containers: bool = True  # tasks run in containers (mounts are seen at their container paths)
+    gpu_sharing: GpuSharing = GpuSharing.TIMESLICE  # how tasks holding part of a GPU share it
+    gpu_memory_mb: Mapping[int, int] = dc_field(default_factory=dict, hash=False)  # GPU index -> MB
+
+
+def gpu_share(a: Assignment, spec: TaskSpec, where: Where) -> tuple[int, Path | None] | None:
+    """A task holding part of one GPU: its share in thousandths and, with MPS, its GPU's daemon's
+    pipe directory; None for a task of whole GPUs (or none)."""
+    milli = gpushare.share_milli(a.config, spec)
+    if milli is None:
+        return None
+    if where.gpu_sharing is not GpuSharing.MPS:
+        return milli, None
+    return milli, gpushare.mps_dirs(where.work_root, spec.gpus[0])[0]
 
 
 def task_name(job_id: str, attempt: int, role: str, index: int) -> str:
@@ -73,6 +88,7 @@ def task_env(a: Assignment, spec: TaskSpec, cluster: ClusterSpec, where: Where) 
     _replace(hostfile, environment.render_hostfile(cluster, a.config))
     # An MPI job's launcher starts its daemons in the other tasks through this (docs/mpi.md).
     rsh_agent = str(rsh.install(attempt_dir)) if mpi.shape(a.config) is not None else None
+    share = gpu_share(a, spec, where)
     ctx = environment.TaskContext(
         job_id=a.job_id,
         attempt=a.attempt,
@@ -86,6 +102,10 @@ def task_env(a: Assignment, spec: TaskSpec, cluster: ClusterSpec, where: Where) 
         default_fs_uri=where.default_fs_uri,
         hostfile_path=str(hostfile),
         rsh_agent_path=rsh_agent,
+        gpu_milli=share[0] if share else None,
+        gpu_sharing=where.gpu_sharing,
+        mps_pipe=str(share[1]) if share and share[1] else None,
+        gpu_memory_mb=where.gpu_memory_mb.get(spec.gpus[0], 0) if share else 0,
     )
     env = environment.render_env(ctx)
     if a.config.elastic:
@@ -155,6 +175,10 @@ def build_launch(
             env["MUSTER_CODE_DIR"] = prepared.code_dir
             if not config.codeDir:
                 env["PAI_CODE_DIR"] = prepared.code_dir
+    share = gpu_share(a, spec, where)
+    mps_pipe = share[1] if share else None
+    if mps_pipe is not None:  # the task talks to its GPU's MPS daemon through this directory
+        mounts.append(Mount(str(mps_pipe), str(mps_pipe)))
     shape = mpi.shape(config)
     hosts_only = shape is not None and shape.hosts_ranks_only(spec.role, spec.index)
     return TaskLaunch(
@@ -180,6 +204,8 @@ def build_launch(
             LABEL_HOME: where.work_root,
         },
         extras=config.extras,
+        # MPS clients in containers share the host's IPC namespace with the MPS server.
+        ipc_host=mps_pipe is not None,
     )
 
 

@@ -52,6 +52,8 @@ class TaskLaunch:
     labels: dict[str, str] = field(default_factory=dict)
     # The job's `extras`, as submitted: hints for a runtime that reads them (sim: `extras.sim`).
     extras: dict[str, Any] = field(default_factory=dict, repr=False)
+    # Docker: run in the host's IPC namespace (an MPS client: NVIDIA MPS in containers needs it).
+    ipc_host: bool = False
 
 
 # Called with each line the task writes (stdout and stderr merged, without the newline).

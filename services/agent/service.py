@@ -39,6 +39,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
+from muster.services.agent.gpushare import mps_available
 from muster.services.agent.inventory import PortPool
 from muster.services.agent.launch import Where
 from muster.services.agent.reconcile import Assignments, Placed, Reconciler
@@ -56,6 +57,7 @@ from muster.shared.messages import (
     Endpoint,
     EndpointReported,
     GpuDevice,
+    GpuSharing,
     KillOrder,
     NodeInfo,
     TaskCause,
@@ -99,6 +101,8 @@ class AgentOptions:
     task_user: str = "auto"  # Docker: the image's non-root USER, else DEFAULT_TASK_USER; "root" opts out
     pids_limit: int = 4096  # processes per task container (a fork bomb stops there)
     metrics_port: int | None = None  # where /metrics is served, told in the node record
+    # How tasks holding part of one GPU share it: time-sliced, or isolated by NVIDIA MPS.
+    gpu_sharing: GpuSharing = GpuSharing.TIMESLICE
 
     def __post_init__(self) -> None:
         # Mount sources must be absolute for Docker; a relative --data-dir works from anywhere.
@@ -213,6 +217,8 @@ class Agent:
             gpu_devices=options.gpu_devices,
             data_roots=tuple(options.data_roots),
             containers=getattr(runtime, "containers", True),
+            gpu_sharing=options.gpu_sharing,
+            gpu_memory_mb={g.index: g.memory_mb for g in options.gpus},
         )
         self.tasks = Tasks(
             nc, js, runtime, self.reporter, self.attempts, ports, where, shared.specs if shared else None
@@ -259,6 +265,7 @@ class Agent:
             restarting_until=restarting_until,
             drained=self.drained,
             metrics_port=o.metrics_port,
+            gpu_sharing=o.gpu_sharing,
         )
 
     async def _write_node(self, restarting_until: datetime | None = None) -> None:
@@ -302,6 +309,9 @@ class Agent:
             await self.rsh.start()  # before adopting: an adopted launcher may call at once
         self.reconciler.read_from = begin_reading(self.opts.work_root, note=self.runtime.can_adopt)
         await self.reconciler.at_start(placed)
+        if self.tasks.mps is not None:  # MPS daemons an earlier run left that nothing adopted uses
+            for gpu in await self.tasks.mps.sweep():
+                self.log.info("agent.mps_daemon_left_quit", gpu=gpu)
         self.tasks.workdirs.start()  # what nothing adopted uses may go (services/agent/workdirs.py)
         # From here on, tasks do not outlive this agent unless it detaches on purpose.
         self.runtime.start_fence(
@@ -333,6 +343,8 @@ class Agent:
         else:
             await self.tasks.stop_all("agent shutting down", self.opts.stop_grace)
             await self.reporter.flush(10)
+            if self.tasks.mps is not None:  # its tasks are gone: so are their MPS daemons
+                await self.tasks.mps.close()
         await self.rsh.close()
         await self.tasks.workdirs.close()
         await self.reporter.close()
@@ -558,6 +570,10 @@ async def pull_orders(
 async def check_declaration(options: AgentOptions, runtime: Runtime) -> None:
     """Refuse, at start, a declaration the runtime cannot honour: every task sized to it would
     fail to start."""
+    if options.gpu_sharing is GpuSharing.MPS and runtime.name != "sim":
+        why = mps_available()
+        if why is not None:
+            raise SystemExit(f"agent: --gpu-sharing mps: {why}")
     capacity = await runtime.capacity()
     if capacity is None or options.overcommit:
         return

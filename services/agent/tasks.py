@@ -20,8 +20,17 @@ from nats.js import JetStreamContext
 from prometheus_client import Counter, Gauge
 
 from muster.services.agent import workdirs
+from muster.services.agent.gpushare import MpsDaemons, MpsError
 from muster.services.agent.inventory import PortPool
-from muster.services.agent.launch import Where, attempt_path, build_launch, resize_signal, task_env, task_name
+from muster.services.agent.launch import (
+    Where,
+    attempt_path,
+    build_launch,
+    gpu_share,
+    resize_signal,
+    task_env,
+    task_name,
+)
 from muster.services.agent.output import OutputLimits, Shipper, output_path
 from muster.services.agent.prepare import (
     SYNCED_MARK,
@@ -44,6 +53,7 @@ from muster.shared.messages import (
     ClusterSpec,
     Dataset,
     Endpoint,
+    GpuSharing,
     TaskCause,
     TaskEvent,
     TaskEventKind,
@@ -84,6 +94,7 @@ class LocalTask:
     version: int = 0  # the spec version its environment describes (elastic attempts have many)
     cluster: ClusterSpec | None = None  # the spec it was started with (None: adopted)
     shipper: Shipper | None = None  # its output: to its file and, within limits, the stream
+    mps_gpu: int | None = None  # the shared GPU whose MPS daemon it uses (held until it ends)
 
     def mask(self, text: str) -> str:
         if self.masker is None:
@@ -127,6 +138,8 @@ class Tasks:
         # Attempt directories: kept while a task of theirs is live here, removed after (workdirs.py).
         self.workdirs = Workdirs(where.work_root, self._attempts_live, self.node)
         self._serving: set[asyncio.Task[None]] = set()
+        # --gpu-sharing mps: the MPS daemon of each shared GPU (services/agent/gpushare.py).
+        self.mps = MpsDaemons(where.work_root) if where.gpu_sharing is GpuSharing.MPS else None
 
     def known(self, key: TaskKey) -> bool:
         """Whether this agent runs the task, or has already reported its end."""
@@ -155,6 +168,10 @@ class Tasks:
         """Watch a task already running (adopted after a restart) until it ends."""
         self.live[key] = task
         TASKS_LIVE.labels(self.node).set(len(self.live))
+        share = gpu_share(task.assignment, task.spec, self.where)
+        if self.mps is not None and share is not None and share[1] is not None:
+            task.mps_gpu = task.spec.gpus[0]  # its daemon, left running by the agent before
+            self.mps.adopt(task.mps_gpu, task.name)
         if not self._hosts_ranks_only(task):
             self.progress.track(key, task.assignment.config)
         task.runner = asyncio.create_task(self._watch(key, task))
@@ -191,6 +208,9 @@ class Tasks:
             if await self.obsolete([key]):
                 raise asyncio.CancelledError
             prepared = await self.prepare(a)
+            share = gpu_share(a, task.spec, self.where)
+            if self.mps is not None and share is not None and share[1] is not None:
+                await self._use_mps(task)
             launch = build_launch(a, task.spec, task.ports, cluster, self.where, prepared)
             task.version = cluster.version
             task.cluster = cluster
@@ -216,11 +236,23 @@ class Tasks:
             self.log.error("agent.task_error", task=task.name, exc_info=True)
             await self._finish(key, task, TaskCause.PLATFORM, NOT_STARTED, f"{type(exc).__name__}: {exc}")
             return
-        self.report(a, task.spec, TaskEventKind.RUNNING)
+        shared = {"gpu_sharing": self.where.gpu_sharing} if share is not None else {}
+        self.report(a, task.spec, TaskEventKind.RUNNING, **shared)
         if a.config.elastic:
             self._follow(a.job_id, a.attempt)
         self.log.info("agent.task_started", task=task.name)
         await self._watch(key, task)
+
+    async def _use_mps(self, task: LocalTask) -> None:
+        """Its GPU's MPS daemon, started if none runs; one that cannot start refuses the task
+        (a platform failure: it may start elsewhere, or here once the daemon can)."""
+        assert self.mps is not None
+        gpu = task.spec.gpus[0]
+        try:
+            await self.mps.acquire(gpu, task.name)
+        except MpsError as exc:
+            raise LaunchError(f"cannot start NVIDIA MPS for GPU {gpu}: {exc}", TaskCause.PLATFORM) from None
+        task.mps_gpu = gpu
 
     async def prepare(self, a: Assignment) -> Prepared | None:
         """The job's datasets and its code, fetched once per attempt here (prepare.py)."""
@@ -264,6 +296,11 @@ class Tasks:
                 cause, reason = TaskCause.OOM, f"out of memory (limit {limit} MB)"
             else:
                 cause, reason = TaskCause.EXITED, ""
+            if cause == TaskCause.EXITED and code != 0 and task.mps_gpu is not None and self.mps:
+                # A neighbour's fatal fault can end every client of the GPU's MPS server.
+                why = await self.mps.judge(task.mps_gpu, task.name)
+                if why is not None:
+                    cause, reason = TaskCause.PLATFORM, f"failed on shared GPU {task.mps_gpu}: {why}"
         except asyncio.CancelledError:
             raise  # detaching: the task goes on, the next agent adopts it
         except Exception as exc:
@@ -272,6 +309,11 @@ class Tasks:
 
     async def _finish(self, key: TaskKey, task: LocalTask, cause: TaskCause, code: int, reason: str) -> None:
         self.ports.release(task.ports)
+        if task.mps_gpu is not None and self.mps is not None:
+            try:
+                await self.mps.release(task.mps_gpu, task.name)
+            except Exception as exc:
+                self.log.warning("agent.mps_quit_failed", gpu=task.mps_gpu, error=str(exc)[:200])
         with contextlib.suppress(Exception):
             await self.progress.untrack(key)
         if self.rsh is not None and self._is_mpi_launcher(task):

@@ -14,7 +14,15 @@ from muster.shared.trainmetrics import MetricFormat, shown
 if TYPE_CHECKING:
     from nats.js.api import StreamConfig
 
-    from muster.shared.messages import AttemptRecord, Dataset, GpuDevice, JobRecord, VirtualCluster
+    from muster.shared.jobconfig import JobConfig
+    from muster.shared.messages import (
+        AttemptRecord,
+        Dataset,
+        GpuDevice,
+        JobRecord,
+        TaskStatus,
+        VirtualCluster,
+    )
 
 LIVE, FINISHED = ["WAITING", "RUNNING"], ["SUCCEEDED", "FAILED", "STOPPED"]
 STATES = LIVE + FINISHED
@@ -121,9 +129,21 @@ def describe(r: JobRecord, history: Sequence[AttemptRecord] | None = None) -> st
         rows = [("TASK", "NODE", "GPUS", "STATE", "EXIT", "REASON")]
         for t in history[-1].tasks:
             exit_code = "" if t.exit_code is None else str(t.exit_code)
-            rows.append((t.key, t.node, ",".join(map(str, t.gpus)) or "-", str(t.state), exit_code, t.reason))
+            rows.append((t.key, t.node, task_gpus(t, c), str(t.state), exit_code, t.reason))
         lines += indented(rows)
     return "\n".join(line.rstrip() for line in lines)
+
+
+def task_gpus(t: TaskStatus, config: JobConfig) -> str:
+    """A task's GPUs: its device indexes; for part of one GPU, its share and how it is shared
+    ("0.5 of 3, shared, time-sliced, not isolated")."""
+    gpus = ",".join(map(str, t.gpus)) or "-"
+    role = next((r for r in config.taskRoles if r.name == t.role), None)
+    milli = t.gpu_milli or (role.gpu_milli if role is not None and role.shares_gpu else None)
+    if milli is None or not t.gpus:
+        return gpus
+    how = f", {t.gpu_sharing.text}" if t.gpu_sharing is not None else ""
+    return f"{milli / 1000:g} of {gpus}{how}"
 
 
 def attempt_line(a: AttemptRecord) -> str:

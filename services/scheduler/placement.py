@@ -584,7 +584,8 @@ def _role_never_fits(
     gpus = empty.gpu_block(shape.model, avoid)[0]
     cpus, memory = empty.cpu_block(avoid)[0], empty.memory_block(avoid)[0]
     if gpus < shape.gpus:
-        return f"task {role.name} needs {_gpus(shape.gpus, label)} on one node; the largest node has {gpus}"
+        need = _gpus(_asked(shape), label)
+        return f"task {role.name} needs {need} on one node; the largest node has {gpus}"
     if cpus < shape.cpus:
         return f"task {role.name} needs {shape.cpus} CPUs; the largest node has {cpus}"
     if memory < shape.memory_mb:

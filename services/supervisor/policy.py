@@ -314,6 +314,8 @@ def apply_task_events(
             update = (
                 {"state": TaskState.RUNNING, "started_at": ev.at} if task.state == TaskState.PLACED else {}
             )
+            if update and ev.gpu_sharing is not None:  # how its node shares its GPU: shown with it
+                update["gpu_sharing"] = ev.gpu_sharing
         elif task.state.ended:
             update = {}
         else:
