@@ -434,3 +434,18 @@ def test_a_gang_stopped_for_the_head_is_told_why_in_words() -> None:
     (stop,) = decide(v, vcs, quota.Fixeds(), NOW).preempt
     assert (stop.victim.job_id, stop.for_job.job_id, stop.kind) == ("later", "head", "head")
     assert stop.why == "stopped to let job head, which waited longer, start"
+
+
+def test_a_gang_with_a_finished_task_is_not_called_back_for_the_head() -> None:
+    """Stopping it would run its finished task again in the next attempt (the chaos test caught
+    a task that exited 0 running again after such a call-back): it runs on; the head waits."""
+    row = next(r for r in ROWS if r.name.startswith("the head calls back"))
+    v, vcs = view_of(row)
+    record = v.attempts["later.1"]
+    done = record.tasks[0].model_copy(update={"state": TaskState.SUCCEEDED, "exit_code": 0})
+    extra = record.tasks[0].model_copy(update={"index": 1})
+    v.attempts["later.1"] = record.model_copy(update={"tasks": [done, extra, *record.tasks[1:]]})
+    v.attempt_changed("later.1")
+    decision = decide(v, vcs, quota.Fixeds(), NOW)
+    assert not decision.preempt, decision.lines()
+    assert any(line.startswith("wait head:") for line in decision.lines()), decision.lines()

@@ -284,7 +284,12 @@ def _lending(
         # The sharing order puts users of one VC by their share: only a user's own are in order.
         return (not sharing or w.user == job.user) and w.submitted_at < job.submitted_at
 
-    gangs = {r.job_id: r for r in running if r.tasks and (r.job_id in stopping_for or not r.stopping)}
+    # A gang some of whose tasks have ended is never called back: they would run again.
+    gangs = {
+        r.job_id: r
+        for r in running
+        if r.tasks and (r.job_id in stopping_for or (not r.stopping and not r.finished))
+    }
 
     def stoppable(waiting_id: str) -> list[placement.Loan]:
         w = jobs.get(waiting_id)

@@ -66,6 +66,9 @@ class Running:
     lost: float  # GPU-seconds (task-seconds for CPU tasks) it has run: what stopping it loses
     stopping: bool = False  # ended or preempted already, its tasks not yet stopped: no victim
     preempted_by: str | None = None  # the job it is being stopped for
+    # Some of its tasks have ended already: stopping it would run them again in the next attempt
+    # (a finished task must not run twice), so it is never lent-on work called back for a head.
+    finished: bool = False
 
 
 @dataclass
@@ -470,13 +473,15 @@ class Order(Generic[T]):
 
 def candidates(job: Waiting, ledger: Ledger, running: Iterable[Running]) -> list[Running]:
     """The gangs `job` may preempt, cheapest first: lower priority in its own VC; and, if it is
-    within its quota, other VCs' borrowed gangs."""
+    within its quota, other VCs' borrowed gangs. Never a gang some of whose tasks have ended:
+    they would run again in its next attempt."""
     within = ledger.within(job.vc, need(job.config))
     out = [
         r
         for r in running
         if r.job_id != job.job_id
         and not r.stopping
+        and not r.finished
         and r.tasks
         and ((r.vc == job.vc and r.rank < job.rank) or (within and r.vc != job.vc and r.borrowed))
     ]

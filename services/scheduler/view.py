@@ -343,6 +343,7 @@ class View:
                     lost=lost,
                     stopping=record.preempted_by is not None or record.ended,
                     preempted_by=record.preempted_by,
+                    finished=any(t.state.ended and not t.removed for t in record.tasks),
                 )
             )
         return out
