@@ -662,41 +662,11 @@ class MusterLeastAttained(MusterKept):
         super().ended(job, tasks)
 
 
-class MusterLeastAttainedOldestFirst(MusterLeastAttained):
-    """`muster-las` with the oldest waiting job first in the queue, whatever its level: it is the
-    protected head whenever it does not fit, and calls back every running job that arrived after
-    it (as `muster` does for its head), so the job that has waited longest is never overtaken
-    for good; the rest go in least-attained order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.name = "muster-las-oldest"
-        self.oldest: str | None = None
-
-    def _key(self, job_id: str) -> tuple[int, int]:
-        if job_id == self.oldest:
-            return -1, self.arrived[job_id]
-        return super()._key(job_id)
-
-    def _stoppable(self, waiting: str) -> list[Loan]:
-        if waiting == self.oldest:
-            mine = self.arrived[waiting]
-            return [loan for job_id, loan in self.running.items() if self.arrived[job_id] > mine]
-        return super()._stoppable(waiting)
-
-    def _decide(self, nodes: Mapping[str, NodeState], queue: Sequence[PendingJob]) -> Placements:
-        for job in queue:
-            self.arrived.setdefault(job.job_id, len(self.arrived))
-        self.oldest = min((job.job_id for job in queue), key=lambda j: self.arrived[j], default=None)
-        return super()._decide(nodes, queue)
-
-
 POLICIES: dict[str, Callable[[], Policy]] = {
     "muster": MusterKept,
     "muster_snapshot": lambda: MusterKept("muster_snapshot", snapshot=True),
     "muster-reserve": lambda: MusterKept("muster-reserve", lend=False),
     "muster-las": MusterLeastAttained,
-    "muster-las-oldest": MusterLeastAttainedOldestFirst,
     "fifo": lambda: Indexed("fifo", strict_fifo),
     "firstfit": lambda: Indexed("firstfit", greedy_first_fit),
     "greedy": lambda: Indexed("greedy", greedy_best_fit),
