@@ -272,6 +272,23 @@ async def test_stop_lets_a_trapping_task_exit_gracefully(runtime: DockerRuntime,
     assert lines == ["ready", "graceful shutdown"]
 
 
+async def test_stop_tells_the_commands_own_processes_not_only_pid_1(
+    runtime: DockerRuntime, launch: Callable
+) -> None:
+    """The command runs under `/bin/sh -c` as PID 1, which ignores SIGTERM: the engine's stop
+    alone would leave the program itself running through the grace (a preempted task never told
+    to stop, or finishing meanwhile and running again in its next attempt). Its processes get
+    SIGTERM from inside the container, so a program that stops on it ends at once."""
+    lines: list[str] = []
+    child = "trap 'echo child got TERM; exit 0' TERM; echo ready; while true; do sleep 0.2; done"
+    task = await runtime.start(launch(f'sh -c "{child}"; echo after $?'), lines.append)
+    await wait_for_line(lines, "ready")
+    t0 = time.monotonic()
+    await asyncio.wait_for(task.stop(grace=30), 25)
+    assert time.monotonic() - t0 < 10, "the program was not told to stop: the stop waited for the grace"
+    assert "child got TERM" in lines, lines
+
+
 async def test_pull_failure_names_image_not_password(
     runtime: DockerRuntime, launch: Callable, capsys: pytest.CaptureFixture[str]
 ) -> None:

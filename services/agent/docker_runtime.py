@@ -45,6 +45,7 @@ CATCH_UP_WAIT = 5  # seconds the log thread waits for the container to have ende
 # The engine copies a container's stdout and stderr pipes in two goroutines, so lines written to
 # both lose their relative order in the log. The task's shell sends stderr down stdout's pipe first.
 MERGE_STDERR = "exec 2>&1; "
+STOP_SIGNAL_TIMEOUT = 5.0  # seconds the SIGTERM to a task's processes may take before the stop goes on
 WAIT_SLICE = 3  # seconds one blocking wait call may take
 GONE_EXIT_CODE = 137  # reported when the container vanished (docker rm -f) before we read its code
 
@@ -223,7 +224,19 @@ class DockerTask:
 
     async def stop(self, grace: float) -> None:
         """SIGTERM, SIGKILL after `grace` seconds (rounded up to whole seconds, as the engine takes
-        them); idempotent, tolerates a container that is already gone; returns once it has ended."""
+        them); idempotent, tolerates a container that is already gone; returns once it has ended.
+
+        The engine's SIGTERM goes to PID 1 only: the `/bin/sh -c` that runs the command, which
+        as PID 1 ignores it, so the task's own processes would run on through the grace (a
+        preempted task never told to stop, one that finishes meanwhile run again in its next
+        attempt). They are sent SIGTERM first, from inside: PID 1 (for a command that traps it),
+        then `kill -TERM -1` (every process of the container but PID 1 and the sender); then the
+        engine's stop takes its course."""
+        with contextlib.suppress(Exception):  # gone, not running, no `kill`: the stop below still holds
+            await asyncio.wait_for(
+                asyncio.to_thread(self._container.exec_run, ["/bin/sh", "-c", "kill -TERM 1; kill -TERM -1"]),
+                STOP_SIGNAL_TIMEOUT,
+            )
         with contextlib.suppress(docker.errors.NotFound):
             await asyncio.to_thread(self._container.stop, timeout=max(0, math.ceil(grace)))
         await self.wait()
