@@ -232,11 +232,14 @@ class DockerTask:
         attempt). They are sent SIGTERM first, from inside: PID 1 (for a command that traps it),
         then `kill -TERM -1` (every process of the container but PID 1 and the sender); then the
         engine's stop takes its course."""
-        with contextlib.suppress(Exception):  # gone, not running, no `kill`: the stop below still holds
-            await asyncio.wait_for(
-                asyncio.to_thread(self._container.exec_run, ["/bin/sh", "-c", "kill -TERM 1; kill -TERM -1"]),
-                STOP_SIGNAL_TIMEOUT,
-            )
+        if grace > 0:  # no grace: killed at once, as before
+            with contextlib.suppress(Exception):  # gone, not running, no `kill`: the stop below still holds
+                await asyncio.wait_for(
+                    asyncio.to_thread(
+                        self._container.exec_run, ["/bin/sh", "-c", "kill -TERM 1; kill -TERM -1"]
+                    ),
+                    STOP_SIGNAL_TIMEOUT,
+                )
         with contextlib.suppress(docker.errors.NotFound):
             await asyncio.to_thread(self._container.stop, timeout=max(0, math.ceil(grace)))
         await self.wait()
