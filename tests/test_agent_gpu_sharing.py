@@ -23,9 +23,10 @@ from muster.services.agent.docker_runtime import DockerRuntime
 from muster.services.agent.inventory import discover_gpus, parse_gpus
 from muster.services.agent.runtime import TaskLaunch
 from muster.services.cli.render import task_gpus
-from muster.shared import bus, subjects
+from muster.shared import bus
 from muster.shared.jobconfig import JobConfig
-from muster.shared.messages import FailureKind, GpuSharing, JobState, NodeInfo, TaskCause, TaskStatus
+from muster.shared.messages import FailureKind, GpuSharing, JobState, TaskCause, TaskStatus
+from tests.test_agent import _wait_node
 from tests.test_jobs import attempt, role, run_job
 
 FAKE_MPS = """#!{python}
@@ -249,18 +250,6 @@ def _env(path: Path) -> dict[str, str]:
     return dict(line.split("=", 1) for line in path.read_text().splitlines())
 
 
-async def _node(nc, node: str, timeout: float = 30) -> NodeInfo:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            kv = await nc.jetstream().key_value(subjects.NODES_BUCKET)
-            return NodeInfo.from_bytes((await kv.get(node)).value)
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.2)
-
-
 @pytest.mark.parametrize("mode", ["timeslice", "mps"])
 async def test_two_half_gpu_tasks_share_one_declared_gpu(mode, cluster, nats_url, tmp_path, fake_mps):
     cluster.core()
@@ -269,7 +258,7 @@ async def test_two_half_gpu_tasks_share_one_declared_gpu(mode, cluster, nats_url
     )
     nc = await bus.connect("test", nats_url)
     try:
-        assert (await _node(nc, "gpu")).gpu_sharing == mode
+        assert (await _wait_node(nc, "gpu", timeout=30)).gpu_sharing == mode
         out = tmp_path / "envs"
         out.mkdir()
         job = {
