@@ -872,9 +872,9 @@ class Cluster:
         return found
 
     def _best_share(self, shape: _Shape, claims: Mapping[str, Claim], avoid: Set[str]) -> NodeState | None:
-        """The node whose shared GPU a share of `shape` fills best: the least room left on that
-        GPU, then (as best fit) the fewest starved untouched GPUs, the fewest CPUs and memory
-        left. A pass over the nodes with shared GPUs (the few that run fractional tasks)."""
+        """The node whose shared GPU a share of `shape` fills best: the fewest untouched GPUs
+        left starved of CPUs, then the least room left on that GPU, then the fewest CPUs and
+        memory left. A pass over the nodes with shared GPUs (the few that run fractional tasks)."""
         best: tuple[Rank, NodeState] | None = None
         for name in self._sharing:
             if name in avoid:
