@@ -578,6 +578,13 @@ class AttemptRecord(Message):
     def ended(self) -> bool:
         return self.ended_at is not None
 
+    @property
+    def finished_work(self) -> bool:
+        """Whether a task of it has ended and was not removed (an elastic role's shrink):
+        stopping the attempt now would run that task again, so it is never stopped for another
+        job (lending, preemption)."""
+        return any(t.state.ended and not t.removed for t in self.tasks)
+
     def members(self) -> list[TaskStatus]:
         """The gang now: every task of a fixed role; an elastic role's tasks not ended or removed."""
         return [t for t in self.tasks if t.role not in self.elastic or not (t.state.ended or t.removed)]

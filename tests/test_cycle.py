@@ -449,3 +449,37 @@ def test_a_gang_with_a_finished_task_is_not_called_back_for_the_head() -> None:
     decision = decide(v, vcs, quota.Fixeds(), NOW)
     assert not decision.preempt, decision.lines()
     assert any(line.startswith("wait head:") for line in decision.lines()), decision.lines()
+
+
+def test_a_stop_is_judged_again_on_the_stored_record_and_refused_once_a_task_has_ended() -> None:
+    """The plan reads the view; a task's end may be recorded between the plan and the stop (its
+    event was on its way). The stop is applied to the stored record (a compare-and-set), which
+    it leaves alone then: the gang runs on and the next cycle plans again."""
+    row = next(r for r in ROWS if r.name.startswith("the head calls back"))
+    v, vcs = view_of(row)
+    (stop,) = decide(v, vcs, quota.Fixeds(), NOW).preempt
+    stored = v.attempts[stop.victim.key]
+    stopped = stop.stopped(stored, NOW)
+    assert stopped is not None
+    assert (stopped.ended_at, stopped.preempted_by, stopped.rule) == (NOW, "head", stop.why)
+    assert stop.stopped(stopped, NOW) is None  # stopping already: once is enough
+    done = stored.tasks[0].model_copy(update={"state": TaskState.SUCCEEDED, "exit_code": 0, "ended_at": NOW})
+    assert stop.stopped(stored.model_copy(update={"tasks": [done, *stored.tasks[1:]]}), NOW) is None
+    removed = done.model_copy(update={"removed": True})  # an elastic role's shrink: not finished work
+    assert stop.stopped(stored.model_copy(update={"tasks": [removed, *stored.tasks[1:]]}), NOW) is not None
+
+
+def test_a_gang_on_a_node_that_missed_beats_is_not_called_back_until_it_beats_again() -> None:
+    """Its agent may be down with a task's end unheard (it reports it when it comes back): the
+    gang is nobody's victim while its node has been quiet for half the node timeout."""
+    row = next(r for r in ROWS if r.name.startswith("the head calls back"))
+    v, vcs = view_of(row)
+    victim = decide(v, vcs, quota.Fixeds(), NOW).preempt[0].victim
+    (node,) = {t.node for t in victim.tasks}
+    later = NOW + v.node_timeout / 2 + timedelta(seconds=1)
+    for name in v.nodes:
+        if name != node:
+            v.node_beat(name, later)
+    assert not decide(v, vcs, quota.Fixeds(), later).preempt
+    v.node_beat(node, later)
+    assert [p.victim.key for p in decide(v, vcs, quota.Fixeds(), later).preempt] == [victim.key]

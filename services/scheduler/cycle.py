@@ -41,7 +41,7 @@ from muster.services.scheduler.avoid import nodes_to_avoid, plan_around
 from muster.services.scheduler.view import Job, View
 from muster.shared import settings
 from muster.shared.jobconfig import JobConfig, rank
-from muster.shared.messages import QUEUE_SHOWN, AttemptRecord, TaskSpec, VirtualCluster
+from muster.shared.messages import QUEUE_SHOWN, AttemptRecord, JobState, TaskSpec, VirtualCluster
 
 # Jobs behind the head that one plan tries at most (Slurm's bf_max_job_test); later ones wait.
 BACKFILL_WINDOW = settings.number("MUSTER_BACKFILL_WINDOW", 500, int, low=0)
@@ -79,6 +79,15 @@ class Preempt:
     for_job: Job
     kind: str
     why: str
+
+    def stopped(self, record: AttemptRecord, at: datetime) -> AttemptRecord | None:
+        """The victim's stored attempt record ended as stopped for `for_job`, or None to leave it
+        alone: it ended, is stopping already, or a task of it has ended since the plan read the
+        view (its event was on its way: stopping now would run that task again)."""
+        if record.ended or record.preempted_by is not None or record.finished_work:
+            return None
+        update = {"ended_at": at, "outcome": JobState.STOPPED, "rule": self.why}
+        return record.model_copy(update={**update, "preempted_by": self.for_job.job_id})
 
 
 @dataclass(frozen=True)

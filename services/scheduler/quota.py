@@ -66,8 +66,9 @@ class Running:
     lost: float  # GPU-seconds (task-seconds for CPU tasks) it has run: what stopping it loses
     stopping: bool = False  # ended or preempted already, its tasks not yet stopped: no victim
     preempted_by: str | None = None  # the job it is being stopped for
-    # Some of its tasks have ended already: stopping it would run them again in the next attempt
-    # (a finished task must not run twice), so it is never lent-on work called back for a head.
+    # Some of its tasks have ended already, or may have unheard (a node of it has missed beats):
+    # stopping it would run them again in the next attempt (a finished task must not run
+    # twice), so it is no victim: never lent-on work called back for a head, never preempted.
     finished: bool = False
 
 

@@ -372,16 +372,9 @@ class Scheduler:
         job, victim, why = p.for_job, p.victim, p.why
         at = now()
 
-        def end(a: AttemptRecord) -> AttemptRecord | None:
-            if a.ended or a.preempted_by is not None:
-                return None
-            return a.model_copy(
-                update={"ended_at": at, "outcome": JobState.STOPPED, "rule": why, "preempted_by": job.job_id}
-            )
-
-        record = await self.kv_attempts.update(victim.key, end)
+        record = await self.kv_attempts.update(victim.key, lambda a: p.stopped(a, at))
         if record is None:
-            return  # it ended by itself meanwhile
+            return  # it ended, or a task of it did, meanwhile
         self.attempts[record.key] = record
         self.view.attempt_changed(record.key)
         PREEMPTIONS.labels(p.kind).inc()

@@ -148,6 +148,12 @@ class View:
             return False
         return self.node_changed(name, at)
 
+    def _heard(self, name: str, at: datetime) -> bool:
+        """Whether `name` beat within half the node timeout: its agent is up, so what its tasks
+        did (a task's end) is on its way, not held until the agent comes back."""
+        last = self.beats.last.get(name)
+        return last is not None and at - last <= self.node_timeout / 2
+
     def last_beat(self, name: str) -> datetime | None:
         """The node's last sign of life: its last beat, or its record's heartbeat_at."""
         return self.beats.last.get(name)
@@ -343,7 +349,7 @@ class View:
                     lost=lost,
                     stopping=record.preempted_by is not None or record.ended,
                     preempted_by=record.preempted_by,
-                    finished=any(t.state.ended and not t.removed for t in record.tasks),
+                    finished=record.finished_work or any(not self._heard(t.node, at) for t in live),
                 )
             )
         return out
