@@ -304,6 +304,7 @@ def _metric_decl(value: str) -> str:
 MetricDecl = Annotated[str, StringConstraints(min_length=1, max_length=80), AfterValidator(_metric_decl)]
 MIN_NO_PROGRESS = 5
 MAX_NO_PROGRESS = 7 * 24 * 3600
+MAX_RUN_TIME = 365 * 24 * 3600
 
 
 class JobConfig(_Model):
@@ -336,6 +337,10 @@ class JobConfig(_Model):
     # the agent stops it as hung (a platform failure: the gang runs again as a new attempt).
     metrics: list[MetricDecl] = Field(default_factory=list, max_length=trainmetrics.MAX_METRICS)
     noProgressTimeoutSec: int | None = Field(default=None, ge=MIN_NO_PROGRESS, le=MAX_NO_PROGRESS)
+    # Muster's extension (Slurm's --time): each attempt runs at most this long from its first
+    # task's start; one that runs past it is stopped and fails as the user's (retryCount says
+    # whether it runs again). Unset: no limit.
+    maxRunTimeSec: int | None = Field(default=None, ge=1, le=MAX_RUN_TIME)
 
     @field_validator("metrics")
     @classmethod

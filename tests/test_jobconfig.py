@@ -197,6 +197,14 @@ TABLE = [
         "must be ≥ 0, got -1",
     ),
     row("retryCount-minus3", mutate("retryCount", -3), "retryCount", "must be ≥ -2, got -3"),
+    row("maxRunTimeSec-0", mutate("maxRunTimeSec", 0), "maxRunTimeSec", "must be ≥ 1, got 0"),
+    row("maxRunTimeSec-str", mutate("maxRunTimeSec", "60"), "maxRunTimeSec", "must be an integer, got '60'"),
+    row(
+        "maxRunTimeSec-over-a-year",
+        mutate("maxRunTimeSec", 365 * 24 * 3600 + 1),
+        "maxRunTimeSec",
+        "must be ≤ 31536000, got 31536001",
+    ),
     row(
         "killAll-negative",
         mutate("killAllOnCompletedTaskNumber", -1),

@@ -196,6 +196,38 @@ async def test_pytorch_gloo_allreduce_on_the_process_runtime(cluster, nc, tmp_pa
     assert lines == [f"rank {r}/3: all_reduce sum 6 ok (master 127.0.0.1)" for r in range(3)]
 
 
+async def test_an_attempt_past_max_run_time_is_stopped_and_retried_as_retry_count_says(cluster, nc, tmp_path):
+    """maxRunTimeSec: each attempt of a job that would run 10 minutes is stopped 2 s after its
+    first task started, fails as the user's, and runs again once (retryCount 1); then the job
+    fails, saying why. No task of it is left running."""
+    cluster.core()
+    cluster.agent("n1", "--address", "127.0.0.1", "--cpus", "4")
+    runs = tmp_path / "runs"
+    command = f"echo $MUSTER_ATTEMPT >> {runs}; sleep 600"
+    config = {
+        "jobName": "limited",
+        "image": "img",
+        "maxRunTimeSec": 2,
+        "retryCount": 1,
+        "taskRoles": [role("w", 2, command)],
+    }
+    record = await run_job(nc, config, timeout=120)
+    assert record.state == JobState.FAILED and record.attempt == 2, (record, cluster.logs())
+    assert "ran past maxRunTimeSec (2 s since" in record.reason and "all 1 retries spent" in record.reason
+    assert sorted(runs.read_text().split()) == ["1", "1", "2", "2"]
+    for n in (1, 2):
+        deadline = time.monotonic() + 30
+        a = await attempt(nc, record.job_id, n)
+        while not all(t.state.ended for t in a.tasks):
+            assert time.monotonic() < deadline, (a.tasks, cluster.logs())
+            await asyncio.sleep(0.2)
+            a = await attempt(nc, record.job_id, n)
+        first = min(t.started_at for t in a.tasks if t.started_at is not None)
+        assert a.ended_at is not None and (a.ended_at - first).total_seconds() >= 2, a
+        assert a.failure is not None and a.failure.kind == "user", a.failure
+        assert {t.state for t in a.tasks} == {TaskState.STOPPED}, a.tasks
+
+
 async def _lease_holder(nc, timeout: float = 30) -> str:
     leases = await nc.jetstream().key_value(subjects.LEASES_BUCKET)
     deadline = time.monotonic() + timeout

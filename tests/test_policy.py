@@ -17,10 +17,12 @@ from muster.services.supervisor.policy import (
     RetryLimits,
     backoff,
     classify,
+    deadline,
     decide,
     next_step,
     should_prune,
     task_state_for,
+    timed_out,
     unsettled,
 )
 from muster.shared.jobconfig import JobConfig, check_job
@@ -765,3 +767,30 @@ def test_a_finished_job_is_held_as_what_pruning_it_takes(state: JobState) -> Non
     assert not should_prune(held, T0 + timedelta(seconds=10), 10)
     assert should_prune(held, T0 + timedelta(seconds=11), 10)
     assert should_prune(job, T0 + timedelta(seconds=11), 10)  # the same verdict as on the record
+
+
+# ------------------------------------------------------------------ maxRunTimeSec
+
+
+def test_an_attempt_runs_past_its_time_limit_counted_from_its_first_task_start() -> None:
+    """No limit, or no task started yet (the start timeout watches that): no deadline. With one,
+    the deadline is the limit after the first task started; at it, the attempt fails as the
+    user's (retryCount decides what follows), naming the limit and that task."""
+    a = attempt_of(1, "RR", False)
+    late = a.tasks[1].model_copy(update={"started_at": T0 + timedelta(seconds=5)})
+    early = a.tasks[0].model_copy(update={"started_at": T0 + timedelta(seconds=2)})
+    a = a.model_copy(update={"tasks": [early, late]})
+    plain = config([role("w", 2)])
+    limited = plain.model_copy(update={"maxRunTimeSec": 60})
+    assert deadline(plain, a) is None and timed_out(plain, a, T0 + timedelta(days=9)) is None
+    assert deadline(limited, attempt_of(1, "PP", False)) is None
+    assert deadline(limited, a) == T0 + timedelta(seconds=62)
+    assert timed_out(limited, a, T0 + timedelta(seconds=61.9)) is None
+    ended = timed_out(limited, a, T0 + timedelta(seconds=62))
+    assert ended is not None and ended.outcome == F and ended.ended_at == T0 + timedelta(seconds=62)
+    assert ended.failure is not None and (ended.failure.kind, ended.failure.task) == (USER, early.key)
+    assert ended.rule == f"ran past maxRunTimeSec (60 s since {early.key} started)"
+    assert timed_out(limited, ended, T0 + timedelta(days=9)) is None  # ended: decided once
+    assert next_step(limited, F, ended.failure, 0, 0).state == F  # retryCount 0: the job fails
+    retried = limited.model_copy(update={"retryCount": 1})
+    assert next_step(retried, F, ended.failure, 0, 0).charged  # a retry, charged like any failure

@@ -15,6 +15,8 @@ Rules, in the order they are checked after each task state change (OpenPAI v1 se
    themselves).
 4. Every task ended and no rule above fired -> SUCCEEDED (every task succeeded, or failures
    stayed below every role's threshold).
+And on the clock (`timed_out`): an attempt still running maxRunTimeSec after its first task
+started -> FAILED as the user's, kill the rest.
 A task stopped by the platform counts as failed unless the attempt had already ended.
 
 An elastic role (minTaskNumber/maxTaskNumber) is not one fixed gang: a task the scheduler removed
@@ -344,6 +346,33 @@ def apply_task_events(
             if decision.outcome == JobState.FAILED:
                 attempt.failure = classify(attempt.tasks)
     return out
+
+
+def deadline(config: JobConfig, attempt: AttemptRecord) -> datetime | None:
+    """When the attempt runs past the job's maxRunTimeSec: that long after its first task
+    started. None without a limit, before any task started (the start timeout watches that),
+    or once it ended."""
+    if config.maxRunTimeSec is None or attempt.ended:
+        return None
+    started = [t.started_at for t in attempt.tasks if t.started_at is not None]
+    return min(started) + timedelta(seconds=config.maxRunTimeSec) if started else None
+
+
+def timed_out(config: JobConfig, attempt: AttemptRecord, at: datetime) -> AttemptRecord | None:
+    """The attempt ended as FAILED at `at` because it ran past maxRunTimeSec (a user failure:
+    retryCount decides whether it runs again), or None when it has not (no limit, not yet,
+    ended already). The failure names the task that started first."""
+    due = deadline(config, attempt)
+    if due is None or at < due:
+        return None
+    first = min((t for t in attempt.tasks if t.started_at is not None), key=lambda t: t.started_at or at)
+    why = f"ran past maxRunTimeSec ({config.maxRunTimeSec} s since {first.key} started)"
+    failure = Failure(
+        kind=FailureKind.USER, task=first.key, node=first.node, cause=TaskCause.KILLED, reason=why
+    )
+    return attempt.model_copy(
+        update={"ended_at": at, "outcome": JobState.FAILED, "rule": why, "failure": failure}
+    )
 
 
 def settle(

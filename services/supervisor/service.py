@@ -432,6 +432,7 @@ class Supervisor:
                 if loop.time() - listening_since > self.node_timeout:
                     await self.check_nodes()
                 await self.check_starts()
+                await self.check_deadlines()
                 if loop.time() >= prune_at:
                     prune_at = loop.time() + 60
                     await self.prune()
@@ -540,6 +541,23 @@ class Supervisor:
                 if task.state == TaskState.PLACED and (task.placed_at or attempt.placed_at) < cutoff:
                     why = f"not started within {self.start_timeout:g}s of placement on {task.node}"
                     await self.declare_ended(attempt, task, TaskCause.PLATFORM, why, "start-timeout")
+
+    async def check_deadlines(self) -> None:
+        """Attempts running past their job's maxRunTimeSec end as failed (the stored record
+        decides: one replica does it), and the rest of their gang is stopped."""
+        at = now()
+        for attempt in list(self.view_attempts.values()):
+            job = self.view_jobs.get(attempt.job_id)
+            if not isinstance(job, JobRecord) or job.config.maxRunTimeSec is None:
+                continue
+            if policy.timed_out(job.config, attempt, at) is None:
+                continue
+            config = job.config
+            ended = await self.attempts.update(attempt.key, lambda a, c=config: policy.timed_out(c, a, now()))
+            if ended is not None:
+                ATTEMPTS_ENDED.labels(JobState.FAILED).inc()
+                log.info("supervisor.time_limit", attempt=ended.key, limit=config.maxRunTimeSec)
+                await self.end_attempt(ended)
 
     async def declare_ended(
         self, attempt: AttemptRecord, task: TaskStatus, cause: TaskCause, reason: str, tag: str
