@@ -18,6 +18,12 @@ one process of N sim nodes, 8 V100s each). Then, measured on that same server:
     just before the publish to that event. Jobs still not running `--drain` seconds after the
     last submission are counted as missing. Sustained = jobs running / time from the first
     submission to the last running event.
+  * for each rate, the cost of one job over its whole life (issue 28): from the first submission
+    until every job that ran has ended (its `ended` event), the messages the server took in
+    (published: clients' and JetStream's own) and delivered (its /varz counters), each client's
+    messages in and out (/connz) and each process's CPU (/proc), less what the idle mesh uses
+    over as long (measured for `--idle` seconds just before: the nodes' beats, the services'
+    timers), divided by the jobs that ended; and how busy the machine was (all cores).
 
 Prints a table, then one JSON line. Everything is on this machine: the services, the sim nodes,
 nats-server and this load generator share its cores, so the figures are the whole system's."""
@@ -33,6 +39,7 @@ import statistics
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +114,7 @@ class Tracker:
         self.running: dict[str, float] = {}
         self.accepted: dict[str, float] = {}  # the verdict arrived
         self.placed: dict[str, float] = {}  # the scheduler's placed event arrived
+        self.ended: dict[str, float] = {}  # its ended event arrived (its whole life is over)
         self.rejected: list[str] = []
         self.changed = asyncio.Event()
 
@@ -121,6 +129,9 @@ class Tracker:
             return
         if kind == "placed":
             self.placed.setdefault(name, at)
+        elif kind == "ended":
+            self.ended.setdefault(name, at)
+            self.changed.set()
         elif kind == "running" and name not in self.running:
             self.running[name] = at
             self.changed.set()
@@ -135,6 +146,66 @@ class Tracker:
             self.accepted.setdefault(verdict["job_name"], at)
         if not verdict.get("accepted"):
             self.rejected.append(json.dumps(verdict.get("errors"))[:300])
+
+
+@dataclass(frozen=True)
+class Sample:
+    """What the mesh had used by `at`: CPU seconds per process, messages per client (in + out),
+    the server's own counters (published, delivered) and the machine's CPU jiffies (busy, all)."""
+
+    at: float
+    cpu: dict[str, float]
+    clients: dict[str, int]
+    server: tuple[int, int]
+    machine: tuple[int, int]
+
+    @classmethod
+    def of(cls, mesh: Mesh) -> Sample:
+        return cls(time.monotonic(), mesh.cpu(), mesh.messages(), mesh.server_messages(), machine_jiffies())
+
+
+def machine_jiffies() -> tuple[int, int]:
+    """(busy, all) CPU jiffies of the whole machine so far, every core, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def per_job(idle: tuple[Sample, Sample], life: tuple[Sample, Sample], jobs: int) -> dict[str, Any]:
+    """The cost of one job over the jobs' whole lives: what the mesh used from the first
+    submission until every job had ended, less what it uses idle (the nodes' beats, the
+    services' timers) over as long, measured just before; divided by the jobs."""
+    (i0, i1), (l0, l1) = idle, life
+    scale = (l1.at - l0.at) / max(1e-9, i1.at - i0.at)
+    n = max(1, jobs)
+
+    def cost(a0: float, a1: float, b0: float, b1: float) -> float:
+        return max(0.0, (b1 - b0) - scale * (a1 - a0)) / n
+
+    cpu = {
+        k: round(1000 * cost(i0.cpu.get(k, 0), i1.cpu.get(k, 0), l0.cpu.get(k, 0), v), 3)
+        for k, v in l1.cpu.items()
+    }
+    cpu["all"] = round(sum(cpu.values()), 3)
+    clients = {
+        k: round(cost(i0.clients.get(k, 0), i1.clients.get(k, 0), l0.clients.get(k, 0), v), 1)
+        for k, v in sorted(l1.clients.items())
+    }
+    published, delivered = (
+        round(cost(i0.server[j], i1.server[j], l0.server[j], l1.server[j]), 1) for j in (0, 1)
+    )
+    busy, total = (l1.machine[0] - l0.machine[0]), (l1.machine[1] - l0.machine[1])
+    return {
+        "jobs": jobs,
+        "lives_s": round(l1.at - l0.at, 2),
+        "idle_window_s": round(i1.at - i0.at, 2),
+        "idle_published_per_s": round((i1.server[0] - i0.server[0]) / max(1e-9, i1.at - i0.at), 1),
+        "published": published,
+        "delivered": delivered,
+        "by_client": clients,
+        "cpu_ms": cpu,
+        "machine_busy_percent": round(100 * busy / max(1, total), 1),
+    }
 
 
 async def offer(
@@ -218,6 +289,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             tracker = Tracker()
             await nc.subscribe(subjects.job_event("*", "running"), cb=tracker.on_job_event)
             await nc.subscribe(subjects.job_event("*", "placed"), cb=tracker.on_job_event)
+            await nc.subscribe(subjects.job_event("*", "ended"), cb=tracker.on_job_event)
             await nc.subscribe(subjects.verdict(BENCH_USER, "*"), cb=tracker.on_verdict)
             size = len(job("x" * 16, args.task_seconds))
             the_floor = await floor(nc, size)
@@ -234,21 +306,27 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             )
             rows = []
             for n, rate in enumerate(args.rates):
-                cpu0, msgs0, t0 = mesh.cpu(), mesh.messages(), time.monotonic()
-                row = await offer(
-                    nc, tracker, rate, args.seconds, args.task_seconds, args.drain, f"r{n}-{int(rate)}"
-                )
-                cpu1, msgs1, elapsed = mesh.cpu(), mesh.messages(), time.monotonic() - t0
-                row["cpu_percent"] = {k: round(100 * (cpu1[k] - cpu0[k]) / elapsed, 1) for k in cpu1}
-                # Messages in and out of each client per job (the bench's own connection included):
-                # what the bus has to carry for one job, the floor's unit.
-                ran = max(row["running"], 1)
-                row["messages_per_job"] = {
-                    k: round((msgs1[k] - msgs0.get(k, 0)) / ran, 1) for k in sorted(msgs1) if k != "bench"
+                tag = f"r{n}-{int(rate)}"
+                idle0 = Sample.of(mesh)
+                await asyncio.sleep(args.idle)
+                idle1 = start = Sample.of(mesh)
+                row = await offer(nc, tracker, rate, args.seconds, args.task_seconds, args.drain, tag)
+                running = Sample.of(mesh)
+                row["cpu_percent"] = {
+                    k: round(100 * (v - start.cpu.get(k, 0)) / (running.at - start.at), 1)
+                    for k, v in running.cpu.items()
                 }
+                # Then until every job that ran has ended: its whole life is on the counters.
+                mine = [name for name in tracker.running if name.startswith(f"{tag}-")]
+                deadline = time.monotonic() + args.task_seconds + args.drain
+                while time.monotonic() < deadline and any(name not in tracker.ended for name in mine):
+                    tracker.changed.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(tracker.changed.wait(), 1.0)
+                ended = sum(1 for name in tracker.ended if name.startswith(f"{tag}-"))
+                row["per_job"] = per_job((idle0, idle1), (start, Sample.of(mesh)), ended)
                 mesh.check()
                 rows.append(row)
-                await asyncio.sleep(args.task_seconds + 2)  # let the last jobs end before the next rate
             return {
                 "nodes": args.nodes,
                 "ready_s": round(ready_s, 1),
@@ -273,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=10.0,
         help="seconds each rate is offered to the pipeline's floor",
+    )
+    p.add_argument(
+        "--idle", type=float, default=5.0, help="seconds the idle mesh is measured before each rate"
     )
     p.add_argument("--workdir", type=Path, default=None, help="keep logs and data here (default: a temp dir)")
     args = p.parse_args(argv)
@@ -307,6 +388,20 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{r['offered_per_s']:>9g}  "
             + "   ".join(f"{k} {v['p50']}/{v['p99']}/{v['max']}" for k, v in st.items())
+        )
+    print(
+        "per job over its whole life (first submission to every job ended, less the idle mesh "
+        "over as long): messages the server took in / delivered, CPU ms of all processes (busiest), "
+        "and how busy the machine was (all cores)"
+    )
+    for r in report["rows"]:
+        pj = r["per_job"]
+        busiest = sorted(((k, v) for k, v in pj["cpu_ms"].items() if k != "all"), key=lambda kv: -kv[1])[:4]
+        print(
+            f"{r['offered_per_s']:>9g}  {pj['jobs']} jobs ended in {pj['lives_s']} s: "
+            f"{pj['published']} published, {pj['delivered']} delivered, CPU {pj['cpu_ms']['all']} ms ("
+            + ", ".join(f"{k} {v:g}" for k, v in busiest)
+            + f"); machine {pj['machine_busy_percent']} % busy; idle mesh {pj['idle_published_per_s']} msgs/s"
         )
     if report["rejected"]:
         print("rejected (first):", *report["rejected"], sep="\n  ")

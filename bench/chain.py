@@ -180,8 +180,15 @@ async def measure(
             cpu0, t0 = {k: sum(map(cpu_seconds, v)) for k, v in groups.items()}, time.monotonic()
             row = await offer(nc, rate, seconds, size, 10)
             elapsed = time.monotonic() - t0
-            row["cpu_percent"] = {
-                k: round(100 * (sum(map(cpu_seconds, v)) - cpu0[k]) / elapsed, 1) for k, v in groups.items()
+            used = {k: sum(map(cpu_seconds, v)) - cpu0[k] for k, v in groups.items()}
+            row["cpu_percent"] = {k: round(100 * v / elapsed, 1) for k, v in used.items()}
+            # Per message through all hops: what Muster's CPU per job is set beside, with and
+            # without this driver (Muster's figure leaves its own load generator out).
+            through = max(1, row["through"])
+            bare = used["hops"] + used.get("nats-server", 0.0)
+            row["cpu_ms_per_message"] = {
+                "hops_and_server": round(1000 * bare / through, 3),
+                "with_driver": round(1000 * (bare + used["driver"]) / through, 3),
             }
             for p in procs:
                 if p.poll() is not None:
@@ -212,6 +219,7 @@ def table(report: dict[str, Any]) -> str:
             f"{r['offered_per_s']:>9g} {r['through']:>7} {r['sustained_per_s']:>11} {r['p50_ms']:>8} "
             f"{r['p99_ms']:>8} {r['max_ms']:>8}  "
             + ", ".join(f"{k} {v:g}" for k, v in r["cpu_percent"].items())
+            + f"; {r['cpu_ms_per_message']['hops_and_server']:g} ms CPU per message (hops + server)"
         )
     return "\n".join(lines)
 

@@ -184,6 +184,15 @@ class Mesh:
             out[name] = out.get(name, 0) + c.get("in_msgs", 0) + c.get("out_msgs", 0)
         return out
 
+    def server_messages(self) -> tuple[int, int]:
+        """Messages the server has taken in (published, by anyone: clients and JetStream's own
+        internal messages alike) and sent out (deliveries) so far, from its /varz."""
+        assert self.server is not None and self.server.monitor_port
+        url = f"http://{self.server.host}:{self.server.monitor_port}/varz"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            varz = json.load(reply)
+        return int(varz.get("in_msgs", 0)), int(varz.get("out_msgs", 0))
+
     async def connect(self) -> NATS:
         return await bus.connect("bench", self.url, credentials=self.credentials())
 

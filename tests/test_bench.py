@@ -81,6 +81,14 @@ def test_through_the_bus_every_job_submitted_runs(tmp_path: Path):
     assert 0 < lat["p50"] <= lat["p99"] <= lat["max"]
     assert set(row["cpu_percent"]) >= MESH
     assert "sustained/s" in table
+    # Issue 28: the cost of a job over its whole life (until it ended), the idle mesh left out.
+    pj = row["per_job"]
+    assert pj["jobs"] == 20 and pj["lives_s"] > 0 and pj["idle_window_s"] > 0, pj
+    assert pj["published"] > 0 and pj["delivered"] > 0, pj
+    assert pj["cpu_ms"]["all"] > 0 and set(pj["cpu_ms"]) >= MESH, pj
+    assert 0 < pj["machine_busy_percent"] <= 100, pj
+    assert bare["cpu_ms_per_message"]["hops_and_server"] > 0, bare
+    assert "whole life" in table
 
 
 def test_pipeline_floor_alone_passes_every_message_through_its_hops():
