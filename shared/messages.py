@@ -159,7 +159,7 @@ class JobRecord(Message):
 
 
 class JobEventKind(StrEnum):
-    SUBMITTED = "submitted"
+    SUBMITTED = "submitted"  # written before issue 28 (the `accepted` event now opens a history)
     ACCEPTED = "accepted"
     PLACED = "placed"
     RUNNING = "running"

@@ -127,10 +127,7 @@ async def test_raw_publish_without_headers_is_judged_and_recorded_in_events(nats
             await asyncio.sleep(0.1)
     assert verdict is not None and verdict.accepted and verdict.job_id == job_id_for("raw-user", sid)
     events = await history(nc, verdict.job_id)
-    assert [(e.kind, e.state) for e in events] == [
-        ("submitted", JobState.WAITING),
-        ("accepted", JobState.WAITING),
-    ]
+    assert [(e.kind, e.state) for e in events] == [("accepted", JobState.WAITING)]
     assert (await job(nc, verdict.job_id)).user == "raw-user"  # who the subject names
 
 
@@ -170,7 +167,7 @@ async def test_redelivered_submission_converges_on_one_job(nats_url, nc):
     second = await v.judge("dup1", "bob", config("twice"), received)
     assert first.accepted and second.accepted and first.job_id == second.job_id
     assert len(await buckets[subjects.JOBS_BUCKET].keys()) == 1
-    assert [e.kind for e in await history(nc, first.job_id)] == ["submitted", "accepted"]
+    assert [e.kind for e in await history(nc, first.job_id)] == ["accepted"]
 
 
 async def test_killing_a_validator_replica_mid_stream_loses_no_submission(nats_url, nc, procs):

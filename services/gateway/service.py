@@ -467,7 +467,7 @@ class Gateway:
         return {"batches": out, "last": last, "more": more, "final": record.state.final}
 
     async def events(self, who: str, request: Question) -> dict[str, Any]:
-        """The job's history (submitted, accepted, placed, running, retrying, ended...)."""
+        """The job's history (accepted, placed, running, retrying, ended...)."""
         record = await self.resolve(who, request.job_id or request.ref)
         subject = subjects.job_events(record.job_id)
         msgs, last, more = await self.read(subjects.EVENTS_STREAM, subject, request.after, request.limit)

@@ -350,26 +350,24 @@ class Validator:
     async def accept(
         self, record: JobRecord, data: bytes, warnings: list[FieldError] | None = None
     ) -> Verdict:
-        """Announce an accepted job (again, on a redelivery: every publish is deduplicated).
-        The three publishes leave in this order and their acks are awaited together."""
-        sends: list[Awaitable[object]] = []
-        for kind in (JobEventKind.SUBMITTED, JobEventKind.ACCEPTED):
-            event = JobEvent(
-                job_id=record.job_id,
-                job_name=record.job_name,
-                kind=kind,
-                state=JobState.WAITING,
-                submission_id=record.submission_id,
-                user=record.user,
+        """Announce an accepted job (again, on a redelivery: every publish is deduplicated):
+        its `accepted` event, which opens its history (the submission's time is the record's
+        `submitted_at`: a `submitted` event said nothing more), and the verdict to its
+        submitter. The two publishes leave in this order and their acks are awaited together."""
+        kind = JobEventKind.ACCEPTED
+        event = JobEvent(
+            job_id=record.job_id,
+            job_name=record.job_name,
+            kind=kind,
+            state=JobState.WAITING,
+            submission_id=record.submission_id,
+            user=record.user,
+        )
+        sends: list[Awaitable[object]] = [
+            bus.publish_once(
+                self.js, subjects.job_event(record.job_id, kind), event.to_bytes(), f"{record.job_id}:{kind}"
             )
-            sends.append(
-                bus.publish_once(
-                    self.js,
-                    subjects.job_event(record.job_id, kind),
-                    event.to_bytes(),
-                    f"{record.job_id}:{kind}",
-                )
-            )
+        ]
         verdict = Verdict(
             submission_id=record.submission_id,
             user=record.user,
