@@ -483,3 +483,17 @@ def test_a_gang_on_a_node_that_missed_beats_is_not_called_back_until_it_beats_ag
     assert not decide(v, vcs, quota.Fixeds(), later).preempt
     v.node_beat(node, later)
     assert [p.victim.key for p in decide(v, vcs, quota.Fixeds(), later).preempt] == [victim.key]
+
+
+def test_what_runs_is_read_only_when_a_head_would_call_gangs_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading every running attempt costs O(running) a cycle: a cycle whose queue fits (the
+    common one) must not pay it for lending; one with a head that would call gangs back does."""
+    reads: list[datetime] = []
+    for name, read in [("plain placement", False), ("the head calls back", True)]:
+        row = next(r for r in ROWS if r.name.startswith(name))
+        v, vcs = view_of(row)
+        real = v.running
+        monkeypatch.setattr(v, "running", lambda at, real=real: reads.append(at) or real(at))
+        reads.clear()
+        decide(v, vcs, quota.Fixeds(), NOW)
+        assert bool(reads) is read, (name, reads)

@@ -30,8 +30,10 @@ What a cycle decides, in the order the service applies it:
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Iterable, Iterator, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -194,9 +196,14 @@ def _place(
         queue = order
     else:
         queue = [placement.PendingJob(j.job_id, j.config.smallest()) for j, _ in waiting]
-    if LEND and running is None:
-        running = view.running(at)
-    lending, gangs = _lending(view, waiting, running or [], order is not None)
+    # What runs is read (O(running attempts)) only once a head would call gangs back: a cycle
+    # whose queue fits pays nothing for lending.
+    known = running
+
+    def what_runs() -> list[quota.Running]:
+        return known if known is not None else view.running(at)
+
+    lending, gangs = _lending(view, waiting, what_runs, order is not None)
     avoid = nodes_to_avoid(view.avoid_candidates(at), at)
     plan = plan_around(view.cluster, view.capacity, queue, avoid, window, lending)
     by_id = {job.job_id: job for job, _ in waiting}
@@ -205,9 +212,11 @@ def _place(
         for victim, head in plan.stop.items()
         if not gangs[victim].stopping  # one being stopped for it already is not stopped twice
     ]
+    if running is None and gangs.read:
+        running = gangs.running()
+    stopping = Counter(r.preempted_by for r in running or [] if r.stopping and r.preempted_by)
     for job_id in plan.pending:  # a head whose gangs are being stopped for it says so
-        n = sum(1 for r in running or [] if r.stopping and r.preempted_by == job_id)
-        if n:
+        if n := stopping.get(job_id, 0):
             plan.pending[job_id] = f"waiting for {n} gang(s) stopped for it to stop"
     borrowed: set[str] = set()
     jobs: dict[str, Job] = {}
@@ -266,10 +275,41 @@ def _place(
     )
 
 
+class _Gangs(dict[str, quota.Running]):
+    """The running gangs a head may call back, by job id: read from the view (`running`, once)
+    the first time a head needs them; empty until then."""
+
+    def __init__(self, running: Callable[[], list[quota.Running]]) -> None:
+        super().__init__()
+        self._read = running
+        self._running: list[quota.Running] | None = None
+
+    @property
+    def read(self) -> bool:
+        return self._running is not None
+
+    def running(self) -> list[quota.Running]:
+        if self._running is None:
+            self._running = self._read()
+            stopping_for = self.stopping_for
+            # A gang some of whose tasks have ended is never called back: they would run again.
+            self.update(
+                (r.job_id, r)
+                for r in self._running
+                if r.tasks and (r.job_id in stopping_for or (not r.stopping and not r.finished))
+            )
+        return self._running
+
+    @functools.cached_property
+    def stopping_for(self) -> dict[str, str]:
+        return {r.job_id: r.preempted_by for r in self.running() if r.stopping and r.preempted_by}
+
+
 def _lending(
-    view: View, waiting: list[tuple[Job, int]], running: list[quota.Running], sharing: bool
-) -> tuple[dict[str, Any], dict[str, quota.Running]]:
-    """`Cluster.plan`'s lending arguments, and the gangs a head may call back (by job id). A
+    view: View, waiting: list[tuple[Job, int]], running: Callable[[], list[quota.Running]], sharing: bool
+) -> tuple[dict[str, Any], _Gangs]:
+    """`Cluster.plan`'s lending arguments, and the gangs a head may call back (by job id, read
+    from `running` when a head first asks). A
     waiting job stood ahead of a running gang if it is of the same VC and priority, submitted
     before it and (in sharing order, which puts a VC's users by their share) of the same user:
     the queue's order, read from the records, so a new leader agrees (a lower priority gang is
@@ -277,12 +317,13 @@ def _lending(
     gangs are being stopped for someone, no other gang is called back (what they free may be
     enough), and each head they stop for is planned onto what they hold (named in `Plan.stop`
     again, not stopped twice), so nothing is lent on the resources it is about to take."""
+    gangs = _Gangs(running)
     if not LEND:
-        return {}, {}
+        return {}, gangs
     jobs = {job.job_id: job for job, _ in waiting}
-    stopping_for = {r.job_id: r.preempted_by for r in running if r.stopping and r.preempted_by}
 
     def ahead(w: Job, r: quota.Running) -> bool:
+        stopping_for = gangs.stopping_for
         if stopping_for:
             return stopping_for.get(r.job_id) == w.job_id
         job = view.jobs.get(r.job_id)
@@ -293,17 +334,11 @@ def _lending(
         # The sharing order puts users of one VC by their share: only a user's own are in order.
         return (not sharing or w.user == job.user) and w.submitted_at < job.submitted_at
 
-    # A gang some of whose tasks have ended is never called back: they would run again.
-    gangs = {
-        r.job_id: r
-        for r in running
-        if r.tasks and (r.job_id in stopping_for or (not r.stopping and not r.finished))
-    }
-
     def stoppable(waiting_id: str) -> list[placement.Loan]:
         w = jobs.get(waiting_id)
         if w is None:
             return []
+        gangs.running()
         return [placement.Loan(r.job_id, r.config, r.tasks) for r in gangs.values() if ahead(w, r)]
 
     return {"stoppable": stoppable, "stop_first": True}, gangs
