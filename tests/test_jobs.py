@@ -61,6 +61,18 @@ async def attempt(nc, job_id: str, n: int = 1) -> AttemptRecord:
     return AttemptRecord.from_bytes((await kv.get(f"{job_id}.{n}")).value)
 
 
+async def ended_attempt(nc, job_id: str, n: int = 1, timeout: float = 30) -> AttemptRecord:
+    """Attempt n once every task of it has ended (a job is final before the rest of its gang
+    has reported its stop)."""
+    deadline = time.monotonic() + timeout
+    a = await attempt(nc, job_id, n)
+    while not all(t.state.ended for t in a.tasks):
+        assert time.monotonic() < deadline, a.tasks
+        await asyncio.sleep(0.2)
+        a = await attempt(nc, job_id, n)
+    return a
+
+
 async def spec(nc, job_id: str, n: int = 1) -> ClusterSpec:
     msg = await nc.jetstream().get_last_msg(subjects.EVENTS_STREAM, subjects.cluster_spec(job_id, n))
     return ClusterSpec.from_bytes(msg.data)
@@ -111,7 +123,8 @@ async def test_seed_tf_example_shape_every_task_sees_the_spec(cluster, nc, tmp_p
     assert record.state == JobState.SUCCEEDED, cluster.logs()
     assert "killAllOnCompletedTaskNumber" in record.reason
 
-    tasks = (await attempt(nc, record.job_id)).tasks
+    # The job is final as soon as the rule fires; the ps tasks' stops are reported after.
+    tasks = (await ended_attempt(nc, record.job_id)).tasks
     states = {t.key: t.state for t in tasks}
     assert states == {
         "ps_server.0": TaskState.STOPPED,
@@ -216,12 +229,7 @@ async def test_an_attempt_past_max_run_time_is_stopped_and_retried_as_retry_coun
     assert "ran past maxRunTimeSec (2 s since" in record.reason and "all 1 retries spent" in record.reason
     assert sorted(runs.read_text().split()) == ["1", "1", "2", "2"]
     for n in (1, 2):
-        deadline = time.monotonic() + 30
-        a = await attempt(nc, record.job_id, n)
-        while not all(t.state.ended for t in a.tasks):
-            assert time.monotonic() < deadline, (a.tasks, cluster.logs())
-            await asyncio.sleep(0.2)
-            a = await attempt(nc, record.job_id, n)
+        a = await ended_attempt(nc, record.job_id, n)
         first = min(t.started_at for t in a.tasks if t.started_at is not None)
         assert a.ended_at is not None and (a.ended_at - first).total_seconds() >= 2, a
         assert a.failure is not None and a.failure.kind == "user", a.failure
