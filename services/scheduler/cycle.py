@@ -196,24 +196,20 @@ def _place(
         queue = order
     else:
         queue = [placement.PendingJob(j.job_id, j.config.smallest()) for j, _ in waiting]
-    # What runs is read (O(running attempts)) only once a head would call gangs back: a cycle
-    # whose queue fits pays nothing for lending.
-    known = running
-
-    def what_runs() -> list[quota.Running]:
-        return known if known is not None else view.running(at)
-
-    lending, gangs = _lending(view, waiting, what_runs, order is not None)
+    # What runs is read only once a head would call gangs back: a cycle whose queue fits pays
+    # nothing for lending.
+    read = functools.partial(view.running, at) if running is None else lambda: running or []
+    lending, gangs = _lending(view, waiting, read, order is not None)
     avoid = nodes_to_avoid(view.avoid_candidates(at), at)
     plan = plan_around(view.cluster, view.capacity, queue, avoid, window, lending)
     by_id = {job.job_id: job for job, _ in waiting}
     decision.preempt = [
-        _stop_for_head(gangs[victim], by_id[head])
+        _stop_for_head(gangs.by_id[victim], by_id[head])
         for victim, head in plan.stop.items()
-        if not gangs[victim].stopping  # one being stopped for it already is not stopped twice
+        if not gangs.by_id[victim].stopping  # one being stopped for it already is not stopped twice
     ]
-    if running is None and gangs.read:
-        running = gangs.running()
+    if running is None:
+        running = gangs.running
     stopping = Counter(r.preempted_by for r in running or [] if r.stopping and r.preempted_by)
     for job_id in plan.pending:  # a head whose gangs are being stopped for it says so
         if n := stopping.get(job_id, 0):
@@ -275,34 +271,28 @@ def _place(
     )
 
 
-class _Gangs(dict[str, quota.Running]):
-    """The running gangs a head may call back, by job id: read from the view (`running`, once)
-    the first time a head needs them; empty until then."""
+class _Gangs:
+    """What runs, read from the view (O(running attempts)) once, the first time a head needs it
+    (`load`): every running attempt, the gangs being stopped (job -> the job they stop for), and
+    the gangs a head may call back, by job id. Empty until then."""
 
-    def __init__(self, running: Callable[[], list[quota.Running]]) -> None:
-        super().__init__()
-        self._read = running
-        self._running: list[quota.Running] | None = None
+    def __init__(self, read: Callable[[], list[quota.Running]]) -> None:
+        self._read = read
+        self.running: list[quota.Running] | None = None
+        self.stopping_for: dict[str, str] = {}
+        self.by_id: dict[str, quota.Running] = {}
 
-    @property
-    def read(self) -> bool:
-        return self._running is not None
-
-    def running(self) -> list[quota.Running]:
-        if self._running is None:
-            self._running = self._read()
-            stopping_for = self.stopping_for
+    def load(self) -> _Gangs:
+        if self.running is None:
+            self.running = runs = self._read()
+            self.stopping_for = {r.job_id: r.preempted_by for r in runs if r.stopping and r.preempted_by}
             # A gang some of whose tasks have ended is never called back: they would run again.
-            self.update(
-                (r.job_id, r)
-                for r in self._running
-                if r.tasks and (r.job_id in stopping_for or (not r.stopping and not r.finished))
-            )
-        return self._running
-
-    @functools.cached_property
-    def stopping_for(self) -> dict[str, str]:
-        return {r.job_id: r.preempted_by for r in self.running() if r.stopping and r.preempted_by}
+            self.by_id = {
+                r.job_id: r
+                for r in runs
+                if r.tasks and (r.job_id in self.stopping_for or (not r.stopping and not r.finished))
+            }
+        return self
 
 
 def _lending(
@@ -323,7 +313,7 @@ def _lending(
     jobs = {job.job_id: job for job, _ in waiting}
 
     def ahead(w: Job, r: quota.Running) -> bool:
-        stopping_for = gangs.stopping_for
+        stopping_for = gangs.stopping_for  # loaded: `stoppable` asks first
         if stopping_for:
             return stopping_for.get(r.job_id) == w.job_id
         job = view.jobs.get(r.job_id)
@@ -338,8 +328,8 @@ def _lending(
         w = jobs.get(waiting_id)
         if w is None:
             return []
-        gangs.running()
-        return [placement.Loan(r.job_id, r.config, r.tasks) for r in gangs.values() if ahead(w, r)]
+        gangs.load()
+        return [placement.Loan(r.job_id, r.config, r.tasks) for r in gangs.by_id.values() if ahead(w, r)]
 
     return {"stoppable": stoppable, "stop_first": True}, gangs
 
