@@ -34,6 +34,7 @@ from prometheus_client import Counter, Histogram
 from muster.services.supervisor import policy
 from muster.services.supervisor.policy import Finished, NextStep, RetryLimits
 from muster.shared import bus, consume, liveness, service, settings, subjects
+from muster.shared.jobconfig import JobConfig
 from muster.shared.liveness import Beats
 from muster.shared.messages import (
     AttemptRecord,
@@ -553,7 +554,11 @@ class Supervisor:
             if policy.timed_out(job.config, attempt, at) is None:
                 continue
             config = job.config
-            ended = await self.attempts.update(attempt.key, lambda a, c=config: policy.timed_out(c, a, now()))
+
+            def end(stored: AttemptRecord, config: JobConfig = config) -> AttemptRecord | None:
+                return policy.timed_out(config, stored, now())
+
+            ended = await self.attempts.update(attempt.key, end)
             if ended is not None:
                 ATTEMPTS_ENDED.labels(JobState.FAILED).inc()
                 log.info("supervisor.time_limit", attempt=ended.key, limit=config.maxRunTimeSec)
