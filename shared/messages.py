@@ -297,6 +297,12 @@ class Assignment(Command):
     def key(self) -> str:
         return attempt_key(self.job_id, self.attempt)
 
+    @property
+    def solo(self) -> bool:
+        """One task, not elastic: its own endpoint is its whole cluster spec, so its agent
+        builds the spec itself (no endpoint report, no rendezvous, no spec message)."""
+        return self.config.total_tasks == 1 and not self.config.elastic
+
     @classmethod
     def of(cls, job: JobRecord, attempt: AttemptRecord, node: str) -> Assignment:
         """The order for `node`'s part of a placed attempt (the scheduler sends it; an agent

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -213,3 +214,34 @@ def test_an_agent_that_crashes_before_its_first_heartbeat_leaves_where_to_read_o
     assert begin_reading(root) == first  # and the one after it, crashed as early: still from there
     assert begin_reading(root, note=False) == first  # a runtime that adopts nothing notes nothing
     assert begin_reading(root) is None
+
+
+async def test_a_restarted_agent_counts_a_solo_order_it_kept_as_taken(nats_url, tmp_path):
+    """A solo task (one task, not elastic) reports no endpoint, so a restarted agent knows it
+    took the order from the order it kept on its disk (saved before the order was acked): the
+    task is then lost, not left waiting for an order that will never come again. A task of a
+    bigger gang with no endpoint reported was not taken."""
+    from muster.services.agent.reconcile import Assignments, Reconciler
+    from muster.shared.jobconfig import JobConfig
+    from muster.shared.messages import Assignment, TaskState, TaskStatus
+
+    nc = await bus.connect("test", nats_url)
+    try:
+        js, _ = await bus.ensure_jetstream(nc)
+        kept = Assignments(tmp_path / "orders")
+        tasks = types.SimpleNamespace(runtime=None, node="n1")  # was_taken needs none of them
+        reconciler = Reconciler(tasks, kept, js, "127.0.0.1")  # type: ignore[arg-type]
+        placed = TaskStatus(role="w", role_no=0, index=0, node="n1", state=TaskState.PLACED)
+        for n, (tasks, taken) in enumerate([(1, True), (2, False)], start=1):
+            config = JobConfig.model_validate(
+                {"jobName": f"j{n}", "image": "i", "taskRoles": [role("w", tasks, "x")]}
+            )
+            order = Assignment(
+                job_id=f"j{n}", attempt=1, user="u", config=config, gang=[placed.spec()], node="n1"
+            )
+            assert order.solo is (tasks == 1)
+            assert await reconciler.was_taken((f"j{n}", 1, "w", 0), placed) is False  # no order kept
+            kept.save(order)
+            assert await reconciler.was_taken((f"j{n}", 1, "w", 0), placed) is taken
+    finally:
+        await nc.close()

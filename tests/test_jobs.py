@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from nats.js.errors import NotFoundError
 
 from muster.shared import bus, client, subjects
 from muster.shared.messages import AttemptRecord, ClusterSpec, JobRecord, JobState, TaskState
@@ -188,6 +189,49 @@ async def test_seed_tf_example_shape_every_task_sees_the_spec(cluster, nc, tmp_p
     for ep in cluster_spec.endpoints:
         per_node.setdefault(ep.node, []).append(ep.port)
     assert all(len(ports) == len(set(ports)) for ports in per_node.values())
+
+
+async def test_a_one_task_job_starts_without_a_rendezvous_and_sees_itself_as_its_cluster(
+    cluster, nc, tmp_path
+):
+    """A job of one task (not elastic) is its own whole gang: its agent builds the spec from its
+    own endpoint, so no endpoint is reported and no spec message goes out (issue 28: six fewer
+    messages for the commonest job), and its environment names it as rank 0 of 1, as a spec
+    from the registry would."""
+    cluster.core()
+    cluster.agent("n1", "--address", "127.0.0.1", "--cpus", "2", "--ports", "22000-22999")
+    out = tmp_path / "envs"
+    out.mkdir()
+    config = {
+        "jobName": "solo",
+        "image": "img",
+        "taskRoles": [
+            role("trainer", 1, dump_env(out), portList=[{"label": "http", "beginAt": 0, "portNumber": 2}])
+        ],
+    }
+    record = await run_job(nc, config)
+    assert record.state == JobState.SUCCEEDED, cluster.logs()
+    env = json.loads((out / "trainer.0.json").read_text())
+    port = env["PAI_CURRENT_CONTAINER_PORT"]
+    assert 22000 <= int(port) <= 22999, env
+    expected = {
+        "PAI_TASKS_NUM": "1",
+        "PAI_CURRENT_CONTAINER_IP": "127.0.0.1",
+        "PAI_TASK_ROLE_trainer_HOST_LIST": f"127.0.0.1:{port}",
+        "WORLD_SIZE": "1",
+        "RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+    }
+    assert {k: env.get(k) for k in expected} == expected
+    assert len(env["PAI_CONTAINER_HOST_http_PORT_LIST"].split(",")) == 2, env
+    js = nc.jetstream()
+    for subject in (
+        subjects.cluster_spec(record.job_id, 1),
+        subjects.task_event(record.job_id, 1, "trainer", 0, "endpoint", "n1"),
+    ):
+        with pytest.raises(NotFoundError):
+            await js.get_last_msg(subjects.EVENTS_STREAM, subject)
 
 
 async def test_pytorch_gloo_allreduce_on_the_process_runtime(cluster, nc, tmp_path):

@@ -187,11 +187,16 @@ class Reconciler:
 
     async def was_taken(self, key: TaskKey, t: TaskStatus) -> bool:
         """Whether an earlier run of this agent took the task on: it started it, or it reported
-        the task's endpoint (which it does before acknowledging the order). A task whose order
-        is still waiting in the queue is neither, and will be run when the order is read."""
+        the task's endpoint (which it does before acknowledging the order), or for a solo task
+        (which reports no endpoint) it kept the order on this node, as it does before
+        acknowledging it. A task whose order is still waiting in the queue is neither, and will
+        be run when the order is read."""
         if t.state != TaskState.PLACED:
             return True
         job_id, attempt, role, index = key
+        kept = self.assignments.load(job_id, attempt)
+        if kept is not None and kept.solo:
+            return True
         try:
             await self.js.get_last_msg(
                 subjects.EVENTS_STREAM,

@@ -53,6 +53,7 @@ from muster.services.agent.tasks import NOT_STARTED, LocalTask, Tasks
 from muster.shared import bus, consume, hostpaths, settings, subjects
 from muster.shared.messages import (
     Assignment,
+    ClusterSpec,
     DrainOrder,
     Endpoint,
     EndpointReported,
@@ -469,6 +470,17 @@ class Agent:
                 self.tasks.remember(key)
                 continue
             endpoint = Endpoint.of(spec, self.opts.address, ports, role.portList)
+            if a.solo:  # its own endpoint is its whole gang: no rendezvous to wait behind
+                task = LocalTask(
+                    assignment=a,
+                    spec=spec,
+                    endpoint=endpoint,
+                    ports=ports,
+                    cluster=ClusterSpec(job_id=a.job_id, attempt=a.attempt, endpoints=[endpoint]),
+                )
+                self.assignments.save(a)
+                self.tasks.take(key, task)
+                continue
             try:
                 await self.tasks.specs.expect(a.job_id, a.attempt)  # before the endpoint goes out
                 await bus.publish_once(

@@ -92,7 +92,8 @@ class LocalTask:
     starting: bool = False  # the runtime is starting it: it must not be cancelled then
     masker: Masker | None = None  # its job's secret values, cut out of its output
     version: int = 0  # the spec version its environment describes (elastic attempts have many)
-    cluster: ClusterSpec | None = None  # the spec it was started with (None: adopted)
+    # the spec it was started with (None: adopted, or not read yet); a solo task's from the start
+    cluster: ClusterSpec | None = None
     shipper: Shipper | None = None  # its output: to its file and, within limits, the stream
     mps_gpu: int | None = None  # the shared GPU whose MPS daemon it uses (held until it ends)
 
@@ -204,7 +205,7 @@ class Tasks:
     async def _run(self, key: TaskKey, task: LocalTask) -> None:
         a = task.assignment
         try:
-            cluster = await self.specs.wait(a.job_id, a.attempt, task.spec.key)
+            cluster = task.cluster or await self.specs.wait(a.job_id, a.attempt, task.spec.key)
             if await self.obsolete([key]):
                 raise asyncio.CancelledError
             prepared = await self.prepare(a)
