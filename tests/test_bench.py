@@ -91,6 +91,24 @@ def test_through_the_bus_every_job_submitted_runs(tmp_path: Path):
     assert "whole life" in table
 
 
+def test_messages_by_kind_name_each_message_of_a_jobs_life(tmp_path: Path):
+    """bench.kinds taps every message of 20 one-task jobs' lives and names each by kind: one
+    submission and one order per job, four job record writes each delivered to its watchers, and
+    (issue 28) no endpoint report and no cluster spec: a job of one task needs no rendezvous."""
+    report, table = bench(
+        "kinds",
+        *("--nodes", "20", "--rate", "10", "--seconds", "2", "--task-seconds", "0.2", "--idle", "2"),
+        *("--workdir", str(tmp_path)),
+    )
+    kinds = report["by_kind"]
+    assert report["jobs"] == 20 and report["running"] == 20, report
+    assert kinds["muster.job.submit.bench"] == 1 and kinds["muster.node.*.assign"] == 1, kinds
+    assert kinds["kv put muster_jobs"] == 4 and kinds["deliver KV_muster_jobs"] >= 4, kinds
+    assert not [k for k in kinds if k.endswith(".spec") or ".endpoint." in k], kinds
+    assert report["published_per_job"] > 0 and report["seen_per_job"] > report["published_per_job"], report
+    assert "by kind" in table
+
+
 def test_pipeline_floor_alone_passes_every_message_through_its_hops():
     report, table = bench("chain", "--hops", "2", "--rates", "20", "--seconds", "1")
     (row,) = report["rows"]
