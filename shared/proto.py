@@ -172,7 +172,10 @@ CHANNELS: dict[str, Channel] = {
         parameters=("jobId", "attempt", "role", "index", "node"),
         message=EndpointReported,
         action="send",
-        description="An agent reserved this task's ports: its address, before the task starts.",
+        description=(
+            "An agent reserved this task's ports: its address, before the task starts. Not sent for "
+            "a job of one task (not elastic): its agent builds the spec from it alone."
+        ),
     ),
     "taskState": Channel(
         address=subjects.EVENTS_PREFIX + ".task.{jobId}.{attempt}.{role}.{index}.{taskEvent}.{node}",
@@ -199,7 +202,10 @@ CHANNELS: dict[str, Channel] = {
         parameters=("jobId", "attempt"),
         message=ClusterSpec,
         action="send",
-        description="Every endpoint of an attempt's gang, published once when all are in (the barrier).",
+        description=(
+            "Every endpoint of an attempt's gang, published once when all are in (the barrier); none "
+            "for a job of one task (not elastic), whose own endpoint is its whole gang."
+        ),
     ),
     "attemptMembers": Channel(
         address=subjects.EVENTS_PREFIX + ".attempt.{jobId}.{attempt}.members",
