@@ -166,6 +166,30 @@ def attempt(job_id: str, *tasks: tuple[str, list[int], TaskState]) -> AttemptRec
     )
 
 
+def test_a_shared_gpu_shows_every_job_on_it_and_how_much_of_it_is_taken():
+    """Two jobs' tasks on parts of one GPU (issue 27): the device names both (as the asker may
+    see them), says it is shared and how many thousandths are taken; the GPU counts once."""
+    alice, bob = record(1, JobState.RUNNING, user="alice"), record(2, JobState.RUNNING, user="bob")
+
+    def half(job_id: str, milli: int) -> AttemptRecord:
+        task = TaskStatus(
+            role="w", role_no=0, index=0, node="a", gpus=[1], gpu_milli=milli, state=TaskState.RUNNING
+        )
+        return AttemptRecord(job_id=job_id, attempt=1, tasks=[task])
+
+    c = cluster_of([node("a")], [alice, bob], [half(alice.job_id, 500), half(bob.job_id, 250)])
+    c.beat("a", NOW)
+    admin = {n["name"]: n for n in c.page(subjects.ALL, None, 100, 1 << 20, NOW)["nodes"]}
+    shared = admin["a"]["devices"][1]
+    assert shared["used"] and shared["shared_milli"] == 750, shared
+    assert sorted(shared["jobs"]) == sorted([alice.job_id, bob.job_id]) and shared["job"] in shared["jobs"]
+    assert "shared_milli" not in admin["a"]["devices"][0]  # free: not shared
+    assert admin["a"]["gpus"] == [{"model": "V100", "total": 4, "used": 1, "free": 3}]
+    mine = {n["name"]: n for n in c.page("alice", None, 100, 1 << 20, NOW)["nodes"]}
+    assert mine["a"]["devices"][1]["jobs"] == [alice.job_id]  # bob's part: used, whose not said
+    assert c.summary(NOW)["gpus"] == [{"model": "V100", "total": 4, "used": 1, "free": 3}]
+
+
 def test_a_node_shows_its_state_and_what_live_tasks_hold_naming_only_the_askers_jobs():
     mine = record(1, JobState.RUNNING, user="alice")  # 1 CPU, 128 MB a task
     theirs = record(2, JobState.RUNNING, user="bob")
@@ -195,10 +219,10 @@ def test_a_node_shows_its_state_and_what_live_tasks_hold_naming_only_the_askers_
     }
     a = shown["a"]
     assert a["devices"] == [
-        {"index": 0, "model": "V100", "used": True, "job": mine.job_id},
-        {"index": 1, "model": "V100", "used": True, "job": mine.job_id},
-        {"index": 2, "model": "V100", "used": False, "job": None},
-        {"index": 3, "model": "V100", "used": True, "job": None},  # bob's: used, whose not said
+        {"index": 0, "model": "V100", "used": True, "job": mine.job_id, "jobs": [mine.job_id]},
+        {"index": 1, "model": "V100", "used": True, "job": mine.job_id, "jobs": [mine.job_id]},
+        {"index": 2, "model": "V100", "used": False, "job": None, "jobs": []},
+        {"index": 3, "model": "V100", "used": True, "job": None, "jobs": []},  # bob's: whose not said
     ]
     assert a["gpus"] == [{"model": "V100", "total": 4, "used": 3, "free": 1}]
     assert (a["cpus"], a["cpus_used"], a["memory_mb"], a["memory_mb_used"]) == (16, 2, 65536, 256)

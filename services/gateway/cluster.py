@@ -42,6 +42,7 @@ class Hold(NamedTuple):
     job_id: str
     role_no: int
     gpus: tuple[int, ...]
+    milli: int | None = None  # its share of gpus[0] in thousandths, when it holds part of one GPU
 
 
 Live = tuple[Hold, ...]
@@ -51,7 +52,9 @@ def live(record: AttemptRecord) -> Live | None:
     """What an attempt's live tasks hold (the attempts mirror's `keep`); None when none is live
     (its record is then not kept)."""
     held = tuple(
-        Hold(t.node, record.job_id, t.role_no, tuple(t.gpus)) for t in record.tasks if not t.state.ended
+        Hold(t.node, record.job_id, t.role_no, tuple(t.gpus), t.gpu_milli)
+        for t in record.tasks
+        if not t.state.ended
     )
     return held or None
 
@@ -128,14 +131,14 @@ class Cluster:
             return "lost"
         return "draining" if info.drained else "healthy"
 
-    def _used_gpus(self, info: NodeInfo) -> dict[int, Hold]:
-        """The node's devices held by live tasks: index -> the task."""
+    def _used_gpus(self, info: NodeInfo) -> dict[int, list[Hold]]:
+        """The node's devices held by live tasks: index -> the tasks (several on a shared GPU)."""
         indices = {d.index for d in info.gpus}
-        out: dict[int, Hold] = {}
+        out: dict[int, list[Hold]] = {}
         for hold in self.held.on.get(info.node, {}).values():
             for g in hold.gpus:
                 if g in indices:
-                    out[g] = hold
+                    out.setdefault(g, []).append(hold)
         return out
 
     def node(self, info: NodeInfo, who: str, at: datetime) -> dict[str, Any]:
@@ -150,16 +153,25 @@ class Cluster:
         models: dict[str, list[int]] = {}
         devices = []
         for d in sorted(info.gpus, key=lambda d: d.index):
-            task = used.get(d.index)
-            job = None
-            if task is not None:
-                s = self.jobs.get(task.job_id)
-                if s is not None and (who == subjects.ALL or s.user == who):
-                    job = task.job_id
+            holders = used.get(d.index, [])
+            jobs: list[str] = []  # the holders' jobs `who` may see, each once
+            for hold in holders:
+                s = self.jobs.get(hold.job_id)
+                if s is not None and (who == subjects.ALL or s.user == who) and hold.job_id not in jobs:
+                    jobs.append(hold.job_id)
             count = models.setdefault(d.model, [0, 0])
             count[0] += 1
-            count[1] += task is not None
-            devices.append({"index": d.index, "model": d.model, "used": task is not None, "job": job})
+            count[1] += bool(holders)
+            device: dict[str, Any] = {
+                "index": d.index,
+                "model": d.model,
+                "used": bool(holders),
+                "job": jobs[0] if jobs else None,
+                "jobs": jobs,
+            }
+            if any(h.milli is not None for h in holders):  # a shared GPU: how much of it is taken
+                device["shared_milli"] = sum(h.milli or 0 for h in holders)
+            devices.append(device)
         return {
             "name": info.node,
             "state": self.state(info, at),
