@@ -591,6 +591,15 @@ class AttemptRecord(Message):
         job (lending, preemption)."""
         return any(t.state.ended and not t.removed for t in self.tasks)
 
+    def deadline(self, limit_s: int | None) -> datetime | None:
+        """When it runs past a time limit of `limit_s` seconds (the job's maxRunTimeSec): that
+        long after its first task started. None without a limit, before any task started, or
+        once it ended."""
+        if limit_s is None or self.ended:
+            return None
+        started = [t.started_at for t in self.tasks if t.started_at is not None]
+        return min(started) + timedelta(seconds=limit_s) if started else None
+
     def members(self) -> list[TaskStatus]:
         """The gang now: every task of a fixed role; an elastic role's tasks not ended or removed."""
         return [t for t in self.tasks if t.role not in self.elastic or not (t.state.ended or t.removed)]

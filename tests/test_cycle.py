@@ -451,6 +451,30 @@ def test_a_gang_with_a_finished_task_is_not_called_back_for_the_head() -> None:
     assert any(line.startswith("wait head:") for line in decision.lines()), decision.lines()
 
 
+def test_a_gang_its_time_limit_ends_within_the_grace_is_not_called_back_for_the_head() -> None:
+    """maxRunTimeSec in the planner: a gang whose limit ends it within the preemption grace
+    would free its place no later if stopped, and lose its work: it runs on and the head waits
+    for it. One whose limit is further off is called back as before."""
+    import dataclasses
+
+    row = next(r for r in ROWS if r.name.startswith("the head calls back"))
+    v, vcs = view_of(row)
+    (stop,) = decide(v, vcs, quota.Fixeds(), NOW).preempt
+    victim = stop.victim.job_id
+    started = min(t.started_at for t in v.attempts[stop.victim.key].tasks if t.started_at is not None)
+    ran = int((NOW - started).total_seconds())
+    for left, called_back in [(int(quota.PREEMPT_GRACE) - 5, False), (int(quota.PREEMPT_GRACE) + 60, True)]:
+        job = v.jobs[victim]
+        v.jobs[victim] = dataclasses.replace(
+            job, config=job.config.model_copy(update={"maxRunTimeSec": ran + left})
+        )
+        v.job_changed(victim)
+        decision = decide(v, vcs, quota.Fixeds(), NOW)
+        assert bool(decision.preempt) is called_back, (left, decision.lines())
+        if not called_back:
+            assert any(line.startswith("wait head:") for line in decision.lines()), decision.lines()
+
+
 def test_a_stop_is_judged_again_on_the_stored_record_and_refused_once_a_task_has_ended() -> None:
     """The plan reads the view; a task's end may be recorded between the plan and the stop (its
     event was on its way). The stop is applied to the stored record (a compare-and-set), which

@@ -286,11 +286,10 @@ class _Gangs:
         if self.running is None:
             self.running = runs = self._read()
             self.stopping_for = {r.job_id: r.preempted_by for r in runs if r.stopping and r.preempted_by}
-            # A gang some of whose tasks have ended is never called back: they would run again.
+            # A gang some of whose tasks have ended is never called back (they would run again),
+            # nor one its time limit ends within the grace (a stop would free nothing sooner).
             self.by_id = {
-                r.job_id: r
-                for r in runs
-                if r.tasks and (r.job_id in self.stopping_for or (not r.stopping and not r.finished))
+                r.job_id: r for r in runs if r.tasks and (r.job_id in self.stopping_for or r.victim)
             }
         return self
 

@@ -33,6 +33,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Generic, TypeVar
 
 from muster.services.scheduler import placement
+from muster.shared import settings
 from muster.shared.jobconfig import JobConfig, rank
 from muster.shared.messages import TaskSpec
 
@@ -48,6 +49,9 @@ from muster.shared.vcquota import held as held
 from muster.shared.vcquota import limits as limits
 from muster.shared.vcquota import need as need
 from muster.shared.vcquota import task_need as task_need
+
+# Seconds a stopped gang has from SIGTERM to SIGKILL (a preemption, a head's call-back).
+PREEMPT_GRACE = settings.seconds("MUSTER_PREEMPT_GRACE", 30.0)
 
 
 @dataclass
@@ -70,6 +74,14 @@ class Running:
     # stopping it would run them again in the next attempt (a finished task must not run
     # twice), so it is no victim: never lent-on work called back for a head, never preempted.
     finished: bool = False
+    # Its time limit (maxRunTimeSec) ends it within PREEMPT_GRACE: a stop would free nothing
+    # sooner than the limit does, and would throw its work away. No victim either.
+    ends_soon: bool = False
+
+    @property
+    def victim(self) -> bool:
+        """Whether it may be stopped for another job (a head, a priority, a reclaim)."""
+        return bool(self.tasks) and not (self.stopping or self.finished or self.ends_soon)
 
 
 @dataclass
@@ -474,16 +486,14 @@ class Order(Generic[T]):
 
 def candidates(job: Waiting, ledger: Ledger, running: Iterable[Running]) -> list[Running]:
     """The gangs `job` may preempt, cheapest first: lower priority in its own VC; and, if it is
-    within its quota, other VCs' borrowed gangs. Never a gang some of whose tasks have ended:
-    they would run again in its next attempt."""
+    within its quota, other VCs' borrowed gangs. Never a gang some of whose tasks have ended
+    (they would run again in its next attempt), nor one its time limit ends within the grace."""
     within = ledger.within(job.vc, need(job.config))
     out = [
         r
         for r in running
         if r.job_id != job.job_id
-        and not r.stopping
-        and not r.finished
-        and r.tasks
+        and r.victim
         and ((r.vc == job.vc and r.rank < job.rank) or (within and r.vc != job.vc and r.borrowed))
     ]
     return sorted(out, key=lambda r: (r.lost, r.rank, r.key))

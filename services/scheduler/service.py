@@ -77,7 +77,6 @@ QUEUE_EVERY = 10.0  # seconds between publications of an unchanged queue order, 
 QUEUE_SPACING = 1.0  # seconds at least between two (a changed order waits, then goes: the latest)
 IN_FLIGHT = 128  # commits and reason writes of one cycle in flight at once
 # Seconds a preempted gang gets between SIGTERM and SIGKILL, to checkpoint.
-PREEMPT_GRACE = settings.seconds("MUSTER_PREEMPT_GRACE", 30.0)
 ELASTIC_GRACE = settings.seconds("MUSTER_ELASTIC_GRACE", 10.0)  # SIGTERM..SIGKILL of a removed task
 PREEMPTIONS = Counter("muster_scheduler_preemptions_total", "Gangs stopped to make room", ["why"])
 # Seconds from a job's submission to its first placement (waits of minutes to a day are normal).
@@ -368,7 +367,7 @@ class Scheduler:
 
     async def _preempt(self, p: Preempt) -> None:
         """End the victim's attempt as preempted (the supervisor then re-queues it, uncharged)
-        and tell its nodes to stop it: SIGTERM, SIGKILL after PREEMPT_GRACE."""
+        and tell its nodes to stop it: SIGTERM, SIGKILL after quota.PREEMPT_GRACE."""
         job, victim, why = p.for_job, p.victim, p.why
         at = now()
 
@@ -378,14 +377,15 @@ class Scheduler:
         self.attempts[record.key] = record
         self.view.attempt_changed(record.key)
         PREEMPTIONS.labels(p.kind).inc()
-        order = KillOrder(job_id=record.job_id, attempt=record.attempt, reason=why, grace=PREEMPT_GRACE)
+        order = KillOrder(job_id=record.job_id, attempt=record.attempt, reason=why, grace=quota.PREEMPT_GRACE)
         for node in sorted({t.node for t in record.tasks if not t.state.ended}):
             await bus.publish_once(
                 self.js, subjects.kill(node), order.to_bytes(), f"kill:{record.key}:{node}"
             )
         victim_job = self.jobs.get(record.job_id)  # a victim is a job the view runs: it is there
         if victim_job is not None:
-            detail = f"{why}; stopping with a {PREEMPT_GRACE:g}s grace, then waiting again (not charged)"
+            grace = quota.PREEMPT_GRACE
+            detail = f"{why}; stopping with a {grace:g}s grace, then waiting again (not charged)"
             await self._event(
                 victim_job, JobEventKind.PREEMPTED, record.attempt, detail, f"{record.key}:preempted"
             )

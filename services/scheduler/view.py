@@ -350,6 +350,8 @@ class View:
                     stopping=record.preempted_by is not None or record.ended,
                     preempted_by=record.preempted_by,
                     finished=record.finished_work or any(not self._heard(t.node, at) for t in live),
+                    ends_soon=(end := record.deadline(job.config.maxRunTimeSec)) is not None
+                    and end <= at + timedelta(seconds=quota.PREEMPT_GRACE),
                 )
             )
         return out

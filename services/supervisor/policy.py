@@ -352,10 +352,7 @@ def deadline(config: JobConfig, attempt: AttemptRecord) -> datetime | None:
     """When the attempt runs past the job's maxRunTimeSec: that long after its first task
     started. None without a limit, before any task started (the start timeout watches that),
     or once it ended."""
-    if config.maxRunTimeSec is None or attempt.ended:
-        return None
-    started = [t.started_at for t in attempt.tasks if t.started_at is not None]
-    return min(started) + timedelta(seconds=config.maxRunTimeSec) if started else None
+    return attempt.deadline(config.maxRunTimeSec)
 
 
 def timed_out(config: JobConfig, attempt: AttemptRecord, at: datetime) -> AttemptRecord | None:
