@@ -43,18 +43,19 @@ class Store(Generic[M]):
 
         `cache`: keep the latest (revision, bytes) of up to that many keys (the newest) that
         `mirror` and this store's own writes saw, so that `update` can write on a known revision
-        without reading first (half the round trips of a read-modify-write). A stale or evicted
-        copy costs nothing but the read it would have saved: the write is conditional on its
-        revision. 0: none."""
+        without reading first (half the round trips of a read-modify-write), with the record as
+        decoded then (so `update` does not decode it again). A stale or evicted copy costs
+        nothing but the read it would have saved: the write is conditional on its revision.
+        0: none."""
         self.kv, self.model, self.check = kv, model, check
         self.bucket = kv._name
         self._limit = cache
-        self._latest: dict[str, tuple[int, bytes]] | None = {} if cache else None
+        self._latest: dict[str, tuple[int, bytes, M | None]] | None = {} if cache else None
         # With `cache`: the records this store wrote, decoded, until `mirror` sees them come back
         # (then it takes them rather than decoding again: a big attempt record is ~12 ms).
         self._wrote: dict[str, tuple[int, M]] = {}
 
-    def _saw(self, key: str, revision: int, data: bytes | None) -> None:
+    def _saw(self, key: str, revision: int, data: bytes | None, record: M | None = None) -> None:
         if self._latest is None:
             return
         known = self._latest.get(key)
@@ -63,7 +64,7 @@ class Store(Generic[M]):
         if data is None:
             self._latest.pop(key, None)
             return
-        self._latest[key] = (revision, data)
+        self._latest[key] = (revision, data, record)
         if len(self._latest) > self._limit:  # the oldest first (insertion order)
             del self._latest[next(iter(self._latest))]
 
@@ -106,7 +107,7 @@ class Store(Generic[M]):
         data = record.to_bytes()
         try:
             revision = await self.kv.create(key, data)
-            self._saw(key, revision, data)
+            self._saw(key, revision, data, record)
             self._own(key, revision, record)
             return True
         except KeyWrongLastSequenceError:
@@ -117,7 +118,7 @@ class Store(Generic[M]):
         data = record.to_bytes()
         try:
             written = await self.kv.update(key, data, last=revision)
-            self._saw(key, written, data)
+            self._saw(key, written, data, record)
             self._own(key, written, record)
             return True
         except KeyWrongLastSequenceError:
@@ -126,29 +127,34 @@ class Store(Generic[M]):
     def cached(self, key: str) -> tuple[int, bytes] | None:
         """The newest (revision, bytes) of `key` this store saw, if it keeps them (`cache`): a
         guess to write on, proved current only by the write."""
-        return self._latest.get(key) if self._latest is not None else None
+        known = self._latest.get(key) if self._latest is not None else None
+        return known[:2] if known is not None else None
 
     async def update(self, key: str, change: Callable[[M], M | None]) -> M | None:
         """Read-modify-write with the revision read, retried until no other writer got in
-        between. `change` returns the new record, or None to leave it as it is. Returns the
-        record written, or None (nothing written: no record, a bad one, or no change).
+        between. `change` returns the new record, or None to leave it as it is; it must not
+        change the record it is given (with `cache`, that may be the one a mirror's view holds):
+        it returns a copy (`model_copy`). Returns the record written, or None (nothing written:
+        no record, a bad one, or no change).
 
-        With `cache`, the first try is on the cached copy; only a write proves it current, so
-        when it says "no change" (or does not decode) the stored record decides."""
+        With `cache`, the first try is on the cached copy, decoded once when it was seen; only a
+        write proves it current, so when it says "no change" (or does not decode) the stored
+        record decides."""
         cached = self._latest.get(key) if self._latest is not None else None
         revision: int | None
         data: bytes | None
         while True:
             fresh = cached is None
+            current: M | None = None
             if cached is not None:
-                (revision, data), cached = cached, None
+                (revision, data, current), cached = cached, None
             else:
                 try:
                     entry = await self.kv.get(key)
                 except KeyNotFoundError:
                     return None
                 revision, data = entry.revision, entry.value
-            current = self.decode(key, data)
+            current = current or self.decode(key, data)
             updated = change(current) if current is not None else None
             if updated is None:
                 if fresh:
@@ -159,7 +165,7 @@ class Store(Generic[M]):
                 written = await self.kv.update(key, new, last=revision)
             except KeyWrongLastSequenceError:
                 continue
-            self._saw(key, written, new)
+            self._saw(key, written, new, updated)
             self._own(key, written, updated)
             return updated
 
@@ -215,7 +221,7 @@ class Store(Generic[M]):
                     if entry.operation not in ("DEL", "PURGE"):
                         record = own[1] if own is not None and own[0] == entry.revision else None
                         record = record or self.decode(entry.key, entry.value)
-                    self._saw(entry.key, entry.revision, entry.value if record is not None else None)
+                    self._saw(entry.key, entry.revision, entry.value if record is not None else None, record)
                     kept = record if record is None or keep is None else keep(record)
                     if kept is None:
                         into.pop(entry.key, None)

@@ -276,7 +276,9 @@ class Supervisor:
         at = now()
         applied: list[bool] = []
 
-        def change(a: AttemptRecord) -> AttemptRecord | None:
+        def change(stored: AttemptRecord) -> AttemptRecord | None:
+            # The policy changes the record in place: on a copy (the stored one may be the view's).
+            a = stored.model_copy(update={"tasks": [t.model_copy() for t in stored.tasks]})
             applied[:] = policy.apply_task_events(job.config, a, events, at)
             return a if any(applied) else None
 
