@@ -303,6 +303,13 @@ class Assignment(Command):
         builds the spec itself (no endpoint report, no rendezvous, no spec message)."""
         return self.config.total_tasks == 1 and not self.config.elastic
 
+    def own_spec(self, endpoint: Endpoint) -> ClusterSpec | None:
+        """A solo task's cluster spec, its own endpoint alone; None for a task of a bigger gang
+        (the registry's spec says where its peers are)."""
+        return (
+            ClusterSpec(job_id=self.job_id, attempt=self.attempt, endpoints=[endpoint]) if self.solo else None
+        )
+
     @classmethod
     def of(cls, job: JobRecord, attempt: AttemptRecord, node: str) -> Assignment:
         """The order for `node`'s part of a placed attempt (the scheduler sends it; an agent

@@ -221,7 +221,8 @@ class Reconciler:
         ports = [int(p) for p in found.labels.get(LABEL_PORTS, "").split(",") if p]
         self.tasks.ports.take_exact(ports)
         endpoint = Endpoint.of(spec, self.address, ports, assignment.config.role(role).portList)
-        task = LocalTask(assignment=assignment, spec=spec, endpoint=endpoint, ports=ports)
+        cluster = assignment.own_spec(endpoint)  # a solo task's, as it was started with
+        task = LocalTask(assignment=assignment, spec=spec, endpoint=endpoint, ports=ports, cluster=cluster)
         task.handle = await self.runtime.attach(
             found.name, lambda line: self.tasks.output(task, line), since=self.read_from
         )

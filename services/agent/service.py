@@ -53,7 +53,6 @@ from muster.services.agent.tasks import NOT_STARTED, LocalTask, Tasks
 from muster.shared import bus, consume, hostpaths, settings, subjects
 from muster.shared.messages import (
     Assignment,
-    ClusterSpec,
     DrainOrder,
     Endpoint,
     EndpointReported,
@@ -472,11 +471,7 @@ class Agent:
             endpoint = Endpoint.of(spec, self.opts.address, ports, role.portList)
             if a.solo:  # its own endpoint is its whole gang: no rendezvous to wait behind
                 task = LocalTask(
-                    assignment=a,
-                    spec=spec,
-                    endpoint=endpoint,
-                    ports=ports,
-                    cluster=ClusterSpec(job_id=a.job_id, attempt=a.attempt, endpoints=[endpoint]),
+                    assignment=a, spec=spec, endpoint=endpoint, ports=ports, cluster=a.own_spec(endpoint)
                 )
                 self.assignments.save(a)
                 self.tasks.take(key, task)
