@@ -469,33 +469,28 @@ class Agent:
                 self.tasks.remember(key)
                 continue
             endpoint = Endpoint.of(spec, self.opts.address, ports, role.portList)
-            if a.solo:  # its own endpoint is its whole gang: no rendezvous to wait behind
-                task = LocalTask(
-                    assignment=a, spec=spec, endpoint=endpoint, ports=ports, cluster=a.own_spec(endpoint)
-                )
-                self.assignments.save(a)
-                self.tasks.take(key, task)
-                continue
+            cluster = a.own_spec(endpoint)  # a solo task's: no rendezvous to wait behind
             try:
-                await self.tasks.specs.expect(a.job_id, a.attempt)  # before the endpoint goes out
-                await bus.publish_once(
-                    self.js,
-                    subjects.task_event(
-                        a.job_id, a.attempt, spec.role, spec.index, "endpoint", self.opts.node
-                    ),
-                    EndpointReported(
-                        job_id=a.job_id,
-                        attempt=a.attempt,
-                        gang_size=a.config.total_tasks,
-                        endpoint=endpoint,
-                    ).to_bytes(),
-                    f"endpoint:{a.job_id}.{a.attempt}.{spec.key}",
-                )
+                if cluster is None:  # a gang's task: its endpoint goes to the registry
+                    await self.tasks.specs.expect(a.job_id, a.attempt)  # before the endpoint goes out
+                    await bus.publish_once(
+                        self.js,
+                        subjects.task_event(
+                            a.job_id, a.attempt, spec.role, spec.index, "endpoint", self.opts.node
+                        ),
+                        EndpointReported(
+                            job_id=a.job_id,
+                            attempt=a.attempt,
+                            gang_size=a.config.total_tasks,
+                            endpoint=endpoint,
+                        ).to_bytes(),
+                        f"endpoint:{a.job_id}.{a.attempt}.{spec.key}",
+                    )
             except Exception:
                 self.tasks.ports.release(ports)
                 await self.tasks.specs.forget(a.job_id, a.attempt)
                 raise  # the order is redelivered
-            task = LocalTask(assignment=a, spec=spec, endpoint=endpoint, ports=ports)
+            task = LocalTask(assignment=a, spec=spec, endpoint=endpoint, ports=ports, cluster=cluster)
             self.assignments.save(a)
             self.tasks.take(key, task)
         self.log.info("agent.assigned", job_id=a.job_id, attempt=a.attempt, tasks=[t.key for t in a.mine])
