@@ -149,7 +149,7 @@ def control(pipe: Path, command: str) -> str:
 
 
 async def check(args: argparse.Namespace) -> dict[str, Any]:
-    summary: dict[str, Any] = {"checks": {}}
+    summary: dict[str, Any] = {"bench": "gpu_check", "checks": {}}
     checks: dict[str, bool] = summary["checks"]
     gpus = discover_gpus()
     print("a. NVML discovery:", [g.model_dump() for g in gpus] if gpus else gpus)

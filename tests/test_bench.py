@@ -239,3 +239,17 @@ def test_a_nodes_work_root_holds_nothing_older_than_the_retention(tmp_path: Path
         assert r["attempt_dirs_after"] == 0 and r["older_than_retention_after"] == 0, r
     assert module["trash_left"] == 0
     assert "none older than the retention" in table
+
+
+@pytest.mark.parametrize("name", ["gpu_check", "gpu_job"])
+def test_gpu_checks_run_or_say_there_is_no_gpu(name: str):
+    """The GPU checks need an NVIDIA GPU (docs/gpus.md gives their runs on one); elsewhere they
+    say so and pass, and they import what they drive (the agent's NVML, MPS and environment code,
+    the CLI's examples) on any machine."""
+    from muster.services.agent.inventory import discover_gpus
+
+    if discover_gpus():
+        pytest.skip("an NVIDIA GPU is here: run python -m bench.gpu_check and bench.gpu_job by hand")
+    result, text = bench(name)
+    assert result["skipped"] == "no NVIDIA GPU"
+    assert "no NVIDIA GPU: skipped" in text

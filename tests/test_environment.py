@@ -482,3 +482,43 @@ def test_conformance_commands_find_their_variables(path: Path) -> None:
 
 def test_corpus_is_there() -> None:
     assert len(CORPUS_FILES) >= 20
+
+
+# ------------------------------------------------------------------ the shipped examples
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+# What a task reads strictly: `$NAME`, `${NAME}`, `os.environ["NAME"]` (`.get` may find nothing).
+STRICT_REF = re.compile(r"\$\{?([A-Z][A-Za-z0-9_]*)|environ\[['\"]([A-Za-z_][A-Za-z0-9_]*)")
+SHELL_OWN = {"PWD", "HOME", "PATH", "HOSTNAME", "USER"}
+
+
+def example_configs() -> list[Path]:
+    return sorted(p for p in EXAMPLES.rglob("*") if p.suffix in (".json", ".yaml", ".yml"))
+
+
+@pytest.mark.parametrize("path", example_configs(), ids=lambda p: str(p.relative_to(EXAMPLES)))
+def test_every_variable_an_example_reads_is_one_its_tasks_get(path: Path) -> None:
+    """An example's commands, and the files beside it, read only variables its tasks are given:
+    the rendered environment (a share of a GPU as such), its datasets' and synced code's. Most
+    examples need a GPU or a dataset to run here, so a misspelt variable would otherwise only
+    show on a GPU machine (examples/gpu-sharing read PAI_TASK_INDEX, which nothing sets)."""
+    from muster.services.agent.prepare import data_var
+
+    config, errors = check_job(loads(path.read_text()))
+    assert config is not None, errors
+    folder = [path] if path.parent == EXAMPLES else [p for p in path.parent.rglob("*") if p.is_file()]
+    refs = {a or b for p in folder for a, b in STRICT_REF.findall(p.read_text(errors="replace"))}
+    given = set(SHELL_OWN) | {data_var(d.split(":")[0]) for d in config.data}
+    if config.codeSync is not None:
+        given.add("MUSTER_CODE_DIR")
+    gang = synthetic_gang(config)
+    for ep_ in gang:
+        gpus = config.taskRoles[ep_.role_no].gpuNumber
+        share = (
+            {"gpus": [0], "gpu_milli": round(gpus * 1000)}
+            if 0 < gpus < 1
+            else {"gpus": list(range(int(gpus)))}
+        )
+        at = ctx(config, gang, ep_.role, ep_.index, hostfile_path="/muster/hostfile", **share)
+        given |= render_env(at).keys()
+    assert refs - given == set(), f"{path.name} reads variables no task is given: {sorted(refs - given)}"
