@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -542,7 +543,9 @@ async def durable(
     js: JetStreamContext, subject: str, name: str, stream: str, **settings: Any
 ) -> JetStreamContext.PullSubscription:
     """The durable pull consumer `name`, shared by every replica that uses it: explicit acks,
-    redelivery after 30 s without one, never given up on. `settings` add to that."""
+    redelivery after 30 s without one, never given up on. `settings` add to that. A consumer
+    made before with another `max_ack_pending` (the server's default is 1,000) takes the one
+    asked for now: nats-py leaves an existing consumer as it is."""
     config = ConsumerConfig(
         ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL,
@@ -550,7 +553,13 @@ async def durable(
         max_deliver=-1,
         **settings,
     )
-    return await js.pull_subscribe(subject, durable=name, stream=stream, config=config)
+    sub = await js.pull_subscribe(subject, durable=name, stream=stream, config=config)
+    wanted = settings.get("max_ack_pending")
+    if wanted is not None:
+        have = (await js.consumer_info(stream, name)).config
+        if have.max_ack_pending != wanted:
+            await js.add_consumer(stream, config=dataclasses.replace(have, max_ack_pending=wanted))
+    return sub
 
 
 PULL_EXPIRES = 5.0  # seconds an open pull request lives on the server before it is renewed

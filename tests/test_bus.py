@@ -196,3 +196,21 @@ async def test_muster_jetstream_times_out_and_goes_on_after_a_reconnect(tmp_path
     finally:
         await nc.close()
         server.stop()
+
+
+async def test_a_durable_takes_the_ack_limit_asked_for_also_when_it_exists(nats_url):
+    """The supervisor records a gang's events in one write when they are all in flight at once:
+    the server's default of 1,000 unacked messages cut a 2,000-task gang's into batches of 1,000.
+    A consumer made before with the default gets the limit asked for now, and keeps its messages."""
+    nc, js, _ = await pull(nats_url, "ACKS")
+    try:
+        await js.publish("acks.x", b"kept")
+        assert (await js.consumer_info("ACKS", "reader")).config.max_ack_pending == 1000
+        again = await bus.durable(js, "acks.>", "reader", "ACKS", max_ack_pending=2048)
+        info = await js.consumer_info("ACKS", "reader")
+        assert info.config.max_ack_pending == 2048
+        assert info.config.filter_subject == "acks.>"
+        msgs = await bus.Puller(again, 16).next(wait=10)
+        assert [m.data for m in msgs] == [b"kept"]
+    finally:
+        await nc.close()

@@ -231,6 +231,30 @@ def test_events_applied_together_decide_as_when_applied_one_by_one():
         assert together == one_by_one
 
 
+def test_applying_events_changes_no_task_it_was_given():
+    """The supervisor applies a batch to a shallow copy of the record it holds (its view's, shared
+    with every reader of the view): the policy replaces each task it changes and changes none, so
+    a write of a big gang's record copies only the tasks that changed. Here the given tasks keep
+    their states (PLACED) while the new record holds them RUNNING, then one FAILED (the attempt
+    ends) and one more ended after that decision."""
+    held = gang(4)
+    before = [t.model_copy() for t in held.tasks]
+    copy = held.model_copy(update={"tasks": list(held.tasks)})
+    at = now()
+    events = [
+        TaskEvent(job_id="jbig", attempt=1, role="worker", index=i, node=f"n{i}", kind=TaskEventKind.RUNNING)
+        for i in range(4)
+    ]
+    ended = {"kind": TaskEventKind.EXITED, "cause": TaskCause.EXITED, "exit_code": 1}
+    for i in (0, 1):
+        events.append(TaskEvent(job_id="jbig", attempt=1, role="worker", index=i, node=f"n{i}", **ended))
+    assert policy.apply_task_events(config(4), copy, events, at) == [True] * 6
+    assert held.tasks == before and all(t.state == TaskState.PLACED for t in held.tasks)
+    assert copy.outcome == JobState.FAILED
+    assert [t.state for t in copy.tasks] == [TaskState.FAILED] * 2 + [TaskState.RUNNING] * 2
+    assert all(a is not b for a, b in zip(held.tasks, copy.tasks, strict=True))
+
+
 async def test_an_agents_check_of_its_tasks_reads_each_attempt_once_not_once_per_task(nats_url, tmp_path):
     """A node running 8 tasks of a 2,000-task attempt (its record ~250 KB): the routine check
     that its tasks are still live reads the record once for all of them, and finds each by its

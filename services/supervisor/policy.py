@@ -101,12 +101,11 @@ class Tally:
             self.going[t.role] = self.going.get(t.role, 0) + sign
 
     def change(self, i: int, update: dict[str, object]) -> None:
-        """Apply `update` (fields) to task `i`, keeping the counts."""
-        t = self.tasks[i]
-        self._count(t, i, -1)
-        for name, value in update.items():
-            setattr(t, name, value)
-        self._count(t, i, 1)
+        """Replace task `i` by a copy with `update` (fields), keeping the counts. The task given
+        is not changed (it may be a shared, cached record's)."""
+        self._count(self.tasks[i], i, -1)
+        self.tasks[i] = self.tasks[i].model_copy(update=update)
+        self._count(self.tasks[i], i, 1)
 
     def decide(self) -> Decision:
         config = self.config
@@ -292,8 +291,9 @@ def event_refusal(
 
 
 def apply_task_event(config: JobConfig, attempt: AttemptRecord, ev: TaskEvent, at: datetime) -> bool:
-    """Record a task's start or end on its attempt (in place) and end the attempt when `decide`
-    says so. Returns whether anything changed: a replayed or late event changes nothing."""
+    """Record a task's start or end on its attempt (in place: its fields and its list of tasks,
+    where a changed task is a new TaskStatus, never the one given) and end the attempt when
+    `decide` says so. Returns whether anything changed: a replayed or late event changes nothing."""
     return apply_task_events(config, attempt, [ev], at)[0]
 
 
@@ -334,8 +334,7 @@ def apply_task_events(
             continue
         assert i is not None
         if attempt.ended:  # the decision is made: the tally is not needed any more
-            for name, value in update.items():
-                setattr(attempt.tasks[i], name, value)
+            attempt.tasks[i] = attempt.tasks[i].model_copy(update=update)
             continue
         if tally is None:
             tally = Tally(config, attempt.tasks)

@@ -182,6 +182,7 @@ class Supervisor:
             subjects.SUPERVISOR_CONSUMER,
             subjects.EVENTS_STREAM,
             filter_subjects=subjects.TASK_STATES,
+            max_ack_pending=IN_FLIGHT,  # the server's default (1,000) would cut a big gang's batch
         )
         kills = await bus.durable(
             self.js, subjects.KILL, subjects.SUPERVISOR_KILL_CONSUMER, subjects.SUBMISSIONS_STREAM
@@ -277,8 +278,10 @@ class Supervisor:
         applied: list[bool] = []
 
         def change(stored: AttemptRecord) -> AttemptRecord | None:
-            # The policy changes the record in place: on a copy (the stored one may be the view's).
-            a = stored.model_copy(update={"tasks": [t.model_copy() for t in stored.tasks]})
+            # The policy changes the record and its list of tasks in place, and replaces a task it
+            # changes (never changing one): a copy of both (the stored one may be the view's) is
+            # O(tasks) pointers, not O(tasks) TaskStatus copies per write of a big gang's record.
+            a = stored.model_copy(update={"tasks": list(stored.tasks)})
             applied[:] = policy.apply_task_events(job.config, a, events, at)
             return a if any(applied) else None
 
