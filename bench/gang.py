@@ -8,7 +8,9 @@ MUSTER_NODE_TIMEOUT as shipped), then one job of one role of N tasks, each a who
 submitted as a user would. Measured from the scheduler's `placed` event:
 
   * reported: the last task's `running` event as its agent published it;
-  * recorded: the attempt record shows every task RUNNING (the supervisor wrote it);
+  * recorded: the attempt record shows every task RUNNING (the supervisor wrote it), seen on the
+    bucket's subject as the write happens (each write decoded once; polling the record would
+    load the machine with the decoding of a record O(N) in size, more for a bigger gang);
   * per-process CPU over the gang's start, as a percentage of one core and in seconds;
   * writes of the attempt and rendezvous records (KV revisions) while it started, and the
     rendezvous' endpoint writes (one per task, each its own key) with the bytes written to the
@@ -82,7 +84,11 @@ class Watch:
         self.placed: float | None = None
         self.running: set[str] = set()
         self.reported: float | None = None
+        self.first: float | None = None  # the first task's running report
         self.lost = 0  # tasks the platform declared ended (node lost, start timeout)
+        self.writes: list[tuple[float, int]] = []  # the attempt record's: when, tasks running
+        self.recorded: float | None = None
+        self.all_recorded = asyncio.Event()
         self.all_reported = asyncio.Event()
         self.was_placed = asyncio.Event()
 
@@ -99,6 +105,17 @@ class Watch:
             self.rendezvous["records" if key.count(".") == 1 else "endpoints"] += 1
             self.rendezvous["bytes"] += len(msg.data)
 
+    async def on_attempt(self, msg: Any) -> None:
+        if msg.subject != f"$KV.{subjects.ATTEMPTS_BUCKET}.{attempt_key(self.job_id, 1)}" or not msg.data:
+            return
+        with contextlib.suppress(ValueError):
+            record = AttemptRecord.from_bytes(msg.data)
+            running = sum(t.state == TaskState.RUNNING for t in record.tasks)
+            self.writes.append((time.monotonic(), running))
+            if running == self.tasks and self.recorded is None:
+                self.recorded = time.monotonic()
+                self.all_recorded.set()
+
     async def on_task_event(self, msg: Any) -> None:
         token = msg.subject.split(".")
         if token[3] != self.job_id:
@@ -107,6 +124,7 @@ class Watch:
             self.lost += 1
         elif token[-2] == "running":
             self.running.add(f"{token[5]}.{token[6]}")
+            self.first = self.first or time.monotonic()
             if len(self.running) == self.tasks and self.reported is None:
                 self.reported = time.monotonic()
                 self.all_reported.set()
@@ -122,7 +140,6 @@ async def measure(
         nc = await mesh.connect()
         try:
             js = nc.jetstream()
-            attempts = await js.key_value(subjects.ATTEMPTS_BUCKET)
             watch = Watch(tasks)
             await nc.subscribe(subjects.job_event("*", "placed"), cb=watch.on_job_event)
             await nc.subscribe(
@@ -132,25 +149,21 @@ async def measure(
             await nc.subscribe(
                 f"$KV.{subjects.RENDEZVOUS_BUCKET}.>", cb=watch.on_rendezvous, pending_msgs_limit=1_000_000
             )
+            await nc.subscribe(f"$KV.{subjects.ATTEMPTS_BUCKET}.>", cb=watch.on_attempt)
             writes0 = {name: await last_seq(js, name) for name in BUCKETS}
             cpu0, t0 = mesh.cpu(), time.monotonic()
             _, verdict = await client.submit(nc, gang(f"gang-{tasks}", tasks, task_seconds))
             if verdict is None or not verdict.accepted:
                 raise RuntimeError(f"the gang was not accepted: {verdict}")
             watch.job_id = verdict.job_id
-            key = attempt_key(verdict.job_id, 1)
             await asyncio.wait_for(watch.was_placed.wait(), timeout)
             assert watch.placed is not None
-            recorded = None
             end = watch.placed + timeout
-            while time.monotonic() < end and recorded is None:
+            while time.monotonic() < end and watch.recorded is None:
                 mesh.check()
-                with contextlib.suppress(Exception):
-                    record = AttemptRecord.from_bytes((await attempts.get(key)).value)
-                    if all(t.state == TaskState.RUNNING for t in record.tasks):
-                        recorded = time.monotonic()
-                        break
-                await asyncio.sleep(0.05)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(watch.all_recorded.wait(), 0.5)
+            recorded = watch.recorded
             cpu1, elapsed = mesh.cpu(), time.monotonic() - t0
             # The KV streams' message counts: every write of either record while the gang started
             # (the rendezvous bucket's endpoint keys apart).
@@ -163,11 +176,19 @@ async def measure(
                 "nodes": nodes,
                 "ready_s": round(ready_s, 1),
                 "submit_to_placed_s": round(watch.placed - t0, 2),
+                "placed_to_first_running_s": None
+                if watch.first is None
+                else round(watch.first - watch.placed, 3),
                 "placed_to_reported_s": None
                 if watch.reported is None
                 else round(watch.reported - watch.placed, 2),
                 "placed_to_recorded_s": None if recorded is None else round(recorded - watch.placed, 2),
                 "running_reported": len(watch.running),
+                # Each write of the attempt record while it started: seconds after placement, and
+                # how many of its tasks it showed running.
+                "attempt_writes": [
+                    (round(t - watch.placed, 3), n) for t, n in watch.writes if t >= watch.placed
+                ],
                 "declared_ended_by_platform": watch.lost,
                 "attempt": job.attempt,
                 "kv_writes": writes,
