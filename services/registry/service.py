@@ -112,7 +112,11 @@ class Registry:
 
     async def run(self, stop: asyncio.Event) -> None:
         sub = await bus.durable(
-            self.js, subjects.ENDPOINTS, subjects.REGISTRY_CONSUMER, subjects.EVENTS_STREAM
+            self.js,
+            subjects.ENDPOINTS,
+            subjects.REGISTRY_CONSUMER,
+            subjects.EVENTS_STREAM,
+            max_ack_pending=IN_FLIGHT,  # the server's default (1,000) is less than a big gang
         )
         # No order per attempt: the endpoints of one attempt are handled together (`on_endpoint`),
         # as many in flight as a big gang has, so each write of its rendezvous takes them all.
