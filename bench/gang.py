@@ -85,6 +85,9 @@ class Watch:
         self.running: set[str] = set()
         self.reported: float | None = None
         self.first: float | None = None  # the first task's running report
+        # When each step of the start was first and last seen: orders sent, endpoints reported,
+        # the cluster spec published (the phases of `placed_to_first_running_s`).
+        self.seen: dict[str, list[float]] = {}
         self.lost = 0  # tasks the platform declared ended (node lost, start timeout)
         self.writes: list[tuple[float, int]] = []  # the attempt record's: when, tasks running
         self.recorded: float | None = None
@@ -104,6 +107,16 @@ class Watch:
         if key.startswith(f"{self.job_id}."):
             self.rendezvous["records" if key.count(".") == 1 else "endpoints"] += 1
             self.rendezvous["bytes"] += len(msg.data)
+
+    def saw(self, step: str) -> None:
+        at = time.monotonic()
+        self.seen.setdefault(step, [at, at])[1] = at
+
+    async def on_step(self, msg: Any) -> None:
+        self.saw("orders" if msg.subject.endswith(".assign") else "spec")
+
+    async def on_endpoint(self, msg: Any) -> None:
+        self.saw("endpoints")
 
     async def on_attempt(self, msg: Any) -> None:
         if msg.subject != f"$KV.{subjects.ATTEMPTS_BUCKET}.{attempt_key(self.job_id, 1)}" or not msg.data:
@@ -150,6 +163,9 @@ async def measure(
                 f"$KV.{subjects.RENDEZVOUS_BUCKET}.>", cb=watch.on_rendezvous, pending_msgs_limit=1_000_000
             )
             await nc.subscribe(f"$KV.{subjects.ATTEMPTS_BUCKET}.>", cb=watch.on_attempt)
+            await nc.subscribe(subjects.assign("*"), cb=watch.on_step, pending_msgs_limit=1_000_000)
+            await nc.subscribe(subjects.cluster_spec("*", "*"), cb=watch.on_step)
+            await nc.subscribe(subjects.ENDPOINTS, cb=watch.on_endpoint, pending_msgs_limit=1_000_000)
             writes0 = {name: await last_seq(js, name) for name in BUCKETS}
             cpu0, t0 = mesh.cpu(), time.monotonic()
             _, verdict = await client.submit(nc, gang(f"gang-{tasks}", tasks, task_seconds))
@@ -179,6 +195,8 @@ async def measure(
                 "placed_to_first_running_s": None
                 if watch.first is None
                 else round(watch.first - watch.placed, 3),
+                # Each step's first and last sight, seconds after placement.
+                "steps": {k: [round(t - watch.placed, 3) for t in v] for k, v in watch.seen.items()},
                 "placed_to_reported_s": None
                 if watch.reported is None
                 else round(watch.reported - watch.placed, 2),
