@@ -76,8 +76,8 @@ async def last_seq(js: Any, name: str) -> int:
 class Watch:
     """What happens to the gang, as the bus says it."""
 
-    def __init__(self, tasks: int) -> None:
-        self.tasks = tasks
+    def __init__(self, tasks: int, cpu: Any = None) -> None:
+        self.tasks, self.cpu = tasks, cpu  # cpu(): each process's CPU seconds so far
         self.job_id = ""
         # Writes to the rendezvous bucket, seen on its subjects: its record, its endpoints, bytes.
         self.rendezvous = {"records": 0, "endpoints": 0, "bytes": 0}
@@ -88,6 +88,9 @@ class Watch:
         # When each step of the start was first and last seen: orders sent, endpoints reported,
         # the cluster spec published (the phases of `placed_to_first_running_s`).
         self.seen: dict[str, list[float]] = {}
+        # Each process's CPU when the spec was first seen and when every task had reported running:
+        # what the start costs after the spec, process by process.
+        self.cpu_at: dict[str, dict[str, float]] = {}
         self.lost = 0  # tasks the platform declared ended (node lost, start timeout)
         self.writes: list[tuple[float, int]] = []  # the attempt record's: when, tasks running
         self.recorded: float | None = None
@@ -110,6 +113,8 @@ class Watch:
 
     def saw(self, step: str) -> None:
         at = time.monotonic()
+        if step == "spec" and self.cpu is not None and "spec" not in self.cpu_at:
+            self.cpu_at["spec"] = self.cpu()
         self.seen.setdefault(step, [at, at])[1] = at
 
     async def on_step(self, msg: Any) -> None:
@@ -140,6 +145,8 @@ class Watch:
             self.first = self.first or time.monotonic()
             if len(self.running) == self.tasks and self.reported is None:
                 self.reported = time.monotonic()
+                if self.cpu is not None:
+                    self.cpu_at["reported"] = self.cpu()
                 self.all_reported.set()
 
 
@@ -153,7 +160,7 @@ async def measure(
         nc = await mesh.connect()
         try:
             js = nc.jetstream()
-            watch = Watch(tasks)
+            watch = Watch(tasks, mesh.cpu)
             await nc.subscribe(subjects.job_event("*", "placed"), cb=watch.on_job_event)
             await nc.subscribe(
                 subjects.task_event("*", "*", "*", "*", "running", "*"), cb=watch.on_task_event
@@ -197,6 +204,11 @@ async def measure(
                 else round(watch.first - watch.placed, 3),
                 # Each step's first and last sight, seconds after placement.
                 "steps": {k: [round(t - watch.placed, 3) for t in v] for k, v in watch.seen.items()},
+                "cpu_spec_to_reported_s": {
+                    k: round(watch.cpu_at["reported"][k] - v, 2) for k, v in watch.cpu_at["spec"].items()
+                }
+                if len(watch.cpu_at) == 2
+                else None,
                 "placed_to_reported_s": None
                 if watch.reported is None
                 else round(watch.reported - watch.placed, 2),
