@@ -16,7 +16,11 @@ submitted as a user would. Measured from the scheduler's `placed` event:
     rendezvous' endpoint writes (one per task, each its own key) with the bytes written to the
     rendezvous bucket in all (linear in the gang's size however its endpoints come);
   * nodes declared lost and tasks ended by the platform (there should be none), and the job's
-    attempt number at the end (1: it was never retried).
+    attempt number at the end (1: it was never retried);
+  * where the time went: each write of the attempt record (when, how many tasks it showed
+    running), when the orders, the endpoint reports and the spec were first and last seen
+    (`steps`; the bench's own subscriptions to them cost nats-server a copy of each), and each
+    process's CPU from the spec until every task had reported running.
 
 The gang runs `--task-seconds` (long enough to be all running) and is then killed. With
 `--rounds R`, the sizes are measured R times, in turn (a fresh mesh each), and the median of
