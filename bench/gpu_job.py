@@ -13,6 +13,8 @@ on a scratch data dir, and with the CLI:
   sharing: submits examples/gpu-sharing/job.json as shipped (two tasks of 0.5 of a GPU, side by
            side) and waits: SUCCEEDED, both tasks on one device (one UUID) in this mode, and past
            the share "the limit holds" under MPS, "not isolated" time-sliced;
+  allreduce: two ranks of 0.5 of a GPU meet through MASTER_ADDR/RANK/WORLD_SIZE and all-reduce a
+           CUDA tensor over gloo: SUCCEEDED, both print `sum 3.0 on cuda`;
   limit:   (mps) a task of the smallest share whose memory limit is at least 4 GiB allocates 3 GiB
            and then fails to allocate 6 GiB (CUDA out of memory): SUCCEEDED.
 
@@ -46,6 +48,14 @@ LIMIT = (
     "try:\n    torch.empty(6 << 30, dtype=torch.uint8, device='cuda'); print('6 GiB allocated: the limit "
     "did not hold'); raise SystemExit(3)\nexcept torch.OutOfMemoryError:\n    print('6 GiB: out of "
     "memory, the limit holds')\""
+)
+
+ALLREDUCE = (
+    "python3 -c \"import os, torch, torch.distributed as dist; dist.init_process_group('gloo'); "
+    "r = dist.get_rank(); x = torch.full((4,), float(r + 1), device='cuda'); dist.all_reduce(x); "
+    "print('rank', r, 'of', dist.get_world_size(), 'master', os.environ['MASTER_ADDR'], 'sum', "
+    "x[0].item(), 'on', x.device.type, torch.cuda.get_device_properties(0).uuid, flush=True); "
+    'dist.destroy_process_group()"'
 )
 
 
@@ -114,6 +124,20 @@ def run_mode(mode: str, model: str, memory_mb: int, timeout: float) -> tuple[dic
             and r["logs"].count(said) == 2
         )
         report["sharing"]["uuids"] = sorted(uuids)
+
+        # A distributed job on the shared GPU: two ranks of half a GPU each meet through the
+        # environment Muster gives them (MASTER_ADDR, RANK, WORLD_SIZE) and all-reduce a CUDA
+        # tensor over gloo (NCCL refuses two ranks on one device).
+        ddp = {
+            "jobName": "gpu-allreduce",
+            "image": "local",
+            "taskRoles": [
+                {"name": "worker", "taskNumber": 2, "cpuNumber": 1, "memoryMB": 4096}
+                | {"gpuNumber": 0.5, "command": ALLREDUCE}
+            ],
+        }
+        r = report["allreduce"] = submit(env, ddp, work, timeout)
+        checks[f"{mode}_allreduce_job"] = r["exit_code"] == 0 and r["logs"].count("sum 3.0 on cuda") == 2
 
         if mode == "mps":
             share = math.ceil(4096 / memory_mb * 100) / 100  # the smallest share of at least 4 GiB
