@@ -171,26 +171,39 @@ async def test_redelivered_submission_converges_on_one_job(nats_url, nc):
 
 
 async def test_killing_a_validator_replica_mid_stream_loses_no_submission(nats_url, nc, procs):
-    n = 150
+    n, first = 150, 20
     await bus.ensure_jetstream(nc)
     js = nc.jetstream()
     sids = [uuid.uuid4().hex for _ in range(n)]
-    for i, sid in enumerate(sids):
+
+    async def submit(i: int) -> None:
         await js.publish(
             subjects.submit("bulk"),
             config(f"job-{i}"),
-            headers={Headers.SUBMISSION_ID: sid, Headers.MSG_ID: sid},
+            headers={Headers.SUBMISSION_ID: sids[i], Headers.MSG_ID: sids[i]},
         )
+
+    for i in range(first):
+        await submit(i)
     a = procs.start("muster.services.validator")
-    b = procs.start("muster.services.validator")
-    # Kill replica a with SIGKILL as soon as work is flowing, then bring a new one up.
     deadline = time.monotonic() + 30
     while await count_verdicts(nc) < 10 and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
+    # Freeze replica a while it works: its open pull request (32 messages, fewer used) takes
+    # what is published now, so a holds submissions it never acks, however fast it judged the
+    # first ones. Then kill it outright beside a live replica and bring a new one up.
+    a.send_signal(signal.SIGSTOP)
+    for i in range(first, n):
+        await submit(i)
+    held, deadline = 0, time.monotonic() + 10
+    while not held and time.monotonic() < deadline:
+        info = await js.consumer_info(subjects.SUBMISSIONS_STREAM, subjects.VALIDATOR_CONSUMER)
+        held = info.num_ack_pending
+        await asyncio.sleep(0.05)
+    assert held, "replica a held no submission when it was killed"
+    b = procs.start("muster.services.validator")
     a.send_signal(signal.SIGKILL)
     a.wait(5)
-    judged_at_kill = await count_verdicts(nc)
-    assert judged_at_kill < n, "the replica was killed after the stream was drained: raise n"
     procs.start("muster.services.validator")
     deadline = time.monotonic() + 60
     while await count_verdicts(nc) < n and time.monotonic() < deadline:
