@@ -56,12 +56,14 @@ class Mesh:
         env: dict[str, str] | None = None,
         docker: bool = False,
         process: bool = False,
+        sim_processes: int = 1,
     ) -> None:
         self.workdir, self.nodes, self.docker = workdir, 1 if docker or process else nodes, docker
         self.runtime = "docker" if docker else "process" if process else "sim"
         self.node = DOCKER_NODE if docker else PROCESS_NODE
         self.gpus, self.cpus, self.memory_mb = gpus, cpus, memory_mb
         self.extra_env = env or {}
+        self.sim_processes = max(1, min(sim_processes, self.nodes))
         self.keys = auth.AuthDir(workdir / "auth")
         self.server: NatsServer | None = None
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -141,17 +143,25 @@ class Mesh:
                 f"--work-root={self.scratch}",
             )
             return
-        self._spawn(
-            "sim",
-            agent,
-            "muster.services.agent",
-            "--runtime=sim",
-            f"--sim-nodes={self.nodes}",
-            f"--gpus={self.gpus}",
-            f"--cpus={self.cpus}",
-            f"--memory-mb={self.memory_mb}",
-            f"--work-root={self.scratch}",
-        )
+        # The sim nodes in `sim_processes` processes (sim, sim2, ...), as many nodes each, give or
+        # take one; the node names of process k start with "sim{k}-" beyond the first.
+        k = self.sim_processes
+        for i in range(k):
+            share = self.nodes // k + (1 if i < self.nodes % k else 0)
+            name = "sim" if i == 0 else f"sim{i + 1}"
+            prefix = [] if i == 0 else [f"--node={name}"]
+            self._spawn(
+                name,
+                agent,
+                "muster.services.agent",
+                "--runtime=sim",
+                f"--sim-nodes={share}",
+                *prefix,
+                f"--gpus={self.gpus}",
+                f"--cpus={self.cpus}",
+                f"--memory-mb={self.memory_mb}",
+                f"--work-root={self.scratch / name if i else self.scratch}",
+            )
 
     def check(self) -> None:
         """Raise if a process of the mesh has died (its log's tail in the message)."""

@@ -155,10 +155,10 @@ class Watch:
 
 
 async def measure(
-    tasks: int, nodes: int, task_seconds: float, timeout: float, workdir: Path
+    tasks: int, nodes: int, task_seconds: float, timeout: float, workdir: Path, sim_processes: int = 1
 ) -> dict[str, Any]:
     env = {"MUSTER_MAX_TASKS_PER_JOB": str(max(1000, tasks)), "MUSTER_MAX_TASKS_PER_USER": str(10 * tasks)}
-    with Mesh(workdir, nodes, env=env) as mesh:
+    with Mesh(workdir, nodes, env=env, sim_processes=sim_processes) as mesh:
         ready_s = await mesh.wait_ready()
         await asyncio.sleep(2)  # every node beaten once more: all schedulable
         nc = await mesh.connect()
@@ -249,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task-seconds", type=float, default=60.0, help="how long each task runs")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for all running")
     p.add_argument("--rounds", type=int, default=1, help="measure each size this many times, in turn")
+    p.add_argument(
+        "--sim-processes", type=int, default=1, help="split the sim nodes over this many processes"
+    )
     p.add_argument("--workdir", type=Path, default=None, help="keep logs and data here (default: a temp dir)")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.tasks.split(",") if s.strip()]
@@ -259,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         for k in range(max(1, args.rounds)):
             for n in sizes:
                 where = root / f"t{n}" if args.rounds <= 1 else root / f"r{k}-t{n}"
-                rows.append(asyncio.run(measure(n, nodes, args.task_seconds, args.timeout, where)))
+                rows.append(
+                    asyncio.run(measure(n, nodes, args.task_seconds, args.timeout, where, args.sim_processes))
+                )
     print("One gang, placement to every task running (s), on sim nodes beating every 2 s")
     print(
         f"{'tasks':>6} {'nodes':>6} {'reported':>9} {'recorded':>9} {'x first':>8} {'lost':>5} "

@@ -147,9 +147,12 @@ def test_launch_overhead_beside_bare_docker_run(base_image: str, tmp_path: Path)
     assert "overhead over bare docker run" in table
 
 
-def test_a_gang_runs_on_sim_nodes_with_no_node_lost(tmp_path: Path):
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_gang_runs_on_sim_nodes_with_no_node_lost(tmp_path: Path, processes: int):
     report, table = bench(
-        "gang", "--tasks", "20", "--nodes", "24", "--task-seconds", "30", "--workdir", str(tmp_path)
+        "gang",
+        *("--tasks", "20", "--nodes", "24", "--task-seconds", "30", "--workdir", str(tmp_path)),
+        *("--sim-processes", str(processes)),
     )
     (row,) = report["rows"]
     assert (row["tasks"], row["nodes"], row["running_reported"]) == (20, 24, 20), row
@@ -160,6 +163,10 @@ def test_a_gang_runs_on_sim_nodes_with_no_node_lost(tmp_path: Path):
     assert 1 <= row["kv_writes"]["attempts"] <= 20 and 1 <= row["kv_writes"]["rendezvous"] <= 20, row
     assert row["endpoint_writes"] == 20 and 0 < row["rendezvous_bytes"] <= 1000 * 20, row
     assert set(row["cpu_seconds"]) >= MESH
+    # Split, the 24 nodes are two processes of 12: a gang of 20 whole nodes that all ran, ran in
+    # both.
+    sims = {k: v for k, v in row["cpu_seconds"].items() if k.startswith("sim")}
+    assert sorted(sims) == ["sim", "sim2"][:processes] and all(v > 0 for v in sims.values()), sims
     assert "placement to every task running" in table
 
 

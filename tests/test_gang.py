@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import random
 import socket
 import time
@@ -15,6 +16,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from muster.services.agent import environment
+from muster.services.agent.runtime import TaskLaunch
 from muster.services.agent.service import Agent, AgentOptions
 from muster.services.agent.sim_runtime import SimRuntime
 from muster.services.registry.service import Registry
@@ -259,7 +261,9 @@ async def test_an_agents_check_of_its_tasks_reads_each_attempt_once_not_once_per
     """A node running 8 tasks of a 2,000-task attempt (its record ~250 KB): the routine check
     that its tasks are still live reads the record once for all of them, and finds each by its
     key; on main it read the record again for every task (8 reads, each with a pass over the
-    gang). Once the attempt has ended, the check stops them all."""
+    gang). Once the attempt has ended, the check stops them all. A running task keeps no
+    launch (its environment lists the whole gang: on main each task's was held for its life,
+    ~200 MB for a sim process running a 2,000-task gang)."""
     nc = await bus.connect("test", nats_url)
     try:
         js, buckets = await bus.setup(nc)
@@ -317,6 +321,7 @@ async def test_an_agents_check_of_its_tasks_reads_each_attempt_once_not_once_per
             return len(agent.tasks.live) == mine and all(t.handle for t in agent.tasks.live.values())
 
         await until(all_running)
+        assert not [o for o in gc.get_objects() if isinstance(o, TaskLaunch)]
         reads = 0
         await agent.reconciler.stop_obsolete()
         assert reads <= 1, reads  # 8 on main

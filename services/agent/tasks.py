@@ -11,6 +11,7 @@ import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import nats.errors
@@ -206,23 +207,9 @@ class Tasks:
         a = task.assignment
         try:
             cluster = task.cluster or await self.specs.wait(a.job_id, a.attempt, task.spec.key)
-            if await self.obsolete([key]):
-                raise asyncio.CancelledError
-            prepared = await self.prepare(a)
-            share = gpu_share(a, task.spec, self.where)
-            if self.mps is not None and share is not None and share[1] is not None:
-                await self._use_mps(task)
-            launch = build_launch(a, task.spec, task.ports, cluster, self.where, prepared)
-            task.version = cluster.version
-            task.cluster = cluster
-            if self.rsh is not None and self._is_mpi_launcher(task):
-                await self.rsh.serve(a.job_id, a.attempt, attempt_path(self.where, a))
-            task.starting = True
-            if not self._hosts_ranks_only(task):  # silent by design: mpirun prints for it
-                self.progress.track(key, a.config)  # before its first line can come
-            task.handle = await self.runtime.start(launch, lambda line: self.output(task, line))
+            share = await self._start(key, task, cluster)
             self.progress.started(key)  # its silence counts from now, not from an image pull
-            if task.kill_reason is not None:  # killed while it was being started
+            if task.kill_reason is not None and task.handle is not None:  # killed while starting
                 await task.handle.stop(task.kill_grace)
         except asyncio.CancelledError:
             if self.detaching:
@@ -243,6 +230,30 @@ class Tasks:
             self._follow(a.job_id, a.attempt)
         self.log.info("agent.task_started", task=task.name)
         await self._watch(key, task)
+
+    async def _start(
+        self, key: TaskKey, task: LocalTask, cluster: ClusterSpec
+    ) -> tuple[int, Path | None] | None:
+        """Start the task from its attempt's spec; its GPU share, if it holds part of one."""
+        a = task.assignment
+        if await self.obsolete([key]):
+            raise asyncio.CancelledError
+        prepared = await self.prepare(a)
+        share = gpu_share(a, task.spec, self.where)
+        if self.mps is not None and share is not None and share[1] is not None:
+            await self._use_mps(task)
+        # Not kept while the task runs (a local here only): its environment lists the whole gang,
+        # O(N) bytes per task, ~200 MB for a sim process holding a 2,000-task gang.
+        launch = build_launch(a, task.spec, task.ports, cluster, self.where, prepared)
+        task.version = cluster.version
+        task.cluster = cluster
+        if self.rsh is not None and self._is_mpi_launcher(task):
+            await self.rsh.serve(a.job_id, a.attempt, attempt_path(self.where, a))
+        task.starting = True
+        if not self._hosts_ranks_only(task):  # silent by design: mpirun prints for it
+            self.progress.track(key, a.config)  # before its first line can come
+        task.handle = await self.runtime.start(launch, lambda line: self.output(task, line))
+        return share
 
     async def _use_mps(self, task: LocalTask) -> None:
         """Its GPU's MPS daemon, started if none runs; one that cannot start refuses the task
