@@ -1,6 +1,7 @@
 """Big gangs: time from placement to every task running, for one gang of N tasks on M sim nodes.
 
     python -m bench.gang [--tasks 1000,2000] [--nodes 2000] [--task-seconds 30] [--rounds 3]
+                         [--sim-processes 1]
 
 For each size: a fresh mesh (`bench.cluster`: nats-server with authentication, each service its
 own process, one process of M sim nodes beating every 2 s as real agents do, default settings:
@@ -26,8 +27,12 @@ The gang runs `--task-seconds` (long enough to be all running) and is then kille
 `--rounds R`, the sizes are measured R times, in turn (a fresh mesh each), and the median of
 each size's times is printed with its ratio to the first size's: one run's times on a busy
 machine vary by more than the ratio asked (2,000 tasks in at most twice the 1,000's time).
-Prints a table, then one JSON line. The services, the sim nodes and nats-server share this machine's
-cores: the figures are the whole system's."""
+With `--sim-processes P`, the M sim nodes are P processes of M/P (sim, sim2, ...; each its CPU
+figure), as agents are separate processes on their own machines; the scheduler fills the first
+process's nodes first, so a smaller gang may use fewer of them.
+
+Prints a table, then one JSON line. The services, the sim nodes and nats-server share this
+machine's cores: the figures are the whole system's."""
 
 from __future__ import annotations
 
