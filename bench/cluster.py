@@ -144,7 +144,7 @@ class Mesh:
             )
             return
         # The sim nodes in `sim_processes` processes (sim, sim2, ...), as many nodes each, give or
-        # take one; the node names of process k start with "sim{k}-" beyond the first.
+        # take one; beyond the first, each process's node names start with its own name.
         k = self.sim_processes
         for i in range(k):
             share = self.nodes // k + (1 if i < self.nodes % k else 0)

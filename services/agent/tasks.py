@@ -207,10 +207,10 @@ class Tasks:
         a = task.assignment
         try:
             cluster = task.cluster or await self.specs.wait(a.job_id, a.attempt, task.spec.key)
-            share = await self._start(key, task, cluster)
+            handle, share = await self._start(key, task, cluster)
             self.progress.started(key)  # its silence counts from now, not from an image pull
-            if task.kill_reason is not None and task.handle is not None:  # killed while starting
-                await task.handle.stop(task.kill_grace)
+            if task.kill_reason is not None:  # killed while it was being started
+                await handle.stop(task.kill_grace)
         except asyncio.CancelledError:
             if self.detaching:
                 raise
@@ -233,8 +233,9 @@ class Tasks:
 
     async def _start(
         self, key: TaskKey, task: LocalTask, cluster: ClusterSpec
-    ) -> tuple[int, Path | None] | None:
-        """Start the task from its attempt's spec; its GPU share, if it holds part of one."""
+    ) -> tuple[RunningTask, tuple[int, Path | None] | None]:
+        """Start the task from its attempt's spec: it running, and its GPU share if it holds
+        part of one."""
         a = task.assignment
         if await self.obsolete([key]):
             raise asyncio.CancelledError
@@ -252,8 +253,8 @@ class Tasks:
         task.starting = True
         if not self._hosts_ranks_only(task):  # silent by design: mpirun prints for it
             self.progress.track(key, a.config)  # before its first line can come
-        task.handle = await self.runtime.start(launch, lambda line: self.output(task, line))
-        return share
+        task.handle = handle = await self.runtime.start(launch, lambda line: self.output(task, line))
+        return handle, share
 
     async def _use_mps(self, task: LocalTask) -> None:
         """Its GPU's MPS daemon, started if none runs; one that cannot start refuses the task
