@@ -196,6 +196,72 @@ async def test_docker_tasks_that_exit_as_their_agent_is_killed_are_not_run_again
     await _check(nc, record, shared, cluster)
 
 
+@pytest.mark.docker
+@pytest.mark.timeout(240)
+async def test_docker_tasks_that_exit_while_their_dead_agents_fence_waits_are_reported_as_they_exit(
+    base_image,
+    cluster,
+    nc,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """The agent is SIGKILLed while its workers run, and they exit 2.5 s later, while its fence
+    waits for a new agent (0.6 of the node timeout) before it removes the containers; no agent
+    comes back before the node is declared lost. Each exit is on the bus while the fence still
+    waits (the ps container not yet removed), not after the wait: on main the fence told them
+    only once it had removed the containers, which under load came after the node was declared
+    lost, and the runs were recorded as lost with the node (tests/test_chaos.py, Docker)."""
+    timeout = 12.0  # the fence waits 7.2 s
+    monkeypatch.setenv("MUSTER_NODE_TIMEOUT", str(timeout))
+    cluster.core()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # tasks run as a non-root user
+    args = ("--runtime", "docker", "--overcommit", *AGENT)
+    agent = cluster.agent("n1", *args)
+    _, verdict = await client.submit(
+        nc, json.dumps(_config(shared, base_image, outputDir=str(shared))).encode()
+    )
+    assert verdict is not None and verdict.accepted, verdict
+    job_id = verdict.job_id
+    exits: list[str] = []
+    both = asyncio.Event()
+
+    async def on_exit(msg) -> None:
+        event = TaskEvent.from_bytes(msg.data)
+        if event.job_id == job_id and event.role == "w":
+            exits.append(f"w.{event.index}")
+            if len(set(exits)) == 2:
+                both.set()
+
+    await nc.subscribe(subjects.task_event(job_id, "*", "*", "*", "exited", "*"), cb=on_exit)
+    deadline = time.monotonic() + 90
+    while not (shared / "runs").exists() or len((shared / "runs").read_text().split()) < 3:
+        assert time.monotonic() < deadline, cluster.logs()
+        await asyncio.sleep(0.1)
+    agent.send_signal(signal.SIGKILL)
+    agent.wait(10)
+    # The workers exit once the fence has had its first look (it starts in well under a second
+    # when the machine is not loaded; if it took longer, it would find them ended in that look,
+    # and the test would show less, never fail) and long before its wait is over.
+    await asyncio.sleep(2.5)
+    (shared / "go").touch()
+    await asyncio.wait_for(both.wait(), 60)
+
+    def ps_left() -> list[str]:
+        engine = docker.from_env()
+        try:
+            found = engine.containers.list(all=True, filters={"label": f"muster.job={job_id}"})
+            return [c.name for c in found if c.labels.get("muster.role") == "ps"]
+        finally:
+            engine.close()
+
+    assert await asyncio.to_thread(ps_left), "the exits were told only after the fence removed the containers"
+    record = await wait_final(nc, job_id, timeout=timeout + 30)
+    cluster.agent("n1", *args)
+    await _check(nc, record, shared, cluster)
+
+
 # ------------------------------------------------------------------ the pieces, one by one
 
 

@@ -12,7 +12,8 @@ the fence acts before the node can be declared lost (MUSTER_NODE_TIMEOUT):
   and removes the node's task containers if none has come, so the new agent, whenever it
   comes, reports them lost rather than finding them killed by no one.
 And at once, it reports every task of the dead agent that had ended by itself (its exit
-recorded: an exit file, an exited container) with its own exit code, and sends whatever the
+recorded: an exit file, an exited container; on Docker also each one that ends while the fence
+waits, as it ends) with its own exit code, and sends whatever the
 agent had left unsent in its outbox: into the outbox first (the next agent sends it should the
 fence fail to), then to the bus, as the agent (its MUSTER_NATS_URL and MUSTER_CREDENTIALS). So
 such a task's end reaches the supervisor before the node could be declared lost, however long
@@ -58,6 +59,7 @@ from muster.shared.secrets import Masker
 # imports it): the functions of the docker mode import them where they run.
 
 REASON = "ended as its agent died"
+POLL = 0.5  # seconds between the Docker fence's looks for containers that ended while it waits
 
 
 def _new_agent(pidfile: Path, old: int) -> bool:
@@ -218,21 +220,30 @@ def report(home: Path, events: list[TaskEvent], timeout: float) -> bool:
 
 
 def _fence_docker(home: str, pidfile: Path, wait: float, agent: int, died: float, timeout: float) -> None:
-    """Report the dead agent's containers that had ended at once; then, if no new agent has
-    come within `wait` seconds, stop and remove them all. A new agent writes its pid file before
+    """Report the dead agent's containers that had ended at once, and those that end while it
+    waits as they end; then, if no new agent has come within `wait` seconds, stop and remove
+    them all. A new agent writes its pid file before
     it adopts or starts anything: once there is one, everything is its to do."""
     import docker
 
     client = docker.from_env(timeout=10)
     try:
-        told = {} if _new_agent(pidfile, agent) else _exited_containers(client, home, died)
-        report(Path(home), list(told.values()), timeout)
-        if told:
-            _say("fence.reported", agent=agent, tasks=sorted(told))
-        time.sleep(max(0.0, died + wait - time.time()))
-        if not _new_agent(pidfile, agent):
-            removed = _remove_containers(client, home, died, set(told))
-            _say("fence.removed_containers", agent=agent, waited=wait, reported=len(removed))
+        # What ends while the fence waits is reported as it ends (every POLL seconds), not once
+        # the wait is over: the node may be declared lost soon after the wait, and a report that
+        # comes after that changes nothing.
+        told: dict[str, TaskEvent] = {}
+        while not _new_agent(pidfile, agent):
+            new = {k: e for k, e in _exited_containers(client, home, died).items() if k not in told}
+            if new:
+                report(Path(home), list(new.values()), timeout)
+                _say("fence.reported", agent=agent, tasks=sorted(new))
+                told |= new
+            left = died + wait - time.time()
+            if left <= 0:
+                removed = _remove_containers(client, home, died, set(told))
+                _say("fence.removed_containers", agent=agent, waited=wait, reported=len(removed))
+                break
+            time.sleep(min(POLL, left))
     finally:
         client.close()
 
