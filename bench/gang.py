@@ -13,6 +13,9 @@ submitted as a user would. Measured from the scheduler's `placed` event:
     bucket's subject as the write happens (each write decoded once; polling the record would
     load the machine with the decoding of a record O(N) in size, more for a bigger gang);
   * per-process CPU over the gang's start, as a percentage of one core and in seconds;
+  * `sim CPU`: the sim process's own CPU from placement to the last running report (the
+    busiest one's with --sim-processes), its serial work in that time, and `beyond`: the time
+    to the record showing all running less that (what the platform and the bus add to it);
   * writes of the attempt and rendezvous records (KV revisions) while it started, and the
     rendezvous' endpoint writes (one per task, each its own key) with the bytes written to the
     rendezvous bucket in all (linear in the gang's size however its endpoints come);
@@ -97,8 +100,9 @@ class Watch:
         # When each step of the start was first and last seen: orders sent, endpoints reported,
         # the cluster spec published (the phases of `placed_to_first_running_s`).
         self.seen: dict[str, list[float]] = {}
-        # Each process's CPU when the spec was first seen and when every task had reported running:
-        # what the start costs after the spec, process by process.
+        # Each process's CPU at placement, when the spec was first seen and when every task had
+        # reported running: what the start costs after the spec, process by process, and how much
+        # of the time after placement the sim process's own work fills.
         self.cpu_at: dict[str, dict[str, float]] = {}
         self.lost = 0  # tasks the platform declared ended (node lost, start timeout)
         self.writes: list[tuple[float, int]] = []  # the attempt record's: when, tasks running
@@ -112,6 +116,8 @@ class Watch:
             event = json.loads(msg.data)
             if event["job_id"] == self.job_id and event["kind"] == "placed" and self.placed is None:
                 self.placed = time.monotonic()
+                if self.cpu is not None:
+                    self.cpu_at["placed"] = self.cpu()
                 self.was_placed.set()
 
     async def on_rendezvous(self, msg: Any) -> None:
@@ -213,11 +219,14 @@ async def measure(
                 else round(watch.first - watch.placed, 3),
                 # Each step's first and last sight, seconds after placement.
                 "steps": {k: [round(t - watch.placed, 3) for t in v] for k, v in watch.seen.items()},
-                "cpu_spec_to_reported_s": {
-                    k: round(watch.cpu_at["reported"][k] - v, 2) for k, v in watch.cpu_at["spec"].items()
-                }
-                if len(watch.cpu_at) == 2
-                else None,
+                "cpu_spec_to_reported_s": _between(watch.cpu_at, "spec", "reported"),
+                # The sim process's CPU from placement to the last running report (the busiest one's,
+                # with --sim-processes): its own serial work, one core at most, in that time. What
+                # the time after placement holds beyond it is the platform's (and the bus's) part.
+                "sim_cpu_placed_to_reported_s": _sim_serial(watch.cpu_at),
+                "beyond_sim_s": None
+                if recorded is None or _sim_serial(watch.cpu_at) is None
+                else round(recorded - watch.placed - (_sim_serial(watch.cpu_at) or 0.0), 2),
                 "placed_to_reported_s": None
                 if watch.reported is None
                 else round(watch.reported - watch.placed, 2),
@@ -238,6 +247,20 @@ async def measure(
             }
         finally:
             await nc.close()
+
+
+def _between(cpu_at: dict[str, dict[str, float]], a: str, b: str) -> dict[str, float] | None:
+    """Each process's CPU seconds between the samples `a` and `b`, if both were taken."""
+    if a not in cpu_at or b not in cpu_at:
+        return None
+    return {k: round(cpu_at[b][k] - v, 2) for k, v in cpu_at[a].items()}
+
+
+def _sim_serial(cpu_at: dict[str, dict[str, float]]) -> float | None:
+    """The busiest sim process's CPU seconds from placement to the last running report."""
+    spent = _between(cpu_at, "placed", "reported")
+    sims = [v for k, v in (spent or {}).items() if k.startswith("sim")]
+    return max(sims) if sims else None
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -273,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     print("One gang, placement to every task running (s), on sim nodes beating every 2 s")
     print(
         f"{'tasks':>6} {'nodes':>6} {'reported':>9} {'recorded':>9} {'x first':>8} {'lost':>5} "
-        f"{'writes a/r':>11} {'rdv KB':>7}  CPU s"
+        f"{'writes a/r':>11} {'rdv KB':>7} {'sim CPU':>8} {'beyond':>7}  CPU s"
     )
     first = rows[0]["placed_to_recorded_s"] if rows else None
     for r in rows:
@@ -284,15 +307,29 @@ def main(argv: list[str] | None = None) -> int:
         lost, kb = r["declared_ended_by_platform"], round(r["rendezvous_bytes"] / 1024)
         print(
             f"{r['tasks']:>6} {r['nodes']:>6} {reported!s:>9} {recorded!s:>9} {ratio:>8} {lost:>5} "
-            f"{writes:>11} {kb:>7}  {cpu}"
+            f"{writes:>11} {kb:>7} {r['sim_cpu_placed_to_reported_s']!s:>8} {r['beyond_sim_s']!s:>7}  {cpu}"
         )
     medians = {n: _median([r["placed_to_recorded_s"] for r in rows if r["tasks"] == n]) for n in sizes}
-    if args.rounds > 1:
-        base = medians[sizes[0]]
-        for n, m in medians.items():
+    sim = {n: _median([r["sim_cpu_placed_to_reported_s"] for r in rows if r["tasks"] == n]) for n in sizes}
+    beyond = {n: _median([r["beyond_sim_s"] for r in rows if r["tasks"] == n]) for n in sizes}
+    print("sim CPU: the sim process's own CPU from placement to the last running report (its serial")
+    print("work); beyond: the time after placement to the record showing all running, less that")
+    for name, values in (("all recorded running", medians), ("sim CPU", sim), ("beyond", beyond)):
+        base = values[sizes[0]]
+        for n, m in values.items():
             ratio = f"{m / base:.2f}" if m is not None and base else "-"
-            print(f"median of {args.rounds}: {n} tasks all recorded running {m} s after placement (x{ratio})")
-    print(json.dumps({"bench": "gang", "rows": rows, "median_recorded_s": medians}))
+            print(f"median of {max(1, args.rounds)}: {n} tasks, {name}: {m} s (x{ratio})")
+    print(
+        json.dumps(
+            {
+                "bench": "gang",
+                "rows": rows,
+                "median_recorded_s": medians,
+                "median_sim_cpu_s": sim,
+                "median_beyond_sim_s": beyond,
+            }
+        )
+    )
     return 0
 
 

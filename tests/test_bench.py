@@ -163,6 +163,11 @@ def test_a_gang_runs_on_sim_nodes_with_no_node_lost(tmp_path: Path, processes: i
     assert 1 <= row["kv_writes"]["attempts"] <= 20 and 1 <= row["kv_writes"]["rendezvous"] <= 20, row
     assert row["endpoint_writes"] == 20 and 0 < row["rendezvous_bytes"] <= 1000 * 20, row
     assert set(row["cpu_seconds"]) >= MESH
+    # The time after placement, split into the sim process's own CPU and what is beyond it.
+    sim, beyond = row["sim_cpu_placed_to_reported_s"], row["beyond_sim_s"]
+    assert 0 <= sim <= row["placed_to_reported_s"] + 0.1, row  # /proc counts in 10 ms ticks
+    assert abs(beyond - (row["placed_to_recorded_s"] - sim)) <= 0.011, row
+    assert report["median_sim_cpu_s"] == {"20": sim} and report["median_beyond_sim_s"] == {"20": beyond}
     # Split, the 24 nodes are two processes of 12: a gang of 20 whole nodes that all ran, ran in
     # both.
     sims = {k: v for k, v in row["cpu_seconds"].items() if k.startswith("sim")}
