@@ -76,6 +76,7 @@ RENEW_EVERY = 1.0  # seconds between lease renewals, whatever a cycle is doing
 QUEUE_EVERY = 10.0  # seconds between publications of an unchanged queue order, while leading
 QUEUE_SPACING = 1.0  # seconds at least between two (a changed order waits, then goes: the latest)
 IN_FLIGHT = 128  # commits and reason writes of one cycle in flight at once
+ORDERS_IN_FLIGHT = 64  # one attempt's orders (one per node) in flight at once
 # Seconds a preempted gang gets between SIGTERM and SIGKILL, to checkpoint.
 ELASTIC_GRACE = settings.seconds("MUSTER_ELASTIC_GRACE", 10.0)  # SIGTERM..SIGKILL of a removed task
 PREEMPTIONS = Counter("muster_scheduler_preemptions_total", "Gangs stopped to make room", ["why"])
@@ -452,7 +453,11 @@ class Scheduler:
         on: dict[str, list[TaskSpec]] = {}
         for spec in gang:
             on.setdefault(spec.node, []).append(spec)
-        for node in sorted(on if only is None else only):
+        # ORDERS_IN_FLIGHT at once: a gang of 2,000 nodes waits ~30 round trips for its orders to
+        # be stored, not 2,000 one after the other (~1 s on two cores before).
+        gate = asyncio.Semaphore(ORDERS_IN_FLIGHT)
+
+        async def send(node: str) -> None:
             order = Assignment(
                 job_id=job.job_id,
                 attempt=record.attempt,
@@ -461,9 +466,17 @@ class Scheduler:
                 gang=on.get(node, []),
                 node=node,
             )
-            await bus.publish_once(
-                self.js, subjects.assign(node), order.to_bytes(), f"assign:{record.key}:{node}{version}"
-            )
+            async with gate:
+                await bus.publish_once(
+                    self.js, subjects.assign(node), order.to_bytes(), f"assign:{record.key}:{node}{version}"
+                )
+
+        sent = await asyncio.gather(
+            *(send(n) for n in sorted(on if only is None else only)), return_exceptions=True
+        )
+        failed = [r for r in sent if isinstance(r, BaseException)]
+        if failed:  # as one at a time: the commit fails, and what was stored stays stored
+            raise failed[0]
 
     async def _secrets(self, job: Job) -> dict[str, Any]:
         """The job's secret jobEnvs values (kept apart by the validator), for its tasks' orders
