@@ -254,7 +254,13 @@ class GroupCommit(Generic[T]):
     record (seconds per byte, as it were), it bounds the bytes written per second whatever the
     record's size or the items' pace; 0 once enough wait (a burst is written as soon as a write
     can take it), or after a big batch (a burst's tail is not held back: at most one write more
-    per big batch)."""
+    per big batch).
+
+    `linger`, with `spacing`: a record whose spacing for one item is at least `linger` (a big one,
+    costly to write) is written once its items have stopped coming for `linger` seconds, at
+    most its spacing after the batch's first: a burst arriving over a while (a big gang's N
+    running reports, taken in as fast as the bus hands them over) goes into one write, not a
+    first one of the few that came first and a second of the rest after it."""
 
     KEPT = 4096  # keys whose last write time is kept (for `spacing`), the newest
 
@@ -262,19 +268,25 @@ class GroupCommit(Generic[T]):
         self,
         write: Callable[[str, list[T]], Awaitable[None]],
         spacing: Callable[[str, int, int], float] | None = None,
+        linger: float = 0.0,
     ) -> None:
-        self.write, self.spacing = write, spacing
+        self.write, self.spacing, self.linger = write, spacing, linger
         self._pending: dict[str, tuple[list[T], asyncio.Future[None]]] = {}
         self._writers: dict[str, asyncio.Task[None]] = {}
         self._last: dict[str, tuple[float, int]] = {}  # key -> its last write: loop time, items
         self._spaced: dict[str, asyncio.Event] = {}  # keys whose writer waits out a spacing
+        self._came: dict[str, tuple[float, float]] = {}  # pending key -> its batch's first item, last
 
     async def add(self, key: str, item: T) -> None:
         batch = self._pending.get(key)
+        at = asyncio.get_running_loop().time()
         if batch is None:
             batch = self._pending[key] = ([], asyncio.get_running_loop().create_future())
+            self._came[key] = (at, at)
             if key not in self._writers:
                 self._writers[key] = asyncio.create_task(self._drain(key))
+        else:
+            self._came[key] = (self._came.get(key, (at, at))[0], at)
         batch[0].append(item)
         spaced = self._spaced.get(key)
         if spaced is not None and self.spacing is not None and self._spacing(key, len(batch[0])) <= 0:
@@ -284,6 +296,23 @@ class GroupCommit(Generic[T]):
     def _spacing(self, key: str, waiting: int) -> float:
         assert self.spacing is not None
         return self.spacing(key, waiting, self._last.get(key, (0.0, 0))[1])
+
+    async def _linger(self, key: str) -> None:
+        """Wait while the key's items still come (see the class's doc); at once for a record
+        cheap to write, or without `linger`."""
+        if self.linger <= 0 or self.spacing is None:
+            return
+        bound = self.spacing(key, 1, 0)
+        if bound < self.linger:
+            return
+        loop = asyncio.get_running_loop()
+        while True:
+            first, last = self._came.get(key, (0.0, 0.0))
+            now = loop.time()
+            quiet = self.linger - (now - last)
+            if quiet <= 0 or now - first >= bound:
+                return
+            await asyncio.sleep(min(quiet, first + bound - now))
 
     async def _drain(self, key: str) -> None:
         loop = asyncio.get_running_loop()
@@ -299,7 +328,9 @@ class GroupCommit(Generic[T]):
                                 await asyncio.wait_for(spaced.wait(), wait)
                         finally:
                             del self._spaced[key]
+                await self._linger(key)
                 items, done = self._pending.pop(key)
+                self._came.pop(key, None)
                 if self.spacing is not None:
                     self._last.pop(key, None)
                     self._last[key] = (loop.time(), len(items))

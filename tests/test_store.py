@@ -239,3 +239,25 @@ async def test_a_cached_stores_watcher_takes_its_own_writes_without_decoding_the
             await mirror
     finally:
         await nc.close()
+
+
+async def test_a_group_commit_writes_a_big_records_burst_once_it_stops_coming():
+    """With `linger`: a big record's items that keep coming (a gang's burst of reports, taken in
+    over a while) go into one write once they stop for `linger`, not a first write of the first
+    one and a second of the rest; a record cheap to write (spacing below `linger`) is not held."""
+    writes: list[list[int]] = []
+
+    async def write(key: str, items: list[int]) -> None:
+        writes.append(list(items))
+        await asyncio.sleep(0.01)
+
+    commit = GroupCommit(write, lambda key, waiting, last: 0.0 if waiting >= 100 else 5.0, linger=0.2)
+    adding = []
+    for i in range(20):  # one every 5 ms: each comes well within the linger of the one before
+        adding.append(asyncio.create_task(commit.add("big", i)))
+        await asyncio.sleep(0.005)
+    await asyncio.wait_for(asyncio.gather(*adding), 10)
+    assert writes == [list(range(20))], writes  # [[0], [1, ..., 19]] without the linger
+    small = GroupCommit(write, lambda key, waiting, last: 0.0, linger=30.0)
+    await asyncio.wait_for(small.add("small", 99), 10)  # not held for 30 s
+    assert writes[-1] == [99]

@@ -89,6 +89,9 @@ ALIVE_WAIT = 1.0  # seconds a quiet node's agent has to answer whether it is the
 IN_FLIGHT = 2048  # task events handled at once: a gang this big is recorded in one write
 WRITE_SPACING = 0.00025  # seconds between writes of an attempt record, per task of it
 MAX_SPACING = 1.0
+# A big attempt's events are written once they stop coming for this long (at most its spacing
+# after the first): a gang's burst of reports in one write, not a few first and the rest after.
+LINGER = 0.02
 FETCH = IN_FLIGHT  # task events asked of the server at once: a gang this big comes in one fetch
 BATCHED = Histogram(
     "muster_supervisor_batch_events",
@@ -159,7 +162,7 @@ class Supervisor:
         self.prunes = 0
         # Events of one attempt, written together, and a big attempt's record not rewritten more
         # often than its size allows (`spacing`): its tasks' events may trickle in for minutes.
-        self.batches = GroupCommit(self.apply_events, self.spacing)
+        self.batches = GroupCommit(self.apply_events, self.spacing, LINGER)
         # Liveness (shared/liveness.py): each node's last sign of life, the nodes found quiet
         # (no sign for the node timeout) and not heard since, and, for the nodes with tasks
         # not ended, where those tasks are: a lost node costs its own tasks, not a pass over
