@@ -207,6 +207,7 @@ async def measure(
             # (the rendezvous bucket's endpoint keys apart).
             writes = {name: await last_seq(js, name) - writes0[name] for name in BUCKETS}
             writes["rendezvous"] -= watch.rendezvous["endpoints"]
+            sim = _sim_serial(watch.cpu_at)
             jobs = await js.key_value(subjects.JOBS_BUCKET)
             job = JobRecord.from_bytes((await jobs.get(verdict.job_id)).value)
             return {
@@ -223,10 +224,10 @@ async def measure(
                 # The sim process's CPU from placement to the last running report (the busiest one's,
                 # with --sim-processes): its own serial work, one core at most, in that time. What
                 # the time after placement holds beyond it is the platform's (and the bus's) part.
-                "sim_cpu_placed_to_reported_s": _sim_serial(watch.cpu_at),
+                "sim_cpu_placed_to_reported_s": sim,
                 "beyond_sim_s": None
-                if recorded is None or _sim_serial(watch.cpu_at) is None
-                else round(recorded - watch.placed - (_sim_serial(watch.cpu_at) or 0.0), 2),
+                if recorded is None or sim is None
+                else round(recorded - watch.placed - sim, 2),
                 "placed_to_reported_s": None
                 if watch.reported is None
                 else round(watch.reported - watch.placed, 2),
@@ -314,11 +315,16 @@ def main(argv: list[str] | None = None) -> int:
     medians = {n: _median([r["placed_to_recorded_s"] for r in rows if r["tasks"] == n]) for n in sizes}
     sim = {n: _median([r["sim_cpu_placed_to_reported_s"] for r in rows if r["tasks"] == n]) for n in sizes}
     beyond = {n: _median([r["beyond_sim_s"] for r in rows if r["tasks"] == n]) for n in sizes}
+    submitted = {n: _median([r["submit_to_recorded_s"] for r in rows if r["tasks"] == n]) for n in sizes}
     print("sim CPU: the sim process's own CPU from placement to the last running report (its serial")
     print("work); beyond: the time after placement to the record showing all running, less that")
-    submitted = {n: _median([r["submit_to_recorded_s"] for r in rows if r["tasks"] == n]) for n in sizes}
-    rows_of = (("all recorded running", medians), ("sim CPU", sim), ("beyond", beyond))
-    for name, values in (*rows_of, ("from submission, all recorded running", submitted)):
+    named = (
+        ("all recorded running", medians),
+        ("sim CPU", sim),
+        ("beyond", beyond),
+        ("from submission, all recorded running", submitted),
+    )
+    for name, values in named:
         base = values[sizes[0]]
         for n, m in values.items():
             ratio = f"{m / base:.2f}" if m is not None and base else "-"

@@ -279,14 +279,15 @@ class GroupCommit(Generic[T]):
 
     async def add(self, key: str, item: T) -> None:
         batch = self._pending.get(key)
-        at = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        at = loop.time()
         if batch is None:
-            batch = self._pending[key] = ([], asyncio.get_running_loop().create_future())
+            batch = self._pending[key] = ([], loop.create_future())
             self._came[key] = (at, at)
             if key not in self._writers:
                 self._writers[key] = asyncio.create_task(self._drain(key))
         else:
-            self._came[key] = (self._came.get(key, (at, at))[0], at)
+            self._came[key] = (self._came[key][0], at)
         batch[0].append(item)
         spaced = self._spaced.get(key)
         if spaced is not None and self.spacing is not None and self._spacing(key, len(batch[0])) <= 0:
@@ -307,7 +308,7 @@ class GroupCommit(Generic[T]):
             return
         loop = asyncio.get_running_loop()
         while True:
-            first, last = self._came.get(key, (0.0, 0.0))
+            first, last = self._came[key]
             now = loop.time()
             quiet = self.linger - (now - last)
             if quiet <= 0 or now - first >= bound:

@@ -67,6 +67,20 @@ def gang(tasks: int = N, job_id: str = "jbig") -> AttemptRecord:
     )
 
 
+def waiting_job(attempt: AttemptRecord) -> JobRecord:
+    """The job record of `attempt`'s gang, waiting for it to run."""
+    return JobRecord(
+        job_id=attempt.job_id,
+        job_name="big",
+        submission_id="s",
+        user="u",
+        config=config(),
+        state=JobState.WAITING,
+        attempt=1,
+        submitted_at=now(),
+    )
+
+
 async def writes(js, bucket: str) -> int:
     return int((await js.stream_info(f"KV_{bucket}")).state.last_seq)
 
@@ -149,16 +163,7 @@ async def test_a_gangs_task_events_are_recorded_in_a_few_writes_not_one_each(nat
     try:
         js, buckets = await bus.setup(nc)
         attempt = gang()
-        job = JobRecord(
-            job_id=attempt.job_id,
-            job_name="big",
-            submission_id="s",
-            user="u",
-            config=config(),
-            state=JobState.WAITING,
-            attempt=1,
-            submitted_at=now(),
-        )
+        job = waiting_job(attempt)
         await buckets[subjects.JOBS_BUCKET].put(job.job_id, job.to_bytes())
         await buckets[subjects.ATTEMPTS_BUCKET].put(attempt.key, attempt.to_bytes())
         before = await writes(js, subjects.ATTEMPTS_BUCKET)
@@ -205,16 +210,7 @@ async def test_a_gangs_orders_are_stored_many_at_once_not_one_round_trip_after_a
     try:
         js, buckets = await bus.setup(nc)
         attempt = gang()
-        record = JobRecord(
-            job_id=attempt.job_id,
-            job_name="big",
-            submission_id="s",
-            user="u",
-            config=config(),
-            state=JobState.WAITING,
-            attempt=1,
-            submitted_at=now(),
-        )
+        record = waiting_job(attempt)
         waiting, most = 0, 0
         real = bus.publish_once
 
