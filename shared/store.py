@@ -175,18 +175,10 @@ class Store(Generic[M]):
             self._latest.pop(key, None)
 
     async def keys(self) -> list[str]:
-        """Every key with a value. nats-py's `keys()` may find none in a bucket that has some:
-        it asks the server how many are pending after they were sent but before its watcher
-        counted them. So "none" is believed only from a bucket whose stream holds no message;
-        otherwise asked again (a bucket of delete markers alone is empty after the last try)."""
-        for _ in range(5):
-            try:
-                return await self.kv.keys()
-            except NoKeysError:
-                info = await self.kv._js.stream_info(self.kv._stream)
-                if not info.state.messages:
-                    return []
-        return []
+        return await keys(self.kv)
+
+    async def _empty(self) -> bool:
+        return await empty(self.kv)
 
     async def items(self) -> AsyncIterator[tuple[str, M]]:
         """Every record that decodes, with its key."""
@@ -206,13 +198,20 @@ class Store(Generic[M]):
         watcher: no polling, no consumer per read. `synced` is set once the current content is
         in; `changed(key)` is called after each change. `keep(record)`: what to hold of each
         record (default: the record), or None to hold nothing for it. A broken watch is
-        restarted."""
+        restarted.
+
+        "In" is the entry the server sent with nothing pending after it. nats-py's own "no more
+        for now" marker may come before the first entries (it asks the server how many are
+        pending after they were sent but before its watcher counted them): a view called
+        synced without them would let a scheduler place on GPUs it had not yet seen held. So
+        the marker is believed only from a bucket whose stream holds no message."""
         while True:
             try:
                 watcher = await self.kv.watchall()
                 async for entry in watcher:
                     if entry is None:
-                        synced.set()
+                        if not synced.is_set() and await self._empty():
+                            synced.set()
                         continue
                     record = None
                     own = self._wrote.get(entry.key)
@@ -229,11 +228,34 @@ class Store(Generic[M]):
                         into[entry.key] = kept
                     if changed is not None:
                         changed(entry.key)
+                    if entry.delta == 0:
+                        synced.set()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("store.watch_restart", bucket=self.bucket, error=str(exc) or type(exc).__name__)
                 await asyncio.sleep(1)
+
+
+async def empty(kv: KeyValue) -> bool:
+    """Whether the bucket's stream holds no message at all (no value, no delete marker)."""
+    info = await kv._js.stream_info(kv._stream)
+    return not info.state.messages
+
+
+async def keys(kv: KeyValue) -> list[str]:
+    """Every key of the bucket with a value. nats-py's `keys()` may find none in a bucket that
+    has some: it asks the server how many are pending after they were sent but before its
+    watcher counted them. So "none" is believed only from a bucket whose stream holds no
+    message; otherwise asked again (a bucket of delete markers alone is empty after the last
+    try)."""
+    for _ in range(5):
+        try:
+            return await kv.keys()
+        except NoKeysError:
+            if await empty(kv):
+                return []
+    return []
 
 
 T = TypeVar("T")

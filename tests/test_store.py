@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 from muster.shared import bus, subjects
 from muster.shared.messages import AttemptRecord, TaskStatus
@@ -148,6 +149,64 @@ async def test_keys_are_not_lost_to_nats_pys_race_and_an_empty_bucket_has_none(n
         await store.create("j1.1", record(1))
         asked.clear()
         assert await store.keys() == ["j1.1"] and len(asked) == 2
+    finally:
+        await nc.close()
+
+
+async def test_a_mirror_is_synced_only_once_the_buckets_records_are_in_it(nats_url):
+    """nats-py's watcher can send its "no more for now" marker before the first entries (the
+    same race as `keys()`; seen in CI: a supervisor whose attempts view was "synced" and empty,
+    3 tries in 100 on a quiet machine with 50 keys). The seam: the watcher's first update is
+    that early marker. A bucket that holds records is synced only with all of them in the view;
+    an empty one is synced at once."""
+    nc = await bus.connect("test", nats_url)
+    try:
+        _, buckets = await bus.ensure_jetstream(nc)
+        store = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
+        real = store.kv.watchall
+
+        class EarlyMarker:
+            def __init__(self, watcher: Any) -> None:
+                self.watcher, self.first = watcher, True
+
+            def __aiter__(self) -> EarlyMarker:
+                return self
+
+            async def __anext__(self) -> Any:
+                if self.first:
+                    self.first = False
+                    return None
+                return await self.watcher.__anext__()
+
+        async def racy(*args: object, **kwargs: object) -> EarlyMarker:
+            return EarlyMarker(await real(*args, **kwargs))
+
+        store.kv.watchall = racy  # type: ignore[method-assign]
+
+        async def synced_view() -> dict[str, AttemptRecord]:
+            """The view as it was when the mirror called it synced."""
+            view: dict[str, AttemptRecord] = {}
+
+            class Synced(asyncio.Event):
+                def set(self) -> None:
+                    if not self.is_set():
+                        self.view = dict(view)
+                    super().set()
+
+            synced = Synced()
+            mirror = asyncio.create_task(store.mirror(view, synced))
+            try:
+                await asyncio.wait_for(synced.wait(), 10)
+                return synced.view
+            finally:
+                mirror.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await mirror
+
+        assert await synced_view() == {}  # empty: synced at once
+        for n in range(50):
+            await store.create(f"j{n}.1", record(n + 1))
+        assert len(await synced_view()) == 50
     finally:
         await nc.close()
 

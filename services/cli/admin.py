@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nats.aio.client import Client as NATS
-from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from muster.services.cli.connect import connect, connect_bus, locate
 from muster.services.cli.console import EXIT_INVALID, EXIT_OK, CliError, err, out
@@ -189,10 +189,9 @@ def vc_record(args: argparse.Namespace) -> VirtualCluster:
 async def named_records(kv: Any, model: Any) -> tuple[list[str], dict[str, Any]]:
     """The keys of an admin bucket of named records (virtual clusters, datasets) and each one's
     record, None where it does not decode or names another key; keys removed meanwhile are left out."""
-    try:
-        keys = await kv.keys()
-    except NoKeysError:
-        keys = []
+    from muster.shared.store import keys as bucket_keys  # only here: it brings the metrics library
+
+    keys = await bucket_keys(kv)
     found: dict[str, Any] = {}
     for key in keys:
         try:
