@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from muster.shared import auth, bus, client, subjects
+from muster.shared import auth, bus, client, liveness, subjects
 from muster.shared.messages import JobRecord, JobState, KillRequest, NodeInfo, Verdict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -306,24 +306,26 @@ async def portal_serves_a_user(stack: Stack) -> None:
 
 
 async def alive_nodes(nc, names: set[str], timeout: float) -> dict[str, NodeInfo]:
-    """The node records of `names` once each has been rewritten (a heartbeat) since first seen."""
+    """The node records of `names` once each is registered and has beaten since the call. Beats
+    are core NATS messages every 2 s; a record is rewritten only on a change, after a
+    reconnect and every MUSTER_NODE_REFRESH (a minute), so waiting for a rewrite took up to that."""
+    heard: set[str] = set()
+    await liveness.listen(nc, lambda node, _: heard.add(node))
     kv = await nc.jetstream(timeout=10).key_value(subjects.NODES_BUCKET)
-    first: dict[str, int] = {}
     latest: dict[str, NodeInfo] = {}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for name in names:
-            try:
-                entry = await kv.get(name)
-            except Exception:  # not registered yet, or the bus is electing a leader
-                continue
-            first.setdefault(name, entry.revision)
-            if entry.revision > first[name]:
-                latest[name] = NodeInfo.from_bytes(entry.value)
-        if set(latest) == names:
-            return latest
+        if names <= heard:  # an agent registers before it beats: its record is the current one
+            for name in names - latest.keys():
+                try:
+                    latest[name] = NodeInfo.from_bytes((await kv.get(name)).value)
+                except Exception:  # the bus is electing a leader
+                    continue
+            if set(latest) == names:
+                return latest
         await asyncio.sleep(0.5)
-    raise AssertionError(f"alive: {sorted(latest)}, seen: {sorted(first)}, expected {sorted(names)}")
+    beating = sorted(heard & names)
+    raise AssertionError(f"registered: {sorted(latest)}, beating: {beating}, expected {sorted(names)}")
 
 
 @pytest.mark.timeout(720)
