@@ -177,9 +177,6 @@ class Store(Generic[M]):
     async def keys(self) -> list[str]:
         return await keys(self.kv)
 
-    async def _empty(self) -> bool:
-        return await empty(self.kv)
-
     async def items(self) -> AsyncIterator[tuple[str, M]]:
         """Every record that decodes, with its key."""
         for key in await self.keys():
@@ -201,16 +198,15 @@ class Store(Generic[M]):
         restarted.
 
         "In" is the entry the server sent with nothing pending after it. nats-py's own "no more
-        for now" marker may come before the first entries (it asks the server how many are
-        pending after they were sent but before its watcher counted them): a view called
-        synced without them would let a scheduler place on GPUs it had not yet seen held. So
-        the marker is believed only from a bucket whose stream holds no message."""
+        for now" marker may come before the first entries (the race `keys()` describes), and a
+        view called synced without them would let a scheduler place on GPUs it had not yet seen
+        held: the marker is believed only from an `empty` bucket."""
         while True:
             try:
                 watcher = await self.kv.watchall()
                 async for entry in watcher:
                     if entry is None:
-                        if not synced.is_set() and await self._empty():
+                        if not synced.is_set() and await empty(self.kv):
                             synced.set()
                         continue
                     record = None
