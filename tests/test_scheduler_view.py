@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from muster.services.scheduler import placement
 from muster.services.scheduler.view import Job, View
 from muster.shared.jobconfig import JobConfig
@@ -216,3 +219,67 @@ def test_the_kept_index_equals_one_built_from_the_records():
         live = [t.spec() for t in record.tasks if not t.state.ended]
         placement.allocate(fresh, v.jobs[record.job_id].config, live)
     assert used(v) == {n.name: (n.used_cpus, set(n.used_gpus)) for n in fresh.values()}
+
+
+def _index(cluster: placement.Cluster) -> tuple[object, ...]:
+    """Everything `Cluster` keeps indexed, empty lists dropped (a node that left one keeps it)."""
+    groups = {
+        (g, sig): entries for g, by in cluster._groups.items() for sig, entries in by.items() if entries
+    }
+    most = {m: tops for m, tops in cluster._most.items() if tops}
+    return groups, most, cluster._cpus, cluster._memory, cluster._sharing, cluster._hosting
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_what_attempt_changes_free_and_take_is_the_index_built_from_the_records(data: st.DataObject) -> None:
+    """Attempt records change one at a time (tasks placed, ended, moved, some on GPUs another
+    attempt holds, whole and shared): after each, the kept nodes and their index equal a cluster
+    built from the records, and a node whose tasks do not add up is kept out."""
+    v = View(node_timeout=5)
+    for name in "abc":
+        put_node(v, node(name, gpus=4))
+    shares = {"w": 2, "h": 0.5, "q": 0.25}  # GPUs per task of each job: whole, or part of one
+    for job_id, gpus in shares.items():
+        record = job(job_id, tasks=2, gpus=1)
+        role = record.config.taskRoles[0].model_copy(update={"gpuNumber": gpus})
+        config = record.config.model_copy(update={"taskRoles": [role]})
+        put_job(v, record.model_copy(update={"config": config}))
+    states = st.sampled_from([R, R, TaskState.PLACED, TaskState.SUCCEEDED, TaskState.FAILED])
+    for _ in range(data.draw(st.integers(1, 25))):
+        job_id = data.draw(st.sampled_from(sorted(shares)))
+        n = data.draw(st.integers(1, 2))
+        if data.draw(st.integers(0, 5)) == 0:
+            v.attempts.pop(f"{job_id}.{n}", None)
+            v.attempt_changed(f"{job_id}.{n}")
+        else:
+            width = 1 if shares[job_id] < 1 else shares[job_id]
+            tasks = [
+                (
+                    data.draw(st.sampled_from("abc")),
+                    sorted(data.draw(st.sets(st.integers(0, 3), min_size=int(width), max_size=int(width)))),
+                    data.draw(states),
+                )
+                for _ in range(data.draw(st.integers(1, 2)))
+            ]
+            put_attempt(v, attempt(job_id, n, *tasks))
+        fresh: dict[str, placement.NodeState] = {}
+        for name, info in v.nodes.items():
+            state = placement.NodeState.from_info(info)
+            try:
+                for record in v.attempts.values():
+                    role = v.jobs[record.job_id].config.taskRoles[0]
+                    for t in record.tasks:
+                        if t.node == name and not t.state.ended:
+                            state.use(role.cpuNumber, role.memoryMB, t.gpus, role.gpu_milli)
+            except ValueError:
+                assert name not in v.cluster.nodes and name in v.inconsistent
+                continue
+            fresh[name] = state
+            assert name not in v.inconsistent
+
+        def holds(nodes: dict[str, placement.NodeState]) -> dict[str, tuple[object, ...]]:
+            return {n: (s.used_cpus, s.used_memory_mb, s.used_gpus, s.shared) for n, s in nodes.items()}
+
+        assert holds(v.cluster.nodes) == holds(fresh)
+        assert _index(v.cluster) == _index(placement.Cluster(fresh.values()))

@@ -231,23 +231,38 @@ class View:
         old = self._held.pop(key, {})
         if new:
             self._held[key] = new
-        touched = set()
+        touched: dict[str, tuple[list[Use], list[Use]]] = {}  # node -> (uses freed, uses taken)
         for task, use in old.items():
             if new.get(task) != use:
                 self._on[use.node].pop((key, task), None)
-                touched.add(use.node)
+                touched.setdefault(use.node, ([], []))[0].append(use)
         for task, use in new.items():
             if old.get(task) != use:
                 self._on.setdefault(use.node, {})[(key, task)] = use
-                touched.add(use.node)
+                touched.setdefault(use.node, ([], []))[1].append(use)
         moved = False
-        for node in touched:
+        for node, (freed, taken) in touched.items():
             if not self._on.get(node):
                 self._on.pop(node, None)
             if node in self._shape:
-                self._rebuild(node)
+                self._account(node, freed, taken)
                 moved = True
         return moved
+
+    def _account(self, name: str, freed: list[Use], taken: list[Use]) -> None:
+        """Give back and take what changed on a schedulable node, through the index. A node kept
+        out (its tasks did not add up) or a change that does not add up is rebuilt from its
+        record and all its tasks instead (`_rebuild` says why it does not add up)."""
+        if name not in self.cluster.nodes:
+            self._rebuild(name)
+            return
+        try:
+            for use in freed:
+                self.cluster.give(name, use.cpus, use.memory_mb, use.gpus, use.milli)
+            for use in taken:
+                self.cluster.take(name, use.cpus, use.memory_mb, use.gpus, use.milli)
+        except ValueError:
+            self._rebuild(name)
 
     def avoid_candidates(self, at: datetime) -> Iterable[AttemptRecord]:
         """The recent platform failures (older ones are forgotten), for `nodes_to_avoid`."""
