@@ -14,15 +14,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any, Generic, TypeVar
 
 import structlog
+from nats.aio.msg import Msg
+from nats.js.api import DeliverPolicy
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
-from nats.js.kv import KeyValue
+from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE, KeyValue
 from prometheus_client import Counter
 from pydantic import ValidationError
 
 from muster.shared.messages import Message
 
 M = TypeVar("M", bound=Message)
-OWN_KEPT = 64  # records a store wrote kept for its watcher (see Store._wrote)
+KV_PUT = "PUT"
+OWN_KEPT = 256  # records a store wrote kept for its watcher (see Store._wrote): a cycle's commits
 BAD_RECORDS = Counter(
     "muster_bad_records_total", "KV records skipped: they do not decode, or claim what cannot be", ["bucket"]
 )
@@ -51,9 +54,12 @@ class Store(Generic[M]):
         self.bucket = kv._name
         self._limit = cache
         self._latest: dict[str, tuple[int, bytes, M | None]] | None = {} if cache else None
-        # With `cache`: the records this store wrote, decoded, until `mirror` sees them come back
-        # (then it takes them rather than decoding again: a big attempt record is ~12 ms).
-        self._wrote: dict[str, tuple[int, M]] = {}
+        # Once `mirror` runs: the records this store writes, as bytes and decoded, kept from just
+        # before the write until the watcher sees those bytes come back (then it takes the record
+        # rather than decoding again: a big attempt record is ~12 ms). Kept before: the delivery
+        # can come before the write's own reply.
+        self._wrote: dict[str, tuple[bytes, M]] = {}
+        self._mirrored = False
 
     def _saw(self, key: str, revision: int, data: bytes | None, record: M | None = None) -> None:
         if self._latest is None:
@@ -68,11 +74,11 @@ class Store(Generic[M]):
         if len(self._latest) > self._limit:  # the oldest first (insertion order)
             del self._latest[next(iter(self._latest))]
 
-    def _own(self, key: str, revision: int, record: M) -> None:
-        if self._latest is None:
+    def _own(self, key: str, data: bytes, record: M) -> None:
+        if not self._mirrored:
             return
         self._wrote.pop(key, None)
-        self._wrote[key] = (revision, record)
+        self._wrote[key] = (data, record)
         if len(self._wrote) > OWN_KEPT:
             del self._wrote[next(iter(self._wrote))]
 
@@ -105,10 +111,10 @@ class Store(Generic[M]):
     async def create(self, key: str, record: M) -> bool:
         """Write `record` only if `key` has none; whether it was written."""
         data = record.to_bytes()
+        self._own(key, data, record)
         try:
             revision = await self.kv.create(key, data)
             self._saw(key, revision, data, record)
-            self._own(key, revision, record)
             return True
         except KeyWrongLastSequenceError:
             return False
@@ -116,10 +122,10 @@ class Store(Generic[M]):
     async def write(self, key: str, record: M, revision: int) -> bool:
         """Write `record` only if `key` is still at `revision`; whether it was written."""
         data = record.to_bytes()
+        self._own(key, data, record)
         try:
             written = await self.kv.update(key, data, last=revision)
             self._saw(key, written, data, record)
-            self._own(key, written, record)
             return True
         except KeyWrongLastSequenceError:
             return False
@@ -161,12 +167,12 @@ class Store(Generic[M]):
                     return None
                 continue
             new = updated.to_bytes()
+            self._own(key, new, updated)
             try:
                 written = await self.kv.update(key, new, last=revision)
             except KeyWrongLastSequenceError:
                 continue
             self._saw(key, written, new, updated)
-            self._own(key, written, updated)
             return updated
 
     async def delete(self, key: str) -> None:
@@ -194,43 +200,97 @@ class Store(Generic[M]):
         """Keep `into` equal to the bucket (records that decode) for as long as it runs, with one
         watcher: no polling, no consumer per read. `synced` is set once the current content is
         in; `changed(key)` is called after each change. `keep(record)`: what to hold of each
-        record (default: the record), or None to hold nothing for it. A broken watch is
-        restarted.
+        record (default: the record), or None to hold nothing for it. A watch that cannot be
+        set up is tried again every second.
 
-        "In" is the entry the server sent with nothing pending after it. nats-py's own "no more
-        for now" marker may come before the first entries (the race `keys()` describes), and a
-        view called synced without them would let a scheduler place on GPUs it had not yet seen
-        held: the marker is believed only from an `empty` bucket."""
-        while True:
+        The watch is nats-py's KV watch (an ordered consumer of each key's last message, then of
+        every change) without its per-message layers: each delivery is applied in the
+        subscription's own callback, not handed through a queue as an `Entry` with its metadata
+        (a timestamp) parsed, a quarter of what a delivery cost the scheduler. "In" is a delivery
+        with nothing pending after it, or a bucket whose stream holds no message (`empty`) once
+        the consumer exists: nats-py's own "no more for now" marker could come before the first
+        entries (the race `keys()` describes), and a view called synced without them would let a
+        scheduler place on GPUs it had not yet seen held."""
+        self._mirrored = True
+        prefix = len(self.kv._pre)
+
+        async def delivered(msg: Msg) -> None:
             try:
-                watcher = await self.kv.watchall()
-                async for entry in watcher:
-                    if entry is None:
-                        if not synced.is_set() and await empty(self.kv):
-                            synced.set()
-                        continue
-                    record = None
-                    own = self._wrote.get(entry.key)
-                    if own is not None and own[0] <= entry.revision:  # seen: no longer kept
-                        del self._wrote[entry.key]
-                    if entry.operation not in ("DEL", "PURGE"):
-                        record = own[1] if own is not None and own[0] == entry.revision else None
-                        record = record or self.decode(entry.key, entry.value)
-                    self._saw(entry.key, entry.revision, entry.value if record is not None else None, record)
-                    kept = record if record is None or keep is None else keep(record)
-                    if kept is None:
-                        into.pop(entry.key, None)
+                revision, pending = _position(msg.reply)
+                key = msg.subject[prefix:]
+                operation = _operation(msg.headers)
+                if operation is None:
+                    return  # a marker of a kind this client does not know: nothing to apply
+                record = None
+                if operation not in (KV_DEL, KV_PURGE):
+                    own = self._wrote.get(key)
+                    if own is not None and own[0] == msg.data:  # what this store wrote: taken back
+                        del self._wrote[key]
+                        record = own[1]
                     else:
-                        into[entry.key] = kept
-                    if changed is not None:
-                        changed(entry.key)
-                    if entry.delta == 0:
-                        synced.set()
+                        record = self.decode(key, msg.data)
+                self._saw(key, revision, msg.data if record is not None else None, record)
+                kept = record if record is None or keep is None else keep(record)
+                if kept is None:
+                    into.pop(key, None)
+                else:
+                    into[key] = kept
+                if changed is not None:
+                    changed(key)
+                if pending == 0:
+                    synced.set()
+            except Exception:  # never lost in nats-py's error callback: said, and the next goes on
+                log.error("store.watch_update_failed", bucket=self.bucket, subject=msg.subject, exc_info=True)
+
+        while True:
+            sub = None
+            try:
+                sub = await self.kv._js.subscribe(
+                    f"{self.kv._pre}>",
+                    stream=self.kv._stream,
+                    cb=delivered,
+                    ordered_consumer=True,
+                    deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+                    inactive_threshold=300,  # as nats-py's KV watch: the server drops it if we go
+                )
+                if not synced.is_set() and await empty(self.kv):
+                    synced.set()
+                await asyncio.Future()  # until cancelled: deliveries come to `delivered`
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("store.watch_restart", bucket=self.bucket, error=str(exc) or type(exc).__name__)
                 await asyncio.sleep(1)
+            finally:
+                if sub is not None:
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
+
+
+def _position(reply: str) -> tuple[int, int]:
+    """(stream sequence, messages pending) of a JetStream delivery, from its reply subject
+    (`$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<time>.<pending>`, or
+    the longer form with a domain and account hash): what nats-py's `metadata` gives, without
+    building it."""
+    tokens = reply.split(".")
+    if len(tokens) == 9:
+        return int(tokens[5]), int(tokens[8])
+    if len(tokens) >= 12:
+        return int(tokens[Msg.Ack.StreamSeq]), int(tokens[Msg.Ack.NumPending])
+    raise ValueError(f"not a JetStream delivery: reply subject {reply!r}")
+
+
+def _operation(headers: dict[str, str] | None) -> str | None:
+    """A delivery's KV operation: PUT, DEL or PURGE (a server's expiry marker as the delete it
+    stands for), or None for a marker reason this client does not know (as nats-py skips it)."""
+    if not headers:
+        return KV_PUT
+    if KV_OP in headers:
+        return headers[KV_OP]
+    reason = headers.get(KV_MARKER_REASON)
+    if reason is None:
+        return KV_PUT
+    return {"MaxAge": KV_PURGE, "Purge": KV_PURGE, "Remove": KV_DEL}.get(reason)
 
 
 async def empty(kv: KeyValue) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
 
 from muster.shared import bus, subjects
 from muster.shared.messages import AttemptRecord, TaskStatus
@@ -154,34 +153,15 @@ async def test_keys_are_not_lost_to_nats_pys_race_and_an_empty_bucket_has_none(n
 
 
 async def test_a_mirror_is_synced_only_once_the_buckets_records_are_in_it(nats_url):
-    """nats-py's watcher can send its "no more for now" marker before the first entries (the
-    same race as `keys()`; seen in CI: a supervisor whose attempts view was "synced" and empty,
-    3 tries in 100 on a quiet machine with 50 keys). The seam: the watcher's first update is
-    that early marker. A bucket that holds records is synced only with all of them in the view;
-    an empty one is synced at once."""
+    """nats-py's KV watcher could send its "no more for now" marker before the first entries
+    (the same race as `keys()`; seen in CI: a supervisor whose attempts view was "synced" and
+    empty, 3 tries in 100 on a quiet machine with 50 keys), so the mirror does not use it: a
+    bucket that holds records is synced only with all of them in the view (the view is taken
+    at the moment it is called synced); an empty one is synced at once."""
     nc = await bus.connect("test", nats_url)
     try:
         _, buckets = await bus.ensure_jetstream(nc)
         store = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
-        real = store.kv.watchall
-
-        class EarlyMarker:
-            def __init__(self, watcher: Any) -> None:
-                self.watcher, self.first = watcher, True
-
-            def __aiter__(self) -> EarlyMarker:
-                return self
-
-            async def __anext__(self) -> Any:
-                if self.first:
-                    self.first = False
-                    return None
-                return await self.watcher.__anext__()
-
-        async def racy(*args: object, **kwargs: object) -> EarlyMarker:
-            return EarlyMarker(await real(*args, **kwargs))
-
-        store.kv.watchall = racy  # type: ignore[method-assign]
 
         async def synced_view() -> dict[str, AttemptRecord]:
             """The view as it was when the mirror called it synced."""
@@ -256,6 +236,39 @@ async def test_a_group_commit_spaces_a_trickles_writes_but_not_a_bursts():
     late += [asyncio.create_task(slow.add("k", i)) for i in range(12, 21)]  # ten wait: written
     await asyncio.wait_for(asyncio.gather(*late), 20)
     assert [items for _, items in writes][-1] == list(range(11, 21)), writes
+
+
+async def test_a_mirrored_stores_watcher_takes_back_what_it_created_without_decoding_it(nats_url):
+    """The scheduler creates each attempt record and mirrors the bucket, with no cache: the
+    watcher takes back the record it created instead of decoding it again; a record another
+    writer put is decoded."""
+    nc = await bus.connect("test", nats_url)
+    try:
+        js, buckets = await bus.ensure_jetstream(nc)
+        store = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
+        other = Store(await js.key_value(subjects.ATTEMPTS_BUCKET), AttemptRecord)
+        view: dict[str, AttemptRecord] = {}
+        synced = asyncio.Event()
+        mirror = asyncio.create_task(store.mirror(view, synced))
+        await asyncio.wait_for(synced.wait(), 10)
+        decoded: list[str] = []
+        decode = store.decode
+        store.decode = lambda key, data: decoded.append(key) or decode(key, data)  # type: ignore[method-assign]
+        created = [record(n) for n in range(1, 4)]
+        for r in created:
+            assert await store.create(f"mine{r.attempt}", r)
+        assert await other.create("theirs", record(7))
+        for _ in range(200):
+            if len(view) == 4:
+                break
+            await asyncio.sleep(0.05)
+        assert [view[f"mine{r.attempt}"] is r for r in created] == [True] * 3
+        assert decoded == ["theirs"] and view["theirs"].attempt == 7
+        mirror.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await mirror
+    finally:
+        await nc.close()
 
 
 async def test_a_cached_stores_watcher_takes_its_own_writes_without_decoding_them(nats_url):
