@@ -147,7 +147,8 @@ async def test_keys_are_not_lost_to_nats_pys_race_and_an_empty_bucket_has_none(n
         assert len(asked) == 1
         await store.create("j1.1", record(1))
         asked.clear()
-        assert await store.keys() == ["j1.1"] and len(asked) == 2
+        # Asked again after the seam's "no keys"; nats-py's own race may make it a third time.
+        assert await store.keys() == ["j1.1"] and len(asked) >= 2
     finally:
         await nc.close()
 
