@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -28,16 +29,49 @@ def binary() -> str:
     return found
 
 
+_handed: set[int] = set()  # ports this process has handed out (none is handed out twice)
+
+
+def _bindable(port: int, host: str) -> bool:
+    with socket.socket() as s:
+        # As servers bind: a port with only TIME_WAIT connections left is free.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def _unassigned() -> range | None:
+    """Ports the kernel never gives to outgoing connections: those below its ephemeral range
+    (else above it), or None when that range leaves too few."""
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    if low - 10000 >= 1000:
+        return range(10000, low)
+    if 65535 - high >= 1000:
+        return range(high + 1, 65536)
+    return None
+
+
 def free_port(preferred: int | None = None, host: str = "127.0.0.1") -> int:
-    if preferred:
-        with socket.socket() as s:
-            # As servers bind: a port with only TIME_WAIT connections left is free.
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, preferred))
-                return preferred
-            except OSError:
-                pass
+    """A port free to bind on `host` now, for a process started to bind it later: `preferred`
+    if it is free, else one outside the kernel's ephemeral range. A port the kernel picked
+    (bind to 0) is one it also gives to outgoing connections, and under load a client's
+    connection took one before the agent it was meant for could bind it (seen in the fault
+    tests: "no free metrics port"). No port is handed out twice by one process."""
+    if preferred and _bindable(preferred, host):
+        return preferred
+    ports = _unassigned()
+    for _ in range(200 if ports else 0):
+        assert ports is not None
+        port = random.choice(ports)
+        if port not in _handed and _bindable(port, host):
+            _handed.add(port)
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+from pathlib import Path
 
 import nats.errors
 import nats.js.errors
 import pytest
 
 from muster.shared import bus
+from muster.shared.natsserver import free_port
 
 
 async def pull(nats_url: str, stream: str):
@@ -214,3 +217,20 @@ async def test_a_durable_takes_the_ack_limit_asked_for_also_when_it_exists(nats_
         assert [m.data for m in msgs] == [b"kept"]
     finally:
         await nc.close()
+
+
+def test_a_free_port_is_one_no_outgoing_connection_can_take_before_it_is_bound():
+    """`free_port()` hands out ports a process binds later (a service's metrics, a test's
+    nats-server). Ports the kernel picks are also those it gives to outgoing connections, and
+    one was taken so under load before its agent bound it. Each is outside the kernel's
+    ephemeral range, free when handed out, and never handed out twice; a free preferred port
+    is taken as asked, a busy one is not."""
+    low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert not [p for p in ports if low <= p <= high]
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", ports[0]))  # each was free: it binds
+        held.listen()
+        assert free_port(ports[0]) != ports[0]  # in use: another
+    assert free_port(ports[1]) == ports[1]  # free: as asked

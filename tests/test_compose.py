@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ import pytest
 
 from muster.shared import auth, bus, client, liveness, subjects
 from muster.shared.messages import JobRecord, JobState, KillRequest, NodeInfo, Verdict
+from muster.shared.natsserver import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -82,12 +82,6 @@ def muster_image(compose: list[str]) -> Iterator[str]:
     assert _run(["docker", "tag", f"muster/muster:{version}", tag]).returncode == 0
     yield tag
     _run(["docker", "rmi", tag])  # only the tag: the image stays
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import threading
 import time
 import uuid
@@ -32,6 +31,7 @@ from muster.services.agent.runtime import (
 )
 from muster.services.agent.service import AgentOptions, check_declaration
 from muster.shared.messages import TaskCause
+from muster.shared.natsserver import free_port
 
 pytestmark = pytest.mark.docker
 
@@ -85,12 +85,6 @@ async def wait_for_line(lines: list[str], wanted: str, timeout: float = 10) -> N
     while wanted not in lines:
         assert time.monotonic() < deadline, f"{wanted!r} never came; got {lines}"
         await asyncio.sleep(0.02)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def test_output_lines_in_order_and_exit_code(runtime: DockerRuntime, launch: Callable) -> None:
