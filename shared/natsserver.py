@@ -65,10 +65,8 @@ def free_port(preferred: int | None = None, host: str = "127.0.0.1") -> int:
     tests: "no free metrics port"). No port is handed out twice by one process."""
     if preferred and _bindable(preferred, host):
         return preferred
-    ports = _unassigned()
-    for _ in range(200 if ports else 0):
-        assert ports is not None
-        port = random.choice(ports)
+    ports = _unassigned() or range(0)
+    for port in random.sample(ports, min(200, len(ports))):
         if port not in _handed and _bindable(port, host):
             _handed.add(port)
             return port

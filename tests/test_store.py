@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
 
 from muster.shared import bus, subjects
 from muster.shared.messages import AttemptRecord, TaskStatus
@@ -28,6 +30,28 @@ def counting(store: Store[AttemptRecord]) -> list[str]:
     return reads
 
 
+def decoding(store: Store[AttemptRecord]) -> list[str]:
+    """The keys `store` decodes from now on, in order."""
+    decoded: list[str] = []
+    decode = store.decode
+    store.decode = lambda key, data: decoded.append(key) or decode(key, data)  # type: ignore[method-assign]
+    return decoded
+
+
+@contextlib.asynccontextmanager
+async def mirroring(store: Store[AttemptRecord], view: dict[str, Any], **kwargs: Any) -> AsyncIterator[None]:
+    """`store.mirror(view)` running and synced inside the block, stopped at its end."""
+    synced = asyncio.Event()
+    mirror = asyncio.create_task(store.mirror(view, synced, **kwargs))
+    try:
+        await asyncio.wait_for(synced.wait(), 10)
+        yield
+    finally:
+        mirror.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await mirror
+
+
 def bump(r: AttemptRecord) -> AttemptRecord:
     return r.model_copy(update={"attempt": r.attempt + 1})
 
@@ -40,22 +64,17 @@ async def test_a_cached_store_writes_on_the_mirrored_revision_and_stays_right_wh
         # Another replica, writing behind the cache's back (its own handle: its reads are not counted).
         other = Store(await js.key_value(subjects.ATTEMPTS_BUCKET), AttemptRecord)
         view: dict[str, AttemptRecord] = {}
-        synced = asyncio.Event()
-        mirror = asyncio.create_task(cached.mirror(view, synced))
-        await asyncio.wait_for(synced.wait(), 10)
         reads = counting(cached)
+        async with mirroring(cached, view):
+            assert await cached.create("k", record(1))
+            assert (await cached.update("k", bump)).attempt == 2 and reads == []  # its own write: no read
+            for _ in range(100):  # the mirror catches up
+                if view.get("k") == record(2):
+                    break
+                await asyncio.sleep(0.05)
+            assert (await cached.update("k", bump)).attempt == 3 and reads == []  # the mirror's revision
 
-        assert await cached.create("k", record(1))
-        assert (await cached.update("k", bump)).attempt == 2 and reads == []  # its own write: no read
-        for _ in range(100):  # the mirror catches up
-            if view.get("k") == record(2):
-                break
-            await asyncio.sleep(0.05)
-        assert (await cached.update("k", bump)).attempt == 3 and reads == []  # the mirror's revision
-
-        mirror.cancel()  # from now on the cache only goes stale
-        with contextlib.suppress(asyncio.CancelledError):
-            await mirror
+        # The mirror stopped: from now on the cache only goes stale.
         assert (await other.update("k", bump)).attempt == 4
         # Stale: the conditional write fails, the stored record is read, nothing is lost.
         assert (await cached.update("k", bump)).attempt == 5 and reads == ["k"]
@@ -94,10 +113,7 @@ async def test_a_mirror_holds_what_keep_returns_and_drops_what_it_refuses(nats_u
         _, buckets = await bus.ensure_jetstream(nc)
         store = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord, cache=100)
         view: dict[str, int] = {}
-        synced = asyncio.Event()
         keep = lambda r: r.attempt if r.attempt % 2 else None  # noqa: E731
-        mirror = asyncio.create_task(store.mirror(view, synced, keep=keep))
-        await asyncio.wait_for(synced.wait(), 10)
 
         async def seen(want: dict[str, int], revision_of: str) -> None:
             for _ in range(100):
@@ -111,15 +127,13 @@ async def test_a_mirror_holds_what_keep_returns_and_drops_what_it_refuses(nats_u
                 await asyncio.sleep(0.05)
             raise AssertionError(f"{view} != {want}")
 
-        assert await store.create("a", record(1)) and await store.create("b", record(2))
-        await seen({"a": 1}, "b")
-        await store.update("a", bump)  # 2: refused, so dropped
-        await seen({}, "a")
-        await store.update("a", bump)  # 3: kept again
-        await seen({"a": 3}, "a")
-        mirror.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await mirror
+        async with mirroring(store, view, keep=keep):
+            assert await store.create("a", record(1)) and await store.create("b", record(2))
+            await seen({"a": 1}, "b")
+            await store.update("a", bump)  # 2: refused, so dropped
+            await seen({}, "a")
+            await store.update("a", bump)  # 3: kept again
+            await seen({"a": 3}, "a")
     finally:
         await nc.close()
 
@@ -249,25 +263,18 @@ async def test_a_mirrored_stores_watcher_takes_back_what_it_created_without_deco
         store = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
         other = Store(await js.key_value(subjects.ATTEMPTS_BUCKET), AttemptRecord)
         view: dict[str, AttemptRecord] = {}
-        synced = asyncio.Event()
-        mirror = asyncio.create_task(store.mirror(view, synced))
-        await asyncio.wait_for(synced.wait(), 10)
-        decoded: list[str] = []
-        decode = store.decode
-        store.decode = lambda key, data: decoded.append(key) or decode(key, data)  # type: ignore[method-assign]
-        created = [record(n) for n in range(1, 4)]
-        for r in created:
-            assert await store.create(f"mine{r.attempt}", r)
-        assert await other.create("theirs", record(7))
-        for _ in range(200):
-            if len(view) == 4:
-                break
-            await asyncio.sleep(0.05)
-        assert [view[f"mine{r.attempt}"] is r for r in created] == [True] * 3
-        assert decoded == ["theirs"] and view["theirs"].attempt == 7
-        mirror.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await mirror
+        async with mirroring(store, view):
+            decoded = decoding(store)
+            created = [record(n) for n in range(1, 4)]
+            for r in created:
+                assert await store.create(f"mine{r.attempt}", r)
+            assert await other.create("theirs", record(7))
+            for _ in range(200):
+                if len(view) == 4:
+                    break
+                await asyncio.sleep(0.05)
+            assert [view[f"mine{r.attempt}"] is r for r in created] == [True] * 3
+            assert decoded == ["theirs"] and view["theirs"].attempt == 7
     finally:
         await nc.close()
 
@@ -282,12 +289,6 @@ async def test_a_cached_stores_watcher_takes_its_own_writes_without_decoding_the
         cached = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord, cache=100)
         other = Store(await js.key_value(subjects.ATTEMPTS_BUCKET), AttemptRecord)
         view: dict[str, AttemptRecord] = {}
-        synced = asyncio.Event()
-        mirror = asyncio.create_task(cached.mirror(view, synced))
-        await asyncio.wait_for(synced.wait(), 10)
-        decoded: list[str] = []
-        decode = cached.decode
-        cached.decode = lambda key, data: decoded.append(key) or decode(key, data)  # type: ignore[method-assign]
 
         async def seen(attempt: int) -> None:
             for _ in range(200):
@@ -296,20 +297,19 @@ async def test_a_cached_stores_watcher_takes_its_own_writes_without_decoding_the
                 await asyncio.sleep(0.05)
             raise AssertionError(f"the mirror never saw attempt {attempt}")
 
-        assert await cached.create("own", record(1))
-        await seen(1)
-        written = await cached.update("own", bump)
-        await seen(2)
-        assert view["own"] is written and view["own"] == AttemptRecord.from_bytes(written.to_bytes())
-        assert decoded == []  # update wrote on the record it created, the watcher took it back
-        assert (await other.update("own", bump)).attempt == 3
-        await seen(3)
-        assert decoded == ["own"]  # another writer's record: decoded, once
-        assert (await cached.update("own", bump)).attempt == 4
-        assert decoded == ["own"]  # update wrote on the record the watcher decoded: no second decode
-        mirror.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await mirror
+        async with mirroring(cached, view):
+            decoded = decoding(cached)
+            assert await cached.create("own", record(1))
+            await seen(1)
+            written = await cached.update("own", bump)
+            await seen(2)
+            assert view["own"] is written and view["own"] == AttemptRecord.from_bytes(written.to_bytes())
+            assert decoded == []  # update wrote on the record it created, the watcher took it back
+            assert (await other.update("own", bump)).attempt == 3
+            await seen(3)
+            assert decoded == ["own"]  # another writer's record: decoded, once
+            assert (await cached.update("own", bump)).attempt == 4
+            assert decoded == ["own"]  # update wrote on the record the watcher decoded: no second decode
     finally:
         await nc.close()
 
