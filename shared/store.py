@@ -255,6 +255,9 @@ class Store(Generic[M]):
                 )
                 if not synced.is_set() and await empty(self.kv):
                     synced.set()
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise asyncio.CancelledError  # a cancel nats-py's flush swallowed (it does)
                 await asyncio.Future()  # until cancelled: deliveries come to `delivered`
             except asyncio.CancelledError:
                 raise
