@@ -57,6 +57,8 @@ class Mesh:
         docker: bool = False,
         process: bool = False,
         sim_processes: int = 1,
+        services: tuple[str, ...] = SERVICES,
+        agents: bool = True,
     ) -> None:
         self.workdir, self.nodes, self.docker = workdir, 1 if docker or process else nodes, docker
         self.runtime = "docker" if docker else "process" if process else "sim"
@@ -64,6 +66,8 @@ class Mesh:
         self.gpus, self.cpus, self.memory_mb = gpus, cpus, memory_mb
         self.extra_env = env or {}
         self.sim_processes = max(1, min(sim_processes, self.nodes))
+        # `agents=False`: no agent process; the bench stands in for the nodes itself.
+        self.services, self.agents = services, agents
         self.keys = auth.AuthDir(workdir / "auth")
         self.server: NatsServer | None = None
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -128,8 +132,10 @@ class Mesh:
         self.server = NatsServer(
             self.workdir / "nats", auth_config=self.keys.server_config, monitor_port=free_port()
         ).start()
-        for name in SERVICES:
+        for name in self.services:
             self._spawn(name, name, f"muster.services.{name}")
+        if not self.agents:
+            return
         if self.runtime != "sim":
             self._spawn(
                 "agent",

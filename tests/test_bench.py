@@ -91,6 +91,31 @@ def test_through_the_bus_every_job_submitted_runs(tmp_path: Path):
     assert "whole life" in table
 
 
+def test_the_leader_alone_places_every_job_and_hears_every_end(tmp_path: Path):
+    """bench.leader (issue 28): the scheduler alone, the bench writing what the other services
+    would. Every job offered is placed and ended, at a rate and as fast as it goes, and the
+    leader's messages per job are those of a one-task job's life: the job's four record writes
+    and the attempt's three delivered to it, its fence write, attempt record, order and `placed`
+    event each with its reply."""
+    report, table = bench(
+        "leader",
+        *("--nodes", "30", "--rates", "100,max", "--jobs", "150", "--idle", "1"),
+        *("--task-seconds", "0.2", "--workdir", str(tmp_path)),
+    )
+    assert report["nodes"] == 30 and not report["failed"], report["failed"]
+    paced, burst = report["rows"]
+    for row in (paced, burst):
+        assert row["jobs"] == row["placed"] == row["ended"] == 150, row
+        lat = row["created_to_placed_ms"]
+        assert 0 < lat["p50"] <= lat["p99"] <= lat["max"], row
+        assert row["scheduler_cpu_ms_per_job"] > 0 and 0 < row["scheduler_core_percent"] <= 100, row
+        assert 14 <= row["scheduler_messages_per_job"] <= 16, row
+        assert set(row["per_job"]["cpu_ms"]) >= {"scheduler", "nats-server", "driver"}, row
+    assert paced["offered_per_s"] == 100 and burst["offered_per_s"] is None
+    assert burst["created_per_s"] > paced["created_per_s"], (paced, burst)
+    assert "created→placed" in table
+
+
 def test_messages_by_kind_name_each_message_of_a_jobs_life(tmp_path: Path):
     """bench.kinds taps every message of 20 one-task jobs' lives and names each by kind: one
     submission and one order per job, four job record writes each delivered to its watchers, and
