@@ -6,7 +6,9 @@
 For each size: a fresh mesh (`bench.cluster`: nats-server with authentication, each service its
 own process, one process of M sim nodes beating every 2 s as real agents do, default settings:
 MUSTER_NODE_TIMEOUT as shipped), then one job of one role of N tasks, each a whole node (8 GPUs),
-submitted as a user would. Measured from the scheduler's `placed` event:
+submitted as a user would. Measured from placement, when the last of the gang's orders (one per
+node) is sent (what the scheduler's `placed` event marked until the supervisor took that event
+over, issue 28):
 
   * reported: the last task's `running` event as its agent published it;
   * recorded: the attempt record shows every task RUNNING (the supervisor wrote it), seen on the
@@ -93,8 +95,10 @@ class Watch:
         self.job_id = ""
         # Writes to the rendezvous bucket, seen on its subjects: its record, its endpoints, bytes.
         self.rendezvous = {"records": 0, "endpoints": 0, "bytes": 0}
-        self.placed: float | None = None
+        self.placed: float | None = None  # the gang's last order sent: it is placed
+        self.orders = 0
         self.running: set[str] = set()
+        self.by_process: dict[str, int] = {}  # running reports by sim process (its nodes' prefix)
         self.reported: float | None = None
         self.first: float | None = None  # the first task's running report
         # When each step of the start was first and last seen: orders sent, endpoints reported,
@@ -111,14 +115,11 @@ class Watch:
         self.all_reported = asyncio.Event()
         self.was_placed = asyncio.Event()
 
-    async def on_job_event(self, msg: Any) -> None:
-        with contextlib.suppress(ValueError, KeyError, TypeError):
-            event = json.loads(msg.data)
-            if event["job_id"] == self.job_id and event["kind"] == "placed" and self.placed is None:
-                self.placed = time.monotonic()
-                if self.cpu is not None:
-                    self.cpu_at["placed"] = self.cpu()
-                self.was_placed.set()
+    def _placed(self) -> None:
+        self.placed = time.monotonic()
+        if self.cpu is not None:
+            self.cpu_at["placed"] = self.cpu()
+        self.was_placed.set()
 
     async def on_rendezvous(self, msg: Any) -> None:
         key = msg.subject[len(f"$KV.{subjects.RENDEZVOUS_BUCKET}.") :]
@@ -133,7 +134,13 @@ class Watch:
         self.seen.setdefault(step, [at, at])[1] = at
 
     async def on_step(self, msg: Any) -> None:
-        self.saw("orders" if msg.subject.endswith(".assign") else "spec")
+        if msg.subject.endswith(".assign"):
+            self.saw("orders")
+            self.orders += 1
+            if self.orders == self.tasks and self.placed is None:  # one per node: every node's is out
+                self._placed()
+        else:
+            self.saw("spec")
 
     async def on_endpoint(self, msg: Any) -> None:
         self.saw("endpoints")
@@ -156,7 +163,11 @@ class Watch:
         if token[-1] == subjects.PLATFORM:
             self.lost += 1
         elif token[-2] == "running":
-            self.running.add(f"{token[5]}.{token[6]}")
+            task = f"{token[5]}.{token[6]}"
+            if task not in self.running:
+                process = token[-1].rsplit("-", 1)[0]  # its node's prefix
+                self.by_process[process] = self.by_process.get(process, 0) + 1
+            self.running.add(task)
             self.first = self.first or time.monotonic()
             if len(self.running) == self.tasks and self.reported is None:
                 self.reported = time.monotonic()
@@ -176,7 +187,6 @@ async def measure(
         try:
             js = nc.jetstream()
             watch = Watch(tasks, mesh.cpu)
-            await nc.subscribe(subjects.job_event("*", "placed"), cb=watch.on_job_event)
             await nc.subscribe(
                 subjects.task_event("*", "*", "*", "*", "running", "*"), cb=watch.on_task_event
             )
@@ -235,6 +245,7 @@ async def measure(
                 # What the user waits: from the submission to the record showing all running.
                 "submit_to_recorded_s": None if recorded is None else round(recorded - t0, 2),
                 "running_reported": len(watch.running),
+                "running_by_process": dict(sorted(watch.by_process.items())),
                 # Each write of the attempt record while it started: seconds after placement, and
                 # how many of its tasks it showed running.
                 "attempt_writes": [
