@@ -14,14 +14,14 @@ writing what those services write, to the same buckets and subjects:
   * the validator: job records (one task, 1 GPU), created open loop at the offered rate (`max`:
     as fast as this process writes them, at most 512 in flight);
   * the agents and the supervisor, for each job once its attempt record appears (the
-    scheduler's placement): the attempt's task running and the job running at once, then after
-    `--task-seconds` the attempt ended (succeeded) and the job succeeded, the four writes the
-    supervisor makes for a one-task job.
+    scheduler's placement): the job moved to the attempt, the attempt's task running and the job
+    running, then after `--task-seconds` the attempt ended (succeeded) and the job succeeded, the
+    five writes the supervisor makes for a one-task job.
 
 So the leader sees every record write of a one-task job's life that it sees in a deployment
-(the job's creation, its own fence and attempt, the running and final writes), and does all of
-its own work (plans, fence writes, attempt records, orders to the nodes, `placed` events). No
-agent takes the orders: they stay in their stream.
+(the job's creation and the supervisor's writes of it, its own attempt record and the
+supervisor's writes of that), and does all of its own work (plans, attempt records, orders to
+the nodes). No agent takes the orders: they stay in their stream.
 
 Per rate: jobs offered and placed a second (placed: jobs / first creation to last placement),
 creation to placement p50/p99, and per job over the jobs' whole lives (first creation to the
@@ -151,11 +151,14 @@ class Driver:
             await kv.put(key, data)
 
     async def _live(self, job_id: str, placed: AttemptRecord) -> None:
-        """The supervisor's writes for a one-task job: running (attempt, then job), and after
-        the task's run its end (attempt, then job)."""
+        """The supervisor's writes for a one-task job: the job moved to its attempt (`adopt`),
+        running (attempt, then job), and after the task's run its end (attempt, then job)."""
         try:
             job, task = self.records[job_id], placed.tasks[0]
             t = now()
+            where = f"placed on {task.node}; starting tasks"
+            taken = {"attempt": 1, "reason": where, "updated_at": t}
+            await self._put(self.jobs, job_id, job.model_copy(update=taken).to_bytes())
             running = placed.model_copy(
                 update={"tasks": [task.model_copy(update={"state": TaskState.RUNNING, "started_at": t})]}
             )

@@ -23,23 +23,30 @@ class Placeable(Protocol):
     def not_before(self) -> datetime | None: ...
 
 
-def attempt_to_place(job: Placeable, current: AttemptRecord | None, at: datetime) -> int | None:
-    """Which attempt of a WAITING job may be placed now, or None: the first when never placed;
-    the current one when the job was moved to it but its record was never written (a leader
-    died mid-commit); the next once the current one has ended, the supervisor has settled it as
-    a retry, every one of its tasks has ended (reported by its agent, or declared lost with its
-    node), and the backoff has passed."""
+def attempt_to_place(
+    job: Placeable, current: AttemptRecord | None, at: datetime, latest: int = 0
+) -> int | None:
+    """Which attempt of a WAITING job may be placed now, or None. The job's current attempt is
+    the later of the one its record names and `latest`, the newest one with an attempt record:
+    the scheduler leader creates the attempt record and nothing more, and the supervisor then
+    moves the job record to it (`Supervisor.adopt`), so for a moment only the attempt says so.
+    `current` is that attempt's record. The first attempt when there is none; the current one
+    when the job was moved to it but its record was never written (a leader of an earlier
+    version died mid-commit); the next once the current one has ended, the supervisor has
+    settled it as a retry, every one of its tasks has ended (reported by its agent, or declared
+    lost with its node), and the backoff has passed."""
     if job.state != JobState.WAITING:
         return None
-    if job.attempt == 0:
+    n = max(job.attempt, latest)
+    if n == 0:
         return 1
     if current is None:
-        return job.attempt
+        return n
     if (
         current.ended
-        and job.settled >= job.attempt
+        and job.settled >= n
         and all(t.state.ended for t in current.tasks)
         and (job.not_before is None or job.not_before <= at)
     ):
-        return job.attempt + 1
+        return n + 1
     return None

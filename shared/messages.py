@@ -146,7 +146,10 @@ class JobRecord(Message):
     updated_at: AwareDatetime = Field(default_factory=now)
     reason: str = WAITING_FOR_SCHEDULER
     unschedulable: bool = False  # the scheduler found no node that could ever fit it
-    attempt: AttemptOrNone = 0  # the current attempt's number; 0 until first placed
+    # The current attempt's number, 0 until first placed. The scheduler creates an attempt's
+    # record and the supervisor then moves the job to it (`Supervisor.adopt`): until then an
+    # attempt record newer than this one is the job's current attempt (lifecycle.attempt_to_place).
+    attempt: AttemptOrNone = 0
     retries: Count = 0  # retries charged to the config's retryCount (user failures, or -2 restarts)
     platform_retries: Count = 0  # retries after platform failures: not charged to retryCount
     not_before: AwareDatetime | None = None  # the next attempt waits until then (backoff)
@@ -567,7 +570,7 @@ def attempt_key(job_id: str, attempt: int) -> str:
 class AttemptRecord(Message):
     """One attempt of a job: KV bucket `muster_attempts`, key `<job_id>.<attempt>`. Created by the
     scheduler when it places the gang (the key's creation is the fence against placing it twice);
-    task states are then kept by the supervisor."""
+    the supervisor then moves the job record to it, and keeps its task states."""
 
     job_id: JobId
     attempt: Attempt

@@ -141,7 +141,11 @@ CHANNELS: dict[str, Channel] = {
         parameters=("jobId", "kind"),
         message=JobEvent,
         action="send",
-        description="One fact in a job's history (stream MUSTER_EVENTS).",
+        description=(
+            "One fact in a job's history (stream MUSTER_EVENTS): accepted by the validator; "
+            "placed (once the job record names the attempt), running, retrying, killed and ended "
+            "by the supervisor; preempted and resized by the scheduler."
+        ),
     ),
     "nodeAssign": Channel(
         address=subjects.NODE_COMMANDS_PREFIX + ".{node}.assign",
@@ -393,7 +397,7 @@ def _version() -> str:
         with (ROOT / "pyproject.toml").open("rb") as f:
             return str(tomllib.load(f)["project"]["version"])
     except (OSError, KeyError, tomllib.TOMLDecodeError):
-        return "0.1.0"
+        return "0.2.0"
 
 
 def asyncapi() -> dict[str, Any]:

@@ -20,6 +20,7 @@ from muster.services.supervisor.policy import (
     deadline,
     decide,
     next_step,
+    settle,
     should_prune,
     task_state_for,
     timed_out,
@@ -738,6 +739,41 @@ PLACE_ROWS: list[tuple[str, JobRecord, AttemptRecord | None, float, int | None]]
 @pytest.mark.parametrize("job,current,after,n", [r[1:] for r in PLACE_ROWS], ids=[r[0] for r in PLACE_ROWS])
 def test_attempt_to_place(job: JobRecord, current: AttemptRecord | None, after: float, n: int | None) -> None:
     assert attempt_to_place(job, current, T0 + timedelta(seconds=after)) == n
+
+
+# The leader creates the attempt record and nothing more; until the supervisor moves the job to
+# it, only the attempt says it was placed (`latest`: the newest attempt with a record).
+# (id, job, the latest attempt's record, seconds after T0, attempt to place)
+PLACED_ROWS: list[tuple[str, JobRecord, AttemptRecord, float, int | None]] = [
+    ("placed-not-taken-up", job_at(0), attempt_of(1, "PP", False), 0, None),
+    ("running-not-taken-up", job_at(0), attempt_of(1, "RR", False), 0, None),
+    ("ended-not-taken-up", job_at(0), attempt_of(1, "FF", True), 0, None),
+    ("retry-placed-not-taken-up", job_at(1, settled=1), attempt_of(2, "PP", False), 0, None),
+    ("retry-ended-and-settled", job_at(2, settled=2), attempt_of(2, "FF", True), 0, 3),
+]
+
+
+@pytest.mark.parametrize("job,latest,after,n", [r[1:] for r in PLACED_ROWS], ids=[r[0] for r in PLACED_ROWS])
+def test_an_attempt_placed_before_its_job_names_it_is_not_placed_again(
+    job: JobRecord, latest: AttemptRecord, after: float, n: int | None
+) -> None:
+    at = T0 + timedelta(seconds=after)
+    assert attempt_to_place(job, latest, at, latest.attempt) == n
+    if latest.attempt > job.attempt:  # the job record alone would have that attempt placed again
+        named = attempt_of(job.attempt, "FF", True) if job.attempt else None
+        assert attempt_to_place(job, named, at) == latest.attempt
+
+
+def test_an_attempt_that_ended_before_its_job_named_it_is_settled_and_named() -> None:
+    limits = RetryLimits(platform=10, backoff=1.0)
+    failed = attempt_of(2, "FF", True).model_copy(update={"outcome": JobState.FAILED, "rule": "w failed"})
+    settled = settle(job_at(1, settled=1), failed, limits, T0)
+    assert settled is not None
+    job, _ = settled
+    assert (job.attempt, job.settled) == (2, 2)
+    assert settle(job, failed, limits, T0) is None  # once
+    # An attempt before the one the job names is never settled over it.
+    assert settle(job_at(3, settled=2), failed, limits, T0) is None
 
 
 # ------------------------------------------------------------------ what the supervisor holds

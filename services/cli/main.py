@@ -39,7 +39,7 @@ class Parser(argparse.ArgumentParser):
 
 
 class Version(argparse.Action):
-    """`muster --version`: the installed distribution's version (`muster 0.1.0`), read from its
+    """`muster --version`: the installed distribution's version (`muster 0.2.0`), read from its
     metadata only when asked."""
 
     def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:

@@ -6,7 +6,10 @@ renewal fails; the renewal runs in a task of its own and a plan is bounded (the 
 so a large queue never costs the lease. A standby creates the key once it has expired. The leader's
 view (nodes, jobs, attempts) is kept by KV watchers (records that do not decode are skipped and
 counted), so a new leader rebuilds it from the bus, and every placement is fenced: the attempt
-record `<job>.<n>` is created only if absent, so no attempt is placed twice.
+record `<job>.<n>` is created only if absent, so no attempt is placed twice. Placing writes that
+record and sends the orders, nothing more: the supervisor moves the job record to the attempt
+and tells its history (`Supervisor.adopt`), which keeps the leader, the one process every
+placement waits for, to one record write per job.
 
 The view is incremental (`view.View`): allocations follow the attempt records change by change,
 nodes join and leave the placement index as their records do, and only a change a plan could
@@ -47,7 +50,6 @@ from muster.shared.messages import (
     JobEvent,
     JobEventKind,
     JobRecord,
-    JobState,
     KillOrder,
     MembersChanged,
     NodeInfo,
@@ -393,32 +395,12 @@ class Scheduler:
         log.info("scheduler.preempted", victim=record.key, for_job=job.job_id, why=why)
 
     async def commit(self, job: Job, n: int, tasks: list[TaskSpec], borrowed: bool = False) -> None:
-        """Place attempt n. The job record is moved to attempt n first (the fence: a job killed or
-        placed by another leader meanwhile is left alone), then the attempt record is created
-        (or an earlier leader's is reused), then the agents get their orders."""
+        """Place attempt n: its record is created (only if absent: the fence against placing it
+        twice; an earlier leader's is reused), then the agents get their orders. The job record
+        is not written here: the supervisor moves the job to the attempt once it sees the record
+        (or ends the attempt if the job ended meanwhile) and tells its history (`placed`), so the
+        leader, which every placement waits for, does one write per job and not two."""
         nodes = sorted({t.node for t in tasks})
-        reason = f"placed on {', '.join(nodes)}; starting tasks"
-        fenced: list[bool] = []
-
-        def change(current: JobRecord) -> JobRecord | None:
-            fenced.clear()
-            if current.state != JobState.WAITING or current.attempt not in (n - 1, n):
-                return None
-            fenced.append(True)
-            if current.attempt == n:
-                return None  # moved already by a commit that did not finish
-            return current.model_copy(
-                update={"attempt": n, "reason": reason, "unschedulable": False, "updated_at": now()}
-            )
-
-        updated = await self.kv_jobs.update(job.job_id, change)
-        if not fenced:
-            return
-        if updated is not None:
-            self.jobs[job.job_id] = Job.of(updated)
-            self.view.job_changed(job.job_id)
-            if n == 1:
-                TO_PLACED.observe(max(0.0, (now() - job.submitted_at).total_seconds()))
         record = AttemptRecord(
             job_id=job.job_id,
             attempt=n,
@@ -426,7 +408,10 @@ class Scheduler:
             elastic=[r.name for r in job.config.taskRoles if r.elastic],
             tasks=[TaskStatus.placed(t) for t in tasks],
         )
-        if not await self.kv_attempts.create(record.key, record):
+        if await self.kv_attempts.create(record.key, record):
+            if n == 1:
+                TO_PLACED.observe(max(0.0, (now() - job.submitted_at).total_seconds()))
+        else:
             existing = await self.kv_attempts.get(record.key)  # an earlier leader's: reuse it
             if existing is None:
                 log.error("scheduler.bad_attempt_record", attempt=record.key)
@@ -436,7 +421,6 @@ class Scheduler:
         self.view.attempt_changed(record.key)  # held at once: the next plan cannot reuse it
         await self._send_assignments(job, record)
         PLACED.inc()
-        await self._event(job, JobEventKind.PLACED, n, reason, f"{job.job_id}:{n}:placed")
         log.info("scheduler.placed", job_id=job.job_id, attempt=n, nodes=nodes)
 
     async def _send_assignments(self, job: Job, record: AttemptRecord, only: set[str] | None = None) -> None:
@@ -498,7 +482,12 @@ class Scheduler:
         ids and agents ignore tasks they already run or ran, so a second copy is harmless."""
         for record in list(self.attempts.values()):
             job = self.jobs.get(record.job_id)
-            if job is None or record.ended or job.attempt != record.attempt or job.state.final:
+            if (
+                job is None
+                or record.ended
+                or record.attempt != max(job.attempt, self.view.latest(record.job_id))
+                or job.state.final
+            ):
                 continue
             if all(t.state == TaskState.PLACED for t in record.tasks):
                 log.info("scheduler.resend_orders", attempt=record.key)

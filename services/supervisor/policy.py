@@ -375,8 +375,10 @@ def settle(
     job: JobRecord, attempt: AttemptRecord, limits: RetryLimits, at: datetime
 ) -> tuple[JobRecord, NextStep] | None:
     """Apply an ended attempt to its job: the job's next record and the step taken, or None when
-    there is nothing to do (not the job's current attempt, settled already, job final)."""
-    if job.attempt != attempt.attempt or job.settled >= attempt.attempt or job.state.final:
+    there is nothing to do (an attempt before the job's current one, settled already, job
+    final). An attempt after the one the job names is its new current one (it ended before the
+    supervisor took its placement up: `Supervisor.adopt`)."""
+    if job.attempt > attempt.attempt or job.settled >= attempt.attempt or job.state.final:
         return None
     assert attempt.outcome is not None
     if attempt.preempted_by is not None:  # stopped to make room: back in the queue, uncharged
@@ -387,7 +389,12 @@ def settle(
         )
     if step.state == JobState.SUCCEEDED:
         step = NextStep(step.state, attempt.rule)  # which rule ended it
-    update: dict[str, object] = {"state": step.state, "reason": step.reason, "settled": attempt.attempt}
+    update: dict[str, object] = {
+        "state": step.state,
+        "reason": step.reason,
+        "attempt": attempt.attempt,
+        "settled": attempt.attempt,
+    }
     if step.state == JobState.WAITING:
         update["retries"] = job.retries + (1 if step.charged else 0)
         update["platform_retries"] = job.platform_retries + (1 if step.platform else 0)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -122,6 +122,11 @@ def agent_targets(nodes: Iterable[NodeInfo]) -> list[dict[str, Any]]:
     return out
 
 
+def placed(attempt: AttemptRecord) -> str:
+    """What a job's reason and its `placed` event say of where its attempt was placed."""
+    return f"placed on {', '.join(sorted({t.node for t in attempt.tasks}))}; starting tasks"
+
+
 class Supervisor:
     def __init__(
         self,
@@ -172,6 +177,8 @@ class Supervisor:
         self.stall_grace = _seconds("MUSTER_NODE_STALL_GRACE", 3 * self.node_timeout)
         self.tasks_on: dict[str, dict[str, list[int]]] = {}  # node -> attempt key -> task positions
         self._nodes_of: dict[str, set[str]] = {}  # attempt key -> nodes in tasks_on
+        self._adopting: set[str] = set()  # attempt keys whose `adopt` runs now
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
     async def build(cls, nc: NATS) -> Supervisor:
@@ -304,7 +311,7 @@ class Supervisor:
             elif failed(ev):
                 TASK_FAILURES.labels(ev.cause or "unknown").inc()
         if any(ev.kind == TaskEventKind.RUNNING for ev in events) and not attempt.ended:
-            await self.set_running(attempt.job_id, attempt.attempt)
+            await self.set_running(attempt)
         if attempt.ended:
             await self.end_attempt(attempt)
         elif any(ev.kind == TaskEventKind.EXITED and ev.role in attempt.elastic for ev in events):
@@ -313,28 +320,107 @@ class Supervisor:
                 subjects.attempt_members(attempt.job_id, attempt.attempt), MembersChanged().to_bytes()
             )
 
-    async def set_running(self, job_id: str, attempt: int) -> None:
-        def change(job: JobRecord) -> JobRecord | None:
-            if job.attempt != attempt or job.state != JobState.WAITING or job.settled >= attempt:
-                return None
-            return job.model_copy(
-                update={"state": JobState.RUNNING, "reason": "running", "updated_at": now()}
-            )
+    async def set_running(self, attempt: AttemptRecord) -> None:
+        """The job runs its attempt. A job whose record does not name the attempt yet (its
+        `adopt` has not come) moves to it in the same write, and its `placed` event comes first."""
+        n = attempt.attempt
+        adopted: list[bool] = []
 
-        job = await self.jobs.update(job_id, change)
+        def change(job: JobRecord) -> JobRecord | None:
+            adopted[:] = [job.attempt < n]
+            if job.attempt > n or job.state != JobState.WAITING or job.settled >= n:
+                return None
+            update = {"state": JobState.RUNNING, "attempt": n, "reason": "running", "updated_at": now()}
+            if job.unschedulable:
+                update["unschedulable"] = False
+            return job.model_copy(update=update)
+
+        job = await self.jobs.update(attempt.job_id, change)
         if job is not None:
-            if attempt == 1:
+            if adopted and adopted[0]:
+                was = job.model_copy(update={"state": JobState.WAITING})
+                await self.event(was, JobEventKind.PLACED, placed(attempt))
+            if n == 1:
                 TO_RUNNING.observe(max(0.0, (now() - job.submitted_at).total_seconds()))
             await self.event(job, JobEventKind.RUNNING, "running")
+
+    # ------------------------------------------------------------ placements
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def unadopted(self, attempt: AttemptRecord) -> bool:
+        """Whether the attempt is live and its job's record, as watched, does not name it: a
+        placement this supervisor has to take up (`adopt`)."""
+        if attempt.ended or attempt.key in self._adopting:
+            return False
+        job = self.view_jobs.get(attempt.job_id)
+        if job is None:
+            return False  # not watched yet: the once-a-second check looks again
+        return job.state.final or job.attempt < attempt.attempt
+
+    async def adopt(self, attempt: AttemptRecord) -> None:
+        """A placed attempt whose job record does not name it yet: the scheduler leader only
+        creates the attempt record. The job moves to it (the reason says where it was placed,
+        and its history gets `placed`). A job that ended before (killed while it was placed)
+        has the attempt ended and its tasks stopped instead, so nothing of it runs on.
+        Compare-and-set on the records: idempotent, and safe with several replicas."""
+        key, n = attempt.key, attempt.attempt
+        self._adopting.add(key)
+        try:
+            final: list[JobRecord] = []
+
+            def change(job: JobRecord) -> JobRecord | None:
+                final[:] = [job] if job.state.final else []
+                if job.state != JobState.WAITING or job.attempt >= n or job.settled >= n:
+                    return None
+                update: dict[str, object] = {"attempt": n, "reason": placed(attempt), "updated_at": now()}
+                if job.unschedulable:
+                    update["unschedulable"] = False
+                return job.model_copy(update=update)
+
+            job = await self.jobs.update(attempt.job_id, change)
+            if job is not None:
+                await self.event(job, JobEventKind.PLACED, placed(attempt))
+                return
+            if not final:
+                return
+            why = final[0].reason
+
+            def end(a: AttemptRecord) -> AttemptRecord | None:
+                if a.ended:
+                    return None
+                return a.model_copy(update={"ended_at": now(), "outcome": JobState.STOPPED, "rule": why})
+
+            ended = await self.attempts.update(key, end)
+            if ended is not None:
+                ATTEMPTS_ENDED.labels(JobState.STOPPED).inc()
+                log.info("supervisor.placed_after_end", attempt=key, job_state=final[0].state)
+                await self.kill_rest(ended)
+        except Exception as exc:  # the once-a-second check tries again
+            log.warning("supervisor.adopt_failed", attempt=key, error=str(exc) or type(exc).__name__)
+        finally:
+            self._adopting.discard(key)
+
+    async def check_placements(self) -> None:
+        """Placements no write has taken up yet (one seen before its job was, or whose adopt
+        failed): taken up now."""
+        for attempt in list(self.view_attempts.values()):
+            if self.unadopted(attempt):
+                await self.adopt(attempt)
 
     async def end_attempt(self, attempt: AttemptRecord) -> None:
         """Apply an ended attempt to its job: kill what is left of the gang, then end the job or
         make it wait for its next attempt. Idempotent: `JobRecord.settled` records it was done."""
         await self.kill_rest(attempt)
         steps: list[NextStep] = []
+        unnamed: list[bool] = []  # the job record did not name the attempt yet (no `placed` told)
 
         def change(job: JobRecord) -> JobRecord | None:
             steps.clear()
+            unnamed[:] = [job.attempt < attempt.attempt]
             settled = policy.settle(job, attempt, self.limits, now())
             if settled is None:
                 return None
@@ -345,6 +431,9 @@ class Supervisor:
         if job is None:
             return
         step = steps[0]
+        if unnamed and unnamed[0]:  # its history says where it ran before how it ended
+            was = job.model_copy(update={"state": JobState.WAITING})
+            await self.event(was, JobEventKind.PLACED, placed(attempt))
         ATTEMPTS_ENDED.labels(attempt.outcome or "unknown").inc()
         if step.state == JobState.WAITING:
             RETRIES.labels("platform" if step.platform else "user" if step.charged else "restart").inc()
@@ -440,6 +529,7 @@ class Supervisor:
             try:
                 if loop.time() - listening_since > self.node_timeout:
                     await self.check_nodes()
+                await self.check_placements()
                 await self.check_starts()
                 await self.check_deadlines()
                 if loop.time() >= prune_at:
@@ -470,6 +560,9 @@ class Supervisor:
         attempt = self.view_attempts.get(key)
         if attempt is None:
             return
+        if self.unadopted(attempt):
+            self._adopting.add(key)  # one at a time per attempt, however many writes come meanwhile
+            self._spawn(self.adopt(attempt))
         nodes = set()
         for i, t in enumerate(attempt.tasks):
             if not t.state.ended:
@@ -623,7 +716,8 @@ class Supervisor:
             await self.rendezvous.purge_deletes(olderthan=3600)
 
     async def forget_job(self, job: JobRecord | Finished) -> None:
-        for n in range(1, job.attempt + 1):
+        # One beyond the attempt it names: one placed as it was killed, ended by `adopt`.
+        for n in range(1, job.attempt + 2):
             key = attempt_key(job.job_id, n)
             await self.attempts.delete(key)
             await self.rendezvous.purge(key)
