@@ -196,12 +196,16 @@ class Store(Generic[M]):
         synced: asyncio.Event,
         changed: Callable[[str], None] | None = None,
         keep: Callable[[M], Any] | None = None,
+        refresh: Callable[[Any, bytes], Any] | None = None,
     ) -> None:
         """Keep `into` equal to the bucket (records that decode) for as long as it runs, with one
         watcher: no polling, no consumer per read. `synced` is set once the current content is
         in; `changed(key)` is called after each change. `keep(record)`: what to hold of each
-        record (default: the record), or None to hold nothing for it. A watch that cannot be
-        set up is tried again every second.
+        record (default: the record), or None to hold nothing for it. `refresh(held, data)`:
+        for a key `into` holds already, what to hold from the new bytes and the held value
+        without decoding the whole record (records whose unchanging part is most of them, as a
+        job's config); it raises ValueError for bytes it cannot read, and the record is then
+        decoded whole. A watch that cannot be set up is tried again every second.
 
         The watch is nats-py's KV watch (an ordered consumer of each key's last message, then of
         every change) without its per-message layers: each delivery is applied in the
@@ -222,15 +226,23 @@ class Store(Generic[M]):
                 if operation is None:
                     return  # a marker of a kind this client does not know: nothing to apply
                 record = None
+                kept: Any = None
                 if operation not in (KV_DEL, KV_PURGE):
                     own = self._wrote.get(key)
+                    held = into.get(key) if refresh is not None else None
                     if own is not None and own[0] == msg.data:  # what this store wrote: taken back
                         del self._wrote[key]
                         record = own[1]
-                    else:
+                    elif held is not None and refresh is not None:
+                        with contextlib.suppress(ValueError):
+                            kept = refresh(held, msg.data)
+                    if kept is None and record is None:
                         record = self.decode(key, msg.data)
-                self._saw(key, revision, msg.data if record is not None else None, record)
-                kept = record if record is None or keep is None else keep(record)
+                if kept is not None:  # refreshed: the bytes are kept, decoded when a write needs them
+                    self._saw(key, revision, msg.data, None)
+                else:
+                    self._saw(key, revision, msg.data if record is not None else None, record)
+                    kept = record if record is None or keep is None else keep(record)
                 if kept is None:
                     into.pop(key, None)
                 else:

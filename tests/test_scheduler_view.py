@@ -4,8 +4,10 @@ against a `placement.Cluster` built from scratch out of the same records."""
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -283,3 +285,26 @@ def test_what_attempt_changes_free_and_take_is_the_index_built_from_the_records(
 
         assert holds(v.cluster.nodes) == holds(fresh)
         assert _index(v.cluster) == _index(placement.Cluster(fresh.values()))
+
+
+def test_a_job_refreshed_from_a_later_write_is_the_job_that_write_decodes_to_whole() -> None:
+    """The scheduler's job mirror decodes a write to a job it holds with `Job.refresh` (what
+    changes only; the config is never rewritten): the result is what decoding it whole gives."""
+    created = job("jr", tasks=2)
+    held = Job.of(created)
+    for update in (
+        {"attempt": 1, "reason": "placed on n1; starting tasks"},
+        {"state": JobState.RUNNING, "attempt": 1, "reason": "running"},
+        {"attempt": 1, "settled": 1, "not_before": T0 + timedelta(seconds=5), "reason": "retrying"},
+        {"unschedulable": True, "reason": "can never run on the current nodes: ..."},
+        {"state": JobState.FAILED, "attempt": 2, "settled": 2, "reason": "w failed"},
+    ):
+        later = created.model_copy(update=update)
+        refreshed, whole = held.refresh(later.to_bytes()), Job.of(JobRecord.from_bytes(later.to_bytes()))
+        fields = [f.name for f in dataclasses.fields(Job)]
+        assert [getattr(refreshed, f) for f in fields] == [getattr(whole, f) for f in fields], update
+        assert refreshed.config is held.config  # kept, not decoded again
+    with pytest.raises(ValueError):
+        held.refresh(job("other").to_bytes())  # another job's record under this key
+    with pytest.raises(ValueError):
+        held.refresh(b'{"job_id": "jr", "state": "NOPE"}')

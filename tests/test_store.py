@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -334,3 +335,39 @@ async def test_a_group_commit_writes_a_big_records_burst_once_it_stops_coming():
     small = GroupCommit(write, lambda key, waiting, last: 0.0, linger=30.0)
     await asyncio.wait_for(small.add("small", 99), 10)  # not held for 30 s
     assert writes[-1] == [99]
+
+
+async def test_a_mirror_refreshes_what_it_holds_and_decodes_whole_what_it_does_not(nats_url):
+    """With `refresh`, a write to a key the view holds is read by it (no whole decode); a new
+    key, or bytes the refresh cannot read, is decoded whole; the bytes are kept for a write."""
+    nc = await bus.connect("test", nats_url)
+    try:
+        js, buckets = await bus.ensure_jetstream(nc)
+        store = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord, cache=100)
+        other = await js.key_value(subjects.ATTEMPTS_BUCKET)
+        view: dict[str, Any] = {}
+        refreshed: list[str] = []
+
+        def refresh(held: AttemptRecord, data: bytes) -> AttemptRecord:
+            attempt = json.loads(data)["attempt"]
+            if attempt > 50:
+                raise ValueError("not for me")
+            refreshed.append(held.job_id)
+            return held.model_copy(update={"attempt": attempt})
+
+        await other.put("k1", record(1).to_bytes())
+        async with mirroring(store, view, refresh=refresh):
+            decoded = decoding(store)
+            await other.put("k1", record(2).to_bytes())  # held: refreshed
+            await other.put("k2", record(3).to_bytes())  # new: decoded whole
+            await other.put("k1", record(99).to_bytes())  # the refresh cannot: decoded whole
+            for _ in range(200):
+                if view.get("k1") is not None and view["k1"].attempt == 99 and "k2" in view:
+                    break
+                await asyncio.sleep(0.05)
+            assert view["k1"].attempt == 99 and view["k2"].attempt == 3, view
+            assert refreshed == ["j1"] and decoded == ["k2", "k1"], (refreshed, decoded)
+            # A write starts from the newest bytes seen, refreshed or not.
+            assert (await store.update("k1", lambda r: r.model_copy(update={"attempt": 100}))).attempt == 100
+    finally:
+        await nc.close()

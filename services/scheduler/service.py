@@ -147,7 +147,9 @@ class Scheduler:
         watchers = [
             asyncio.create_task(self.kv_vcs.mirror(self.vcs, self.synced["vcs"], lambda _: self.wake.set())),
             asyncio.create_task(self.kv_nodes.mirror(self.nodes, self.synced["nodes"], node)),
-            asyncio.create_task(self.kv_jobs.mirror(self.jobs, self.synced["jobs"], job, Job.of)),
+            asyncio.create_task(
+                self.kv_jobs.mirror(self.jobs, self.synced["jobs"], job, Job.of, refresh=Job.refresh)
+            ),
             asyncio.create_task(self.kv_attempts.mirror(self.attempts, self.synced["attempts"], attempt)),
         ]
         try:

@@ -21,6 +21,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import structlog
+from pydantic import AwareDatetime, BaseModel, ConfigDict
 
 from muster.services.scheduler import placement, quota
 from muster.services.scheduler.avoid import AVOID_WINDOW
@@ -28,6 +29,7 @@ from muster.shared.jobconfig import WHOLE_GPU, JobConfig, rank
 from muster.shared.lifecycle import attempt_to_place
 from muster.shared.liveness import Beats
 from muster.shared.messages import (
+    WAITING_FOR_SCHEDULER,
     AttemptRecord,
     FailureKind,
     JobRecord,
@@ -35,6 +37,7 @@ from muster.shared.messages import (
     NodeInfo,
     attempt_key,
 )
+from muster.shared.shapes import AttemptOrNone, JobId
 
 log = structlog.get_logger(service="scheduler")
 
@@ -83,6 +86,41 @@ class Job:
             r.reason,
             r.unschedulable,
         )
+
+    def refresh(self, data: bytes) -> Job:
+        """This job as a newer write of its record says (`Store.mirror`'s refresh): only what
+        changes is decoded; ValueError for bytes that are not a record of this job."""
+        head = JobHead.model_validate_json(data)
+        if head.job_id != self.job_id:
+            raise ValueError(f"a record of {head.job_id} under {self.job_id}")
+        return Job(
+            self.job_id,
+            self.job_name,
+            self.user,
+            self.config,
+            head.state,
+            head.attempt,
+            head.settled,
+            head.not_before,
+            self.submitted_at,
+            head.reason,
+            head.unschedulable,
+        )
+
+
+class JobHead(BaseModel):
+    """What changes in a job record once it is created: all `Job.refresh` decodes of a write to
+    a job the scheduler holds already (its config, a third of a record's decode, never changes)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    job_id: JobId
+    state: JobState
+    attempt: AttemptOrNone = 0
+    settled: AttemptOrNone = 0
+    not_before: AwareDatetime | None = None
+    reason: str = WAITING_FOR_SCHEDULER
+    unschedulable: bool = False
 
 
 def job_of(key: str) -> str:
