@@ -47,6 +47,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
+from bench import bus as bus_bench
 from bench.bus import Sample, pct, per_job
 from bench.cluster import BENCH_USER, Mesh
 from muster.shared import bus, subjects
@@ -80,23 +81,8 @@ def node_record(i: int) -> tuple[str, bytes]:
     return name, info.to_bytes()
 
 
-CONFIG = JobConfig.model_validate(
-    {
-        "jobName": "lead",
-        "image": "muster/bench:sim",
-        "gpuType": "V100",
-        "taskRoles": [
-            {
-                "name": "worker",
-                "taskNumber": 1,
-                "cpuNumber": 1,
-                "memoryMB": 1024,
-                "gpuNumber": 1,
-                "command": "python train.py",
-            }
-        ],
-    }
-)
+# The one-task job bench.bus submits (its sim `extras` unread here: no agent runs it).
+CONFIG = JobConfig.model_validate_json(bus_bench.job("lead", 1.0))
 
 
 def job_record(job_id: str) -> JobRecord:

@@ -225,24 +225,22 @@ class Store(Generic[M]):
                 operation = _operation(msg.headers)
                 if operation is None:
                     return  # a marker of a kind this client does not know: nothing to apply
-                record = None
-                kept: Any = None
+                record = kept = None
                 if operation not in (KV_DEL, KV_PURGE):
                     own = self._wrote.get(key)
-                    held = into.get(key) if refresh is not None else None
                     if own is not None and own[0] == msg.data:  # what this store wrote: taken back
                         del self._wrote[key]
                         record = own[1]
-                    elif held is not None and refresh is not None:
+                    elif refresh is not None and key in into:
                         with contextlib.suppress(ValueError):
-                            kept = refresh(held, msg.data)
+                            kept = refresh(into[key], msg.data)
                     if kept is None and record is None:
                         record = self.decode(key, msg.data)
-                if kept is not None:  # refreshed: the bytes are kept, decoded when a write needs them
-                    self._saw(key, revision, msg.data, None)
-                else:
+                if kept is None:
                     self._saw(key, revision, msg.data if record is not None else None, record)
                     kept = record if record is None or keep is None else keep(record)
+                else:  # refreshed: the bytes are kept, decoded when a write needs them
+                    self._saw(key, revision, msg.data, None)
                 if kept is None:
                     into.pop(key, None)
                 else:

@@ -330,16 +330,13 @@ class Supervisor:
             adopted[:] = [job.attempt < n]
             if job.attempt > n or job.state != JobState.WAITING or job.settled >= n:
                 return None
-            update = {"state": JobState.RUNNING, "attempt": n, "reason": "running", "updated_at": now()}
-            if job.unschedulable:
-                update["unschedulable"] = False
-            return job.model_copy(update=update)
+            update = {"state": JobState.RUNNING, "attempt": n, "reason": "running", "unschedulable": False}
+            return job.model_copy(update=update | {"updated_at": now()})
 
         job = await self.jobs.update(attempt.job_id, change)
         if job is not None:
             if adopted and adopted[0]:
-                was = job.model_copy(update={"state": JobState.WAITING})
-                await self.event(was, JobEventKind.PLACED, placed(attempt))
+                await self.tell_placed(job, attempt)
             if n == 1:
                 TO_RUNNING.observe(max(0.0, (now() - job.submitted_at).total_seconds()))
             await self.event(job, JobEventKind.RUNNING, "running")
@@ -376,14 +373,12 @@ class Supervisor:
                 final[:] = [job] if job.state.final else []
                 if job.state != JobState.WAITING or job.attempt >= n or job.settled >= n:
                     return None
-                update: dict[str, object] = {"attempt": n, "reason": placed(attempt), "updated_at": now()}
-                if job.unschedulable:
-                    update["unschedulable"] = False
-                return job.model_copy(update=update)
+                update = {"attempt": n, "reason": placed(attempt), "unschedulable": False}
+                return job.model_copy(update=update | {"updated_at": now()})
 
             job = await self.jobs.update(attempt.job_id, change)
             if job is not None:
-                await self.event(job, JobEventKind.PLACED, placed(attempt))
+                await self.tell_placed(job, attempt)
                 return
             if not final:
                 return
@@ -403,6 +398,12 @@ class Supervisor:
             log.warning("supervisor.adopt_failed", attempt=key, error=str(exc) or type(exc).__name__)
         finally:
             self._adopting.discard(key)
+
+    async def tell_placed(self, job: JobRecord, attempt: AttemptRecord) -> None:
+        """The job's `placed` event, as of the moment its record named the attempt (waiting),
+        whichever write did it: the take-up, or a running report or an end that came first."""
+        was = job.model_copy(update={"state": JobState.WAITING, "attempt": attempt.attempt})
+        await self.event(was, JobEventKind.PLACED, placed(attempt))
 
     async def check_placements(self) -> None:
         """Placements no write has taken up yet (one seen before its job was, or whose adopt
@@ -432,8 +433,7 @@ class Supervisor:
             return
         step = steps[0]
         if unnamed and unnamed[0]:  # its history says where it ran before how it ended
-            was = job.model_copy(update={"state": JobState.WAITING})
-            await self.event(was, JobEventKind.PLACED, placed(attempt))
+            await self.tell_placed(job, attempt)
         ATTEMPTS_ENDED.labels(attempt.outcome or "unknown").inc()
         if step.state == JobState.WAITING:
             RETRIES.labels("platform" if step.platform else "user" if step.charged else "restart").inc()
