@@ -445,12 +445,16 @@ async def test_a_failing_sim_job_is_retried_then_fails_by_its_retry_policy(sims)
     nc = await bus.connect("test", sims.url)
     try:
         await wait_nodes(nc, "sim", 50)
-        config = gang("fails", 2, 1, retryCount=2, extras={"sim": {"seconds": 0.2, "exitCode": 1}})
+        # worker.0 fails; worker.1 would run for minutes: each failed attempt stops it (143), so
+        # which task ended first is never a race.
+        sim = {"seconds": 0.2, "exitCode": 1, "tasks": {"worker.1": {"seconds": 600, "exitCode": 0}}}
+        config = gang("fails", 2, 1, retryCount=2, extras={"sim": sim})
         record = await run_job(nc, config, timeout=180)
         assert record.state == JobState.FAILED, (record, sims.logs())
         assert record.attempt == 3 and record.retries == 2
-        last = await attempt(nc, record.job_id, 3)
-        assert {t.exit_code for t in last.tasks} == {1}
+        for n in (1, 2, 3):
+            tasks = {t.key: t.exit_code for t in (await attempt(nc, record.job_id, n)).tasks}
+            assert tasks == {"worker.0": 1, "worker.1": 143}, (n, tasks)
         # A bad sim value is the job's configuration: failed at once, not retried.
         config = gang("badsim", 1, 1, retryCount=5, extras={"sim": {"exitCode": 999}})
         record = await run_job(nc, config, timeout=180)
