@@ -54,7 +54,10 @@ from muster.services.scheduler.placement import NodeState, PendingJob, allocate,
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "alibaba-gpu-2023"
 SAMPLE_TRACE = ROOT / "tests" / "data" / "alibaba-gpu-2023-sample"
-BASELINES = ("muster", "muster-reserve", "muster-las", "fifo", "firstfit", "greedy", "sjf", "las")  # all
+BASELINES = (  # --policies all
+    *("muster", "muster-reserve", "muster-las", "muster-fifo-las"),
+    *("fifo", "firstfit", "greedy", "sjf", "las"),
+)
 MAX_BUCKETS = 5000  # the allocation series is widened past its bucket rather than grow longer
 
 

@@ -8,6 +8,9 @@
     before issue 27).
   * `muster-las`: `muster` with the queue in least-attained-service order (Tiresias' levels, as
     `las`) instead of arrival order, through the same core (`MusterLeastAttained`).
+  * `muster-fifo-las`: `muster-las`, except that a job that has waited as long as a FIFO shadow
+    says strict FIFO would have made it wait goes first, in arrival order, and is not stopped by
+    the least-attained order (`MusterFifoBounded`).
   * `fifo`: strict FIFO. Jobs start in arrival order only; the first that does not fit blocks
     every later one (no backfill). Nodes are chosen by the same best-fit rank as Muster's.
   * `firstfit`: FIFO order, greedy: any job that fits starts, each task on the first node in name
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -662,11 +666,115 @@ class MusterLeastAttained(MusterKept):
         super().ended(job, tasks)
 
 
+SHADOW_EVERY = 10  # decisions between two replays of the FIFO shadow (`MusterFifoBounded`), at least
+SHADOW_SHARE = 20  # and at least 1/20 of the jobs seen: a shadow costs O(jobs), so O(1) per decision
+
+
+class MusterFifoBounded(MusterLeastAttained):
+    """`muster-las` bounded by a FIFO shadow: least-attained order, except for jobs that are
+    *due*, which go first in arrival order and are stopped only for earlier due ones (`muster`'s
+    rule among them).
+
+    A job is due once the time it has waited so far (arrival to now, less the time it ran)
+    reaches a lower bound on its wait under strict FIFO. The bound is the bench's own `fifo`
+    replayed over the jobs seen so far, each running for what is known of its run time: the
+    whole of it once it ended, the wall time it has run so far while it runs or waits. Shorter
+    run times only start FIFO's jobs earlier (up to best fit's packing), so what the shadow
+    says a job waits under FIFO is at most what it would. Nothing of the future is used: no
+    runtime estimate, no oracle. A job that arrives between two replays of the shadow is given
+    the latest start the shadow holds (FIFO starts nothing before an earlier arrival), less its
+    arrival; a shadow replayed less often is only more cautious (its bounds are lower).
+
+    What it does: while FIFO would still be busy with earlier work, a newcomer may stop a job
+    that has run long (as `muster-las`), but not one that has waited as long as FIFO would have
+    made it wait. On an overloaded cluster FIFO's waits are long, so the least-attained order
+    rules; where FIFO would start a job soon, the job is protected as under `muster`. The
+    shadow is replayed every `SHADOW_EVERY` decisions, or every 1/`SHADOW_SHARE` of the jobs seen
+    when that is more (each replay costs O(jobs seen)); it is a bench policy, not the scheduler's
+    rule (yet)."""
+
+    def __init__(self, every: int = SHADOW_EVERY) -> None:
+        super().__init__()
+        self.name = "muster-fifo-las"
+        self.every = every
+        self.arrival: dict[str, float] = {}  # job -> when it was first seen (its arrival)
+        self.config: dict[str, JobConfig] = {}
+        self.ran: dict[str, float] = {}  # wall seconds run before the current start
+        self.bound: dict[str, float] = {}  # job -> lower bound on its wait under FIFO
+        self.latest_start = 0.0  # the shadow's last start
+        self.nodes: list[NodeState] = []
+        self.decisions = self.shadows = 0
+        self.next_shadow = every  # the decision that replays the shadow next
+        self.queued: list[str] = []
+
+    def _ran(self, job_id: str) -> float:
+        done = self.ran.get(job_id, 0.0)
+        if job_id in self.since:
+            done += self.clock - self.since[job_id][0]
+        return done
+
+    def waited(self, job_id: str) -> float:
+        return self.clock - self.arrival[job_id] - self._ran(job_id)
+
+    def due(self, job_id: str) -> bool:
+        return self.waited(job_id) + EPSILON_S >= self.bound.get(job_id, 0.0)
+
+    def _key(self, job_id: str) -> tuple[int, int, int]:  # type: ignore[override]
+        if self.due(job_id):
+            return 0, 0, self.arrived[job_id]
+        return (1, *super()._key(job_id))
+
+    def _shadow(self) -> None:
+        """Replay strict FIFO over every job seen, each with what is known of its run time."""
+        from bench.replay import replay  # bench.replay imports this module
+        from bench.replay_trace import Trace, TraceTask
+
+        tasks = [TraceTask(j, self.arrival[j], self._ran(j), self.config[j]) for j in self.arrival]
+        run = replay(Trace("shadow", tasks, self.nodes, []), POLICIES["fifo"](), never={})
+        self.bound = dict(run.waited)
+        self.latest_start = max(run.started.values(), default=0.0)
+        self.shadows += 1
+
+    def _decide(self, nodes: Mapping[str, NodeState], queue: Sequence[PendingJob]) -> Placements:
+        if not self.nodes:
+            self.nodes = [n.copy(empty=True) for n in nodes.values()]
+        for job in queue:
+            if job.job_id not in self.arrival:
+                self.arrival[job.job_id] = self.clock
+                self.config[job.job_id] = job.config
+                self.bound[job.job_id] = max(0.0, self.latest_start - self.clock)
+        self.decisions += 1
+        self.queued = [job.job_id for job in queue]
+        if self.decisions >= self.next_shadow:
+            self._shadow()
+            self.next_shadow = self.decisions + max(self.every, len(self.arrival) // SHADOW_SHARE)
+        return super()._decide(nodes, queue)
+
+    def wakeup(self) -> float | None:
+        """When the next waiting job becomes due (it may then stop a job that overtook it)."""
+        soonest = math.inf
+        for job_id in self.queued:
+            if job_id not in self.since:
+                left = self.bound.get(job_id, 0.0) - self.waited(job_id)
+                if left > EPSILON_S:
+                    soonest = min(soonest, self.clock + left)
+        return None if soonest == math.inf else soonest
+
+    def ended(self, job: PendingJob, tasks: Sequence[TaskSpec]) -> None:
+        start = self.since.get(job.job_id, (self.clock, 0))[0]
+        self.ran[job.job_id] = self.ran.get(job.job_id, 0.0) + self.clock - start
+        super().ended(job, tasks)
+
+
+EPSILON_S = 1e-6  # waits this close to their bound are at it (sums of floats)
+
+
 POLICIES: dict[str, Callable[[], Policy]] = {
     "muster": MusterKept,
     "muster_snapshot": lambda: MusterKept("muster_snapshot", snapshot=True),
     "muster-reserve": lambda: MusterKept("muster-reserve", lend=False),
     "muster-las": MusterLeastAttained,
+    "muster-fifo-las": MusterFifoBounded,
     "fifo": lambda: Indexed("fifo", strict_fifo),
     "firstfit": lambda: Indexed("firstfit", greedy_first_fit),
     "greedy": lambda: Indexed("greedy", greedy_best_fit),

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,6 +31,7 @@ if str(ROOT) not in sys.path:  # bench/ is not an installed package; `python -m 
     sys.path.insert(0, str(ROOT))
 
 from bench import replay as rp  # noqa: E402
+from bench import replay_policies as bp  # noqa: E402
 from bench.replay_policies import POLICIES  # noqa: E402
 from bench.replay_trace import Trace, TraceTask, gang_config, uniform_nodes  # noqa: E402
 
@@ -181,3 +183,40 @@ def test_against_strict_fifo_the_longest_wait_holds_on_nearly_every_random_workl
     # The reservation alone (idling claims, wandering with what is free) breaks it far more often.
     assert beyond["muster-reserve"] >= 5 * max(1, beyond["muster"]), beyond
     assert later["muster-reserve"] >= 10 * max(1, later["muster"]), later
+
+
+def test_least_attained_order_under_a_fifo_shadow_keeps_fifos_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`muster-fifo-las` (bench.replay_policies.MusterFifoBounded): least-attained order, where a
+    job that has waited as long as a FIFO shadow says FIFO would have made it wait goes first.
+    With the levels scaled to these workloads' run times (so the least-attained order acts),
+    plain `muster-las` breaks FIFO's bound on some workloads; the shadow keeps it as `muster`
+    does, and still completes jobs sooner on average than `muster`."""
+    monkeypatch.setattr(bp, "LEVELS", (60.0, 600.0, 6000.0))
+    workloads = 150
+    names = ("muster", "muster-las", "muster-fifo-las")
+    beyond = dict.fromkeys(names, 0)
+    worst = dict.fromkeys(names, 1.0)
+    later = dict.fromkeys(names, 0)
+    jct = dict.fromkeys(names, 0.0)
+    stops = dict.fromkeys(names, 0)
+    jobs = 0
+    for seed in range(workloads):
+        trace = random_workload(random.Random(seed))
+        fifo = rp.replay(trace, POLICIES["fifo"](), 1.0)
+        jobs += len(fifo.waited)
+        for name in names:
+            mine = rp.replay(trace, POLICIES[name](), 1.0)
+            assert mine.waited.keys() == fifo.waited.keys()
+            longest, theirs = max(mine.waited.values()), max(fifo.waited.values())
+            if longest > theirs:
+                beyond[name] += 1
+                worst[name] = max(worst[name], longest / theirs)
+            later[name] += sum(1 for job, w in mine.waited.items() if w > fifo.waited[job])
+            jct[name] += sum(mine.jcts) / len(mine.jcts)
+            stops[name] += mine.stops
+    assert beyond["muster-las"] >= 5 and later["muster-las"] >= jobs * 0.1, (beyond, later)
+    assert beyond["muster-fifo-las"] <= workloads * 0.02 and worst["muster-fifo-las"] <= 1.1, (beyond, worst)
+    assert later["muster-fifo-las"] <= jobs * 0.005, (later, jobs)
+    # the least-attained order does act (more stops than muster's callbacks alone) and pays
+    assert stops["muster-fifo-las"] > stops["muster"], stops
+    assert jct["muster-fifo-las"] < jct["muster"], jct
