@@ -260,6 +260,7 @@ def replay(
     job_needs = {t.name: needs(t.config) for t in trace.tasks}
     policy.durations = {t.name: t.duration for t in trace.tasks}  # for an oracle (sjf)
     policy.clock = 0.0
+    policy.lose_progress = lose_progress
     meter = Meter(sum(len(n.gpus) for n in trace.nodes))
     arrived_at: dict[str, float] = {}
     started: dict[str, float] = {}

@@ -78,6 +78,7 @@ class Policy:
         self._decide = decide
         self.clock = 0.0
         self.durations: Mapping[str, float] = {}
+        self.lose_progress = False  # whether a stopped job starts over (set by the replay)
         self.stops: list[str] = []
 
     def wakeup(self) -> float | None:
@@ -683,7 +684,9 @@ class MusterFifoBounded(MusterLeastAttained):
     says a job waits under FIFO is at most what it would. Nothing of the future is used: no
     runtime estimate, no oracle. A job that arrives between two replays of the shadow is given
     the latest start the shadow holds (FIFO starts nothing before an earlier arrival), less its
-    arrival; a shadow replayed less often is only more cautious (its bounds are lower).
+    arrival; a shadow replayed less often is only more cautious (its bounds are lower). Where
+    a stop loses progress (`lose_progress`, set by the replay), a job's whole time counts as
+    waited, should it be stopped now, and its longest run is what is known of its run time.
 
     What it does: while FIFO would still be busy with earlier work, a newcomer may stop a job
     that has run long (as `muster-las`), but not one that has waited as long as FIFO would have
@@ -700,6 +703,7 @@ class MusterFifoBounded(MusterLeastAttained):
         self.arrival: dict[str, float] = {}  # job -> when it was first seen (its arrival)
         self.config: dict[str, JobConfig] = {}
         self.ran: dict[str, float] = {}  # wall seconds run before the current start
+        self.longest: dict[str, float] = {}  # its longest run before the current start
         self.bound: dict[str, float] = {}  # job -> lower bound on its wait under FIFO
         self.latest_start = 0.0  # the shadow's last start
         self.nodes: list[NodeState] = []
@@ -707,14 +711,23 @@ class MusterFifoBounded(MusterLeastAttained):
         self.next_shadow = every  # the decision that replays the shadow next
         self.queued: list[str] = []
 
+    def _now(self, job_id: str) -> float:
+        """Seconds the job has run since its current start (0 when it is not running)."""
+        return self.clock - self.since[job_id][0] if job_id in self.since else 0.0
+
     def _ran(self, job_id: str) -> float:
-        done = self.ran.get(job_id, 0.0)
-        if job_id in self.since:
-            done += self.clock - self.since[job_id][0]
-        return done
+        """What is known of the job's run time: all it ran, or with progress lost at a stop,
+        its longest run (each run starts over)."""
+        if self.lose_progress:
+            return max(self.longest.get(job_id, 0.0), self._now(job_id))
+        return self.ran.get(job_id, 0.0) + self._now(job_id)
 
     def waited(self, job_id: str) -> float:
-        return self.clock - self.arrival[job_id] - self._ran(job_id)
+        """Time the job has waited so far, or would have if stopped now: all its time not
+        running; with progress lost at a stop, all its time (its runs so far, the current one
+        included, would count as waiting)."""
+        ran = 0.0 if self.lose_progress else self._ran(job_id)
+        return self.clock - self.arrival[job_id] - ran
 
     def due(self, job_id: str) -> bool:
         return self.waited(job_id) + EPSILON_S >= self.bound.get(job_id, 0.0)
@@ -761,8 +774,9 @@ class MusterFifoBounded(MusterLeastAttained):
         return None if soonest == math.inf else soonest
 
     def ended(self, job: PendingJob, tasks: Sequence[TaskSpec]) -> None:
-        start = self.since.get(job.job_id, (self.clock, 0))[0]
-        self.ran[job.job_id] = self.ran.get(job.job_id, 0.0) + self.clock - start
+        run = self._now(job.job_id)
+        self.ran[job.job_id] = self.ran.get(job.job_id, 0.0) + run
+        self.longest[job.job_id] = max(self.longest.get(job.job_id, 0.0), run)
         super().ended(job, tasks)
 
 

@@ -185,12 +185,16 @@ def test_against_strict_fifo_the_longest_wait_holds_on_nearly_every_random_workl
     assert later["muster-reserve"] >= 10 * max(1, later["muster"]), later
 
 
-def test_least_attained_order_under_a_fifo_shadow_keeps_fifos_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("lose_progress", [False, True], ids=["progress kept", "progress lost"])
+def test_least_attained_order_under_a_fifo_shadow_keeps_fifos_bound(
+    monkeypatch: pytest.MonkeyPatch, lose_progress: bool
+) -> None:
     """`muster-fifo-las` (bench.replay_policies.MusterFifoBounded): least-attained order, where a
     job that has waited as long as a FIFO shadow says FIFO would have made it wait goes first.
     With the levels scaled to these workloads' run times (so the least-attained order acts),
     plain `muster-las` breaks FIFO's bound on some workloads; the shadow keeps it as `muster`
-    does, and still completes jobs sooner on average than `muster`."""
+    does, and still completes jobs sooner on average than `muster`. With progress lost at a stop
+    (no checkpoints) too: then a job's whole time counts as waiting, should it be stopped."""
     monkeypatch.setattr(bp, "LEVELS", (60.0, 600.0, 6000.0))
     workloads = 150
     names = ("muster", "muster-las", "muster-fifo-las")
@@ -205,7 +209,7 @@ def test_least_attained_order_under_a_fifo_shadow_keeps_fifos_bound(monkeypatch:
         fifo = rp.replay(trace, POLICIES["fifo"](), 1.0)
         jobs += len(fifo.waited)
         for name in names:
-            mine = rp.replay(trace, POLICIES[name](), 1.0)
+            mine = rp.replay(trace, POLICIES[name](), 1.0, lose_progress=lose_progress)
             assert mine.waited.keys() == fifo.waited.keys()
             longest, theirs = max(mine.waited.values()), max(fifo.waited.values())
             if longest > theirs:
