@@ -707,7 +707,7 @@ class MusterFifoBounded(MusterLeastAttained):
         self.bound: dict[str, float] = {}  # job -> lower bound on its wait under FIFO
         self.latest_start = 0.0  # the shadow's last start
         self.nodes: list[NodeState] = []
-        self.decisions = self.shadows = 0
+        self.decisions = 0
         self.next_shadow = every  # the decision that replays the shadow next
         self.queued: list[str] = []
 
@@ -746,7 +746,6 @@ class MusterFifoBounded(MusterLeastAttained):
         run = replay(Trace("shadow", tasks, self.nodes, []), POLICIES["fifo"](), never={})
         self.bound = dict(run.waited)
         self.latest_start = max(run.started.values(), default=0.0)
-        self.shadows += 1
 
     def _decide(self, nodes: Mapping[str, NodeState], queue: Sequence[PendingJob]) -> Placements:
         if not self.nodes:

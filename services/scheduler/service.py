@@ -484,12 +484,7 @@ class Scheduler:
         ids and agents ignore tasks they already run or ran, so a second copy is harmless."""
         for record in list(self.attempts.values()):
             job = self.jobs.get(record.job_id)
-            if (
-                job is None
-                or record.ended
-                or record.attempt != max(job.attempt, self.view.latest(record.job_id))
-                or job.state.final
-            ):
+            if job is None or record.ended or record.attempt != self.view.current(job) or job.state.final:
                 continue
             if all(t.state == TaskState.PLACED for t in record.tasks):
                 log.info("scheduler.resend_orders", attempt=record.key)

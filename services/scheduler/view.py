@@ -358,20 +358,17 @@ class View:
         out = []
         for _, job_id in self._waiting:
             job = self.jobs[job_id]
-            latest = self.latest(job_id)
-            current = max(job.attempt, latest)
-            n = attempt_to_place(job, self.attempts.get(attempt_key(job_id, current)), at, latest)
+            current = self.current(job)
+            n = attempt_to_place(job, self.attempts.get(attempt_key(job_id, current)), at, current)
             if n is not None:
                 out.append((job, n))
         return out
 
-    def latest(self, job_id: str) -> int:
-        """The job's newest attempt with a record (0: none): it may be newer than the attempt
-        the job record names, until the supervisor moves the job to it."""
-        keys = self._attempts_of.get(job_id)
-        if not keys:
-            return 0
-        return max((a.attempt for k in keys if (a := self.attempts.get(k)) is not None), default=0)
+    def current(self, job: Job) -> int:
+        """The job's current attempt (0: none yet): the one its record names, or a newer one
+        with an attempt record, until the supervisor moves the job to it."""
+        keys = self._attempts_of.get(job.job_id, ())
+        return max([job.attempt, *(a.attempt for k in keys if (a := self.attempts.get(k)) is not None)])
 
     @property
     def waiting(self) -> int:
