@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from typing import Any
 
-from muster.services.scheduler import placement
+from muster.services.scheduler import attained, placement
 from muster.shared.jobconfig import JobConfig
 from muster.shared.messages import GpuDevice
 from tests import reference_placement as before
@@ -35,8 +36,8 @@ def make_nodes(module: Any, n: int) -> list[Any]:
     ]
 
 
-def make_job(tasks: int, n: int) -> JobConfig:
-    role = {"name": "worker", "taskNumber": tasks, "cpuNumber": 4, "memoryMB": 16384, "gpuNumber": 1}
+def make_job(tasks: int, n: int, gpus: int = 1) -> JobConfig:
+    role = {"name": "worker", "taskNumber": tasks, "cpuNumber": 4, "memoryMB": 16384, "gpuNumber": gpus}
     return JobConfig.model_validate(
         {"jobName": f"j{n}", "image": "busybox", "gpuType": "V100", "taskRoles": [role | {"command": "x"}]}
     )
@@ -118,6 +119,24 @@ def build_cost(nodes: int) -> dict[str, Any]:
     return {"nodes": nodes, "build_ms": round((time.perf_counter() - t) * 1000, 2)}
 
 
+def shadow_cost(nodes: int, jobs: int) -> dict[str, Any]:
+    """The queue's FIFO shadow (attained.py), as the scheduler makes it in a thread every 30 s
+    while jobs wait: strict FIFO over `jobs` jobs of 1-8 GPUs (one a minute on average, running
+    a minute to ten hours) on `nodes` empty nodes."""
+    rng = random.Random(0)
+    shapes = {g: make_job(1, g, gpus=g) for g in (1, 2, 4, 8)}
+    at, seen = 0.0, []
+    for i in range(jobs):
+        at += rng.expovariate(1 / 60)
+        run = rng.choice([60.0, 600.0, 3600.0, 36000.0])
+        seen.append(attained.Seen(f"j{i}", at, run, shapes[rng.choice([1, 1, 2, 4, 8])]))
+    t = time.perf_counter()
+    shadow = attained.Shadow.make(make_nodes(placement, nodes), seen)
+    took = time.perf_counter() - t
+    waited = sum(1 for b in shadow.bounds.values() if b > 0)
+    return {"nodes": nodes, "jobs": jobs, "waited_in_fifo": waited, "shadow_s": round(took, 3)}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes only (a test runs this)")
@@ -157,7 +176,16 @@ def main(argv: list[str] | None = None) -> None:
     builds = [build_cost(n) for n in sizes]
     print()
     print("index build: " + ", ".join(f"{b['nodes']} nodes {b['build_ms']} ms" for b in builds))
-    print(json.dumps({"bench": "decision", "throughput": rows, "latency": lat, "build": builds}))
+    shadows = [shadow_cost(n, 200 if args.quick else attained.SHADOW_JOBS) for n in (8, *sizes)]
+    print(
+        "FIFO shadow (attained.py): "
+        + ", ".join(
+            f"{x['jobs']} jobs on {x['nodes']} nodes {x['shadow_s']} s ({x['waited_in_fifo']} waited)"
+            for x in shadows
+        )
+    )
+    out = {"bench": "decision", "throughput": rows, "latency": lat, "build": builds, "shadow": shadows}
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@
     `las`) instead of arrival order, through the same core (`MusterLeastAttained`).
   * `muster-fifo-las`: `muster-las`, except that a job that has waited as long as a FIFO shadow
     says strict FIFO would have made it wait goes first, in arrival order, and is not stopped by
-    the least-attained order (`MusterFifoBounded`).
+    the least-attained order (`MusterFifoBounded`): the scheduler's default order (attained.py).
   * `fifo`: strict FIFO. Jobs start in arrival order only; the first that does not fit blocks
     every later one (no backfill). Nodes are chosen by the same best-fit rank as Muster's.
   * `firstfit`: FIFO order, greedy: any job that fits starts, each task on the first node in name
@@ -44,6 +44,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from muster.services.scheduler import attained
 from muster.services.scheduler.placement import (
     FED_CPUS,
     Capacity,
@@ -465,8 +466,7 @@ class ShortestFirst(Indexed):
         return greedy_best_fit(nodes, [queue[i] for i in order], kept)
 
 
-GPU_HOUR = 3600.0
-LEVELS = (1 * GPU_HOUR, 10 * GPU_HOUR, 100 * GPU_HOUR)  # LAS thresholds of attained GPU-seconds
+LEVELS = attained.LEVELS  # LAS thresholds of attained GPU-seconds (the scheduler's)
 MAX_VICTIMS = 64  # running jobs a waiting one may try to stop, per decision
 
 
@@ -639,6 +639,7 @@ class MusterLeastAttained(MusterKept):
         super().__init__("muster-las")
         self.attained: dict[str, float] = {}  # GPU-seconds run before the current start
         self.since: dict[str, tuple[float, int]] = {}  # running job -> (start, GPUs)
+        self._running_keys: dict[str, tuple[int, ...]] | None = None
 
     def _key(self, job_id: str) -> tuple[int, int]:
         done = self.attained.get(job_id, 0.0)
@@ -648,12 +649,16 @@ class MusterLeastAttained(MusterKept):
         return level(done), self.arrived[job_id]
 
     def _stoppable(self, waiting: str) -> list[Loan]:
-        mine = self._key(waiting)
-        return [loan for job_id, loan in self.running.items() if self._key(job_id) > mine]
+        # The running jobs' keys, once per decision (the clock and what runs stand still in one).
+        if self._running_keys is None:
+            self._running_keys = {job_id: self._key(job_id) for job_id in self.running}
+        mine, keys = self._key(waiting), self._running_keys
+        return [loan for job_id, loan in self.running.items() if keys[job_id] > mine]
 
     def _decide(self, nodes: Mapping[str, NodeState], queue: Sequence[PendingJob]) -> Placements:
         for job in queue:
             self.arrived.setdefault(job.job_id, len(self.arrived))
+        self._running_keys = None
         return super()._decide(nodes, sorted(queue, key=lambda job: self._key(job.job_id)))
 
     def started(self, job: PendingJob, tasks: Sequence[TaskSpec]) -> None:
@@ -677,8 +682,10 @@ class MusterFifoBounded(MusterLeastAttained):
     rule among them).
 
     A job is due once the time it has waited so far (arrival to now, less the time it ran)
-    reaches a lower bound on its wait under strict FIFO. The bound is the bench's own `fifo`
-    replayed over the jobs seen so far, each running for what is known of its run time: the
+    reaches a lower bound on its wait under strict FIFO. The bound is the scheduler's shadow
+    (`attained.Shadow`: strict FIFO as Muster places gangs, which starts jobs exactly when the
+    bench's `fifo` does, tests/test_attained.py) replayed over the newest `horizon` jobs seen
+    (`MUSTER_SHADOW_JOBS`), each running for what is known of its run time: the
     whole of it once it ended, the wall time it has run so far while it runs or waits. Shorter
     run times only start FIFO's jobs earlier (up to best fit's packing), so what the shadow
     says a job waits under FIFO is at most what it would. Nothing of the future is used: no
@@ -693,19 +700,20 @@ class MusterFifoBounded(MusterLeastAttained):
     made it wait. On an overloaded cluster FIFO's waits are long, so the least-attained order
     rules; where FIFO would start a job soon, the job is protected as under `muster`. The
     shadow is replayed every `SHADOW_EVERY` decisions, or every 1/`SHADOW_SHARE` of the jobs seen
-    when that is more (each replay costs O(jobs seen)); it is a bench policy, not the scheduler's
-    rule (yet)."""
+    when that is more (each replay costs O(horizon)). This is the scheduler's default order
+    (services/scheduler/attained.py), which replays its shadow every `MUSTER_SHADOW_EVERY`
+    seconds instead. The replay's `--lose-progress` is the scheduler's default; a replay without
+    it is the scheduler with every job `"resumable": true` (it resumes from its checkpoints)."""
 
-    def __init__(self, every: int = SHADOW_EVERY) -> None:
+    def __init__(self, every: int = SHADOW_EVERY, horizon: int = attained.SHADOW_JOBS) -> None:
         super().__init__()
         self.name = "muster-fifo-las"
-        self.every = every
+        self.every, self.horizon = every, horizon
         self.arrival: dict[str, float] = {}  # job -> when it was first seen (its arrival)
         self.config: dict[str, JobConfig] = {}
         self.ran: dict[str, float] = {}  # wall seconds run before the current start
         self.longest: dict[str, float] = {}  # its longest run before the current start
-        self.bound: dict[str, float] = {}  # job -> lower bound on its wait under FIFO
-        self.latest_start = 0.0  # the shadow's last start
+        self.shadow = attained.Shadow()  # each job's lower bound on its wait under FIFO
         self.nodes: list[NodeState] = []
         self.decisions = 0
         self.next_shadow = every  # the decision that replays the shadow next
@@ -730,7 +738,7 @@ class MusterFifoBounded(MusterLeastAttained):
         return self.clock - self.arrival[job_id] - ran
 
     def due(self, job_id: str) -> bool:
-        return self.waited(job_id) + EPSILON_S >= self.bound.get(job_id, 0.0)
+        return self.waited(job_id) + EPSILON_S >= self.shadow.bound(job_id, self.arrival[job_id])
 
     def _key(self, job_id: str) -> tuple[int, int, int]:  # type: ignore[override]
         if self.due(job_id):
@@ -738,14 +746,11 @@ class MusterFifoBounded(MusterLeastAttained):
         return (1, *super()._key(job_id))
 
     def _shadow(self) -> None:
-        """Replay strict FIFO over every job seen, each with what is known of its run time."""
-        from bench.replay import replay  # bench.replay imports this module
-        from bench.replay_trace import Trace, TraceTask
-
-        tasks = [TraceTask(j, self.arrival[j], self._ran(j), self.config[j]) for j in self.arrival]
-        run = replay(Trace("shadow", tasks, self.nodes, []), POLICIES["fifo"](), never={})
-        self.bound = dict(run.waited)
-        self.latest_start = max(run.started.values(), default=0.0)
+        """Strict FIFO replayed over the newest `horizon` jobs seen, each with what is known of
+        its run time (the scheduler's shadow, `attained.Shadow`)."""
+        newest = list(self.arrival)[-self.horizon :]  # in arrival order
+        seen = [attained.Seen(j, self.arrival[j], self._ran(j), self.config[j]) for j in newest]
+        self.shadow = attained.Shadow.make(self.nodes, seen)
 
     def _decide(self, nodes: Mapping[str, NodeState], queue: Sequence[PendingJob]) -> Placements:
         if not self.nodes:
@@ -754,7 +759,6 @@ class MusterFifoBounded(MusterLeastAttained):
             if job.job_id not in self.arrival:
                 self.arrival[job.job_id] = self.clock
                 self.config[job.job_id] = job.config
-                self.bound[job.job_id] = max(0.0, self.latest_start - self.clock)
         self.decisions += 1
         self.queued = [job.job_id for job in queue]
         if self.decisions >= self.next_shadow:
@@ -767,7 +771,7 @@ class MusterFifoBounded(MusterLeastAttained):
         soonest = math.inf
         for job_id in self.queued:
             if job_id not in self.since:
-                left = self.bound.get(job_id, 0.0) - self.waited(job_id)
+                left = self.shadow.bound(job_id, self.arrival[job_id]) - self.waited(job_id)
                 if left > EPSILON_S:
                     soonest = min(soonest, self.clock + left)
         return None if soonest == math.inf else soonest

@@ -341,6 +341,10 @@ class JobConfig(_Model):
     # task's start; one that runs past it is stopped and fails as the user's (retryCount says
     # whether it runs again). Unset: no limit.
     maxRunTimeSec: int | None = Field(default=None, ge=1, le=MAX_RUN_TIME)
+    # Muster's extension: the job resumes from its own checkpoints when it is stopped and started
+    # again (a preemption gives it SIGTERM and MUSTER_PREEMPT_GRACE to save one). The queue then
+    # counts the time it ran as run, not lost (services/scheduler/attained.py).
+    resumable: bool = False
 
     @field_validator("metrics")
     @classmethod

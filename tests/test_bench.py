@@ -49,6 +49,11 @@ def test_decision_core_places_what_the_old_planner_placed():
         assert ("speedup" in r) == (r["nodes"] * r["queue"] * r["tasks"] <= 2_000_000), r
     assert len(report["latency"]) == 6 and all(0 < r["p50_ms"] <= r["p99_ms"] for r in report["latency"])
     assert "decision latency" in table
+    # The queue's FIFO shadow: on 8 nodes a job a minute of up to 8 GPUs for up to 10 hours
+    # queues under FIFO; on 100 and 1,000 nodes nothing waits.
+    shadows = {r["nodes"]: r for r in report["shadow"]}
+    assert shadows.keys() == {8, 100, 1000} and all(r["jobs"] == 200 for r in shadows.values())
+    assert shadows[8]["waited_in_fifo"] > 100 and shadows[1000]["waited_in_fifo"] == 0
 
 
 def test_memory_per_queued_job_stays_under_a_kib_beyond_its_spec():

@@ -199,6 +199,7 @@ TABLE = [
     row("retryCount-minus3", mutate("retryCount", -3), "retryCount", "must be ≥ -2, got -3"),
     row("maxRunTimeSec-0", mutate("maxRunTimeSec", 0), "maxRunTimeSec", "must be ≥ 1, got 0"),
     row("maxRunTimeSec-str", mutate("maxRunTimeSec", "60"), "maxRunTimeSec", "must be an integer, got '60'"),
+    row("resumable-str", mutate("resumable", "yes"), "resumable", "must be true or false, got 'yes'"),
     row(
         "maxRunTimeSec-over-a-year",
         mutate("maxRunTimeSec", 365 * 24 * 3600 + 1),

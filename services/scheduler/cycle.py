@@ -11,7 +11,9 @@ What a cycle decides, in the order the service applies it:
    free plus what gangs behind it in the queue hold (same VC and priority, submitted later and,
    with virtual clusters or priorities in use, by the same user), the fewest of them are
    stopped for it ("head"), gracefully and uncharged (they wait again in their place), and it
-   starts on what they free the next cycle. While any gang is being stopped for someone, no
+   starts on what they free the next cycle. With no virtual cluster or priority in use, the
+   queue is in least-attained order under FIFO's bound (attained.py; `decide(shadow=...)`), and
+   "behind" means later in that order. While any gang is being stopped for someone, no
    other gang is called back, and the job it is stopped for is planned onto what it holds, which
    is then lent to nobody. With
    virtual clusters or priorities in use (quota.py), when no head calls gangs back: the first
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from muster.services.scheduler import elastic, placement, quota
+from muster.services.scheduler import attained, elastic, placement, quota
 from muster.services.scheduler.avoid import nodes_to_avoid, plan_around
 from muster.services.scheduler.view import Job, View
 from muster.shared import settings
@@ -121,6 +123,7 @@ class Decision:
     # The waiting queue after this cycle, in the order it considered the jobs (sharing order, or
     # submission order), those it places left out: the first QUEUE_SHOWN job ids only.
     queue: list[str] = field(default_factory=list)
+    due_at: float | None = None  # when the next waiting job becomes due (attained.py), seconds
 
     def lines(self) -> list[str]:
         """The decision, one short line per act, in the order they are applied (for tests and
@@ -156,13 +159,20 @@ def decide(
     at: datetime,
     window: int = BACKFILL_WINDOW,
     tries: int = PREEMPT_TRIES,
+    shadow: attained.Shadow | None = None,
 ) -> Decision:
     """What this cycle does (module docstring). `window`: jobs behind the head one plan tries;
-    `tries`: waiting jobs looked at for a preemption, or a shrink, that would let them in."""
+    `tries`: waiting jobs looked at for a preemption, or a shrink, that would let them in;
+    `shadow`: the queue in least-attained order under its FIFO bounds (attained.py) rather than
+    in submission order, when no virtual cluster or priority is in use."""
     waiting = view.queue(at)
     decision = Decision(queued=len(waiting))
     if waiting:
-        _place(view, vcs, fixed, waiting, at, window, tries, decision)
+        keys = None if shadow is None or vcs or view.ranked else _Keys(view, shadow, at)
+        if keys is not None:
+            waiting.sort(key=lambda w: keys(w[0]))
+            decision.due_at = keys.due_at(job for job, _ in waiting)
+        _place(view, vcs, fixed, waiting, at, window, tries, decision, keys)
     if view.elastic:
         _resize(view, vcs, at, tries, decision)
     return decision
@@ -186,6 +196,7 @@ def _place(
     window: int,
     tries: int,
     decision: Decision,
+    keys: _Keys | None = None,
 ) -> None:
     held_back: dict[str, str] = {}
     order: quota.Order[placement.PendingJob] | None = None
@@ -199,12 +210,12 @@ def _place(
     # What runs is read only once a head would call gangs back: a cycle whose queue fits pays
     # nothing for lending.
     read = functools.partial(view.running, at) if running is None else lambda: running or []
-    lending, gangs = _lending(view, waiting, read, order is not None)
+    lending, gangs = _lending(view, waiting, read, order is not None, keys)
     avoid = nodes_to_avoid(view.avoid_candidates(at), at)
     plan = plan_around(view.cluster, view.capacity, queue, avoid, window, lending)
     by_id = {job.job_id: job for job, _ in waiting}
     decision.preempt = [
-        _stop_for_head(gangs.by_id[victim], by_id[head])
+        _stop_for_head(gangs.by_id[victim], by_id[head], keys)
         for victim, head in plan.stop.items()
         if not gangs.by_id[victim].stopping  # one being stopped for it already is not stopped twice
     ]
@@ -294,15 +305,50 @@ class _Gangs:
         return self
 
 
+class _Keys:
+    """Each job's place in the least-attained order (attained.py) at `at`, worked out once per
+    cycle and job, from the records (so a new leader agrees, up to its shadow)."""
+
+    def __init__(self, view: View, shadow: attained.Shadow, at: datetime) -> None:
+        self.view, self.shadow, self.at = view, shadow, at.timestamp()
+        self._keys: dict[str, tuple[int, int, float, str]] = {}
+
+    def __call__(self, job: Job) -> tuple[int, int, float, str]:
+        key = self._keys.get(job.job_id)
+        if key is None:
+            service = self.view.service(job.job_id, self.at)
+            arrival, resumable = job.submitted_at.timestamp(), job.config.resumable
+            key = self.shadow.key(job.job_id, arrival, self.at, service, resumable)
+            self._keys[job.job_id] = key
+        return key
+
+    def due_at(self, waiting: Iterable[Job]) -> float | None:
+        """When the first waiting job not yet due becomes due (None: none will)."""
+        at, service = self.at, self.view.service
+        times = (
+            self.shadow.due_at(
+                j.job_id, j.submitted_at.timestamp(), at, service(j.job_id, at), j.config.resumable
+            )
+            for j in waiting
+            if self(j)[0]
+        )
+        return min((t for t in times if t is not None), default=None)
+
+
 def _lending(
-    view: View, waiting: list[tuple[Job, int]], running: Callable[[], list[quota.Running]], sharing: bool
+    view: View,
+    waiting: list[tuple[Job, int]],
+    running: Callable[[], list[quota.Running]],
+    sharing: bool,
+    keys: _Keys | None = None,
 ) -> tuple[dict[str, Any], _Gangs]:
     """`Cluster.plan`'s lending arguments, and the gangs a head may call back (by job id, read
     from `running` when a head first asks). A
     waiting job stood ahead of a running gang if it is of the same VC and priority, submitted
     before it and (in sharing order, which puts a VC's users by their share) of the same user:
     the queue's order, read from the records, so a new leader agrees (a lower priority gang is
-    priority preemption's). While
+    priority preemption's). In least-attained order (`keys`) it stood ahead if its key is the
+    smaller. While
     gangs are being stopped for someone, no other gang is called back (what they free may be
     enough), and each head they stop for is planned onto what they hold (named in `Plan.stop`
     again, not stopped twice), so nothing is lent on the resources it is about to take."""
@@ -320,6 +366,8 @@ def _lending(
             return False
         if rank(w.config.priority) != rank(job.config.priority):
             return False  # a lower priority gang is priority preemption's (quota.py)
+        if keys is not None:  # ahead in the order (submitted at the same time: neither is)
+            return keys(w)[:3] < keys(job)[:3]
         # The sharing order puts users of one VC by their share: only a user's own are in order.
         return (not sharing or w.user == job.user) and w.submitted_at < job.submitted_at
 
@@ -333,8 +381,17 @@ def _lending(
     return {"stoppable": stoppable, "stop_first": True}, gangs
 
 
-def _stop_for_head(victim: quota.Running, head: Job) -> Preempt:
-    why = f"stopped to let job {head.job_id}, which waited longer, start"
+def _stop_for_head(victim: quota.Running, head: Job, keys: _Keys | None) -> Preempt:
+    gang = keys.view.jobs.get(victim.job_id) if keys is not None else None
+    if keys is None or gang is None or head.submitted_at < gang.submitted_at:
+        why = f"stopped to let job {head.job_id}, which waited longer, start"
+    elif keys(head)[0] == 0:  # it is due (attained.py), and the gang started before its turn
+        why = (
+            f"stopped to let job {head.job_id}, which has waited as long as it would have in "
+            "submission order, start (this gang had started before its turn)"
+        )
+    else:
+        why = f"stopped to let job {head.job_id}, which has used fewer GPU-hours, start"
     return Preempt(victim, head, "head", why)
 
 

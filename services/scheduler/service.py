@@ -38,8 +38,8 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge, Histogram
 
+from muster.services.scheduler import attained, quota
 from muster.services.scheduler import metrics as cluster_metrics
-from muster.services.scheduler import quota
 from muster.services.scheduler.cycle import Decision, Place, Preempt, Wait, decide
 from muster.services.scheduler.view import Job, View
 from muster.shared import bus, liveness, settings, subjects
@@ -73,6 +73,11 @@ CYCLE_SECONDS = Histogram(
     "muster_scheduler_plan_seconds",
     "Time to plan the waiting queue, once per cycle",
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+SHADOW_SECONDS = Histogram(
+    "muster_scheduler_shadow_seconds",
+    "Time to replay the queue's FIFO shadow (attained.py), in a thread",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
 RENEW_EVERY = 1.0  # seconds between lease renewals, whatever a cycle is doing
 QUEUE_EVERY = 10.0  # seconds between publications of an unchanged queue order, while leading
@@ -117,6 +122,11 @@ class Scheduler:
         self._queue_sent: tuple[list[str], int] | None = None
         self._queue_sent_at = -QUEUE_EVERY
         self._queue: tuple[list[str], int] | None = None
+        # The queue's FIFO shadow (attained.py; None: submission order), made off the loop.
+        self.shadow: attained.Shadow | None = attained.Shadow() if attained.ON else None
+        self._shadowing: asyncio.Task[None] | None = None
+        self._shadow_at = -attained.SHADOW_EVERY  # loop time of the last shadow started
+        self._due_at: float | None = None  # when the next waiting job becomes due (epoch seconds)
         cluster_metrics.COLLECTOR.schedulers.add(self)
 
     @classmethod
@@ -202,12 +212,18 @@ class Scheduler:
             await asyncio.wait_for(synced, 30)
             self.leading = True
             self._queue_sent = self._queue = None  # a new leader tells the gateways at once
+            if self.shadow is not None:
+                self.shadow, self._shadow_at = attained.Shadow(), -attained.SHADOW_EVERY  # its own
             await self._finish_interrupted_commits()
             self.wake.set()  # the first cycle of a new leader plans whatever waits
             while not stop.is_set() and not lost.is_set():
                 await self.publish_queue()
                 if self.view.expire(now()) or self.view.elastic:  # elastic roles: look every second
                     self.wake.set()
+                if self._due_at is not None and now().timestamp() >= self._due_at:
+                    self._due_at = None
+                    self.wake.set()  # a waiting job is due: it may call back what overtook it
+                self._shadow_when_due()
                 if self.wake.is_set():
                     self.wake.clear()
                     try:
@@ -222,6 +238,33 @@ class Scheduler:
         finally:
             self.leading = False
             renewing.cancel()
+            if self._shadowing is not None:
+                self._shadowing.cancel()
+
+    def _shadow_when_due(self) -> None:
+        """Make the queue's FIFO shadow again, every SHADOW_EVERY while jobs wait, in a thread
+        (its cost is O(SHADOW_JOBS) placements): the view's nodes and jobs are copied here, and
+        the cycle after it lands reads the new bounds."""
+        loop = asyncio.get_running_loop()
+        if self.shadow is None or not self.view.waiting or (self._shadowing and not self._shadowing.done()):
+            return
+        if loop.time() - self._shadow_at < attained.SHADOW_EVERY:
+            return
+        self._shadow_at = loop.time()
+        nodes = [n.copy(empty=True) for n in self.view.capacity.cluster.nodes.values()]
+        seen = self.view.seen(now().timestamp(), attained.SHADOW_JOBS)
+
+        async def make() -> None:
+            started = loop.time()
+            try:
+                self.shadow = await asyncio.to_thread(attained.Shadow.make, nodes, seen)
+            except Exception:
+                log.error("scheduler.shadow_failed", exc_info=True)
+                return
+            SHADOW_SECONDS.observe(loop.time() - started)
+            self.wake.set()  # bounds moved: the order may have
+
+        self._shadowing = asyncio.create_task(make())
 
     # ------------------------------------------------------------ one cycle
 
@@ -229,7 +272,8 @@ class Scheduler:
         """Decide (cycle.py, pure), then apply the decision."""
         at = now()
         PENDING.set(self.view.waiting)
-        decision = decide(self.view, self.vcs, self.fixed, at)
+        decision = decide(self.view, self.vcs, self.fixed, at, shadow=self.shadow)
+        self._due_at = decision.due_at
         if decision.queued:
             CYCLE_SECONDS.observe((now() - at).total_seconds())
         await self.apply(decision, lost)

@@ -23,7 +23,7 @@ from typing import Any
 import structlog
 from pydantic import AwareDatetime, BaseModel, ConfigDict
 
-from muster.services.scheduler import placement, quota
+from muster.services.scheduler import attained, placement, quota
 from muster.services.scheduler.avoid import AVOID_WINDOW
 from muster.shared.jobconfig import WHOLE_GPU, JobConfig, rank
 from muster.shared.lifecycle import attempt_to_place
@@ -144,6 +144,8 @@ class View:
         self._held: dict[str, dict[str, Use]] = {}  # attempt key -> task key -> use
         self._on: dict[str, dict[tuple[str, str], Use]] = {}  # node -> (attempt, task) -> use
         self._attempts_of: dict[str, set[str]] = {}  # job id -> its attempt keys
+        # attempt key -> (GPUs its tasks hold, placed, ended or None), in seconds: what it has run
+        self._runs: dict[str, tuple[float, float, float | None]] = {}
         self._known: set[str] = set()  # job ids with a record
         self._waiting: list[tuple[datetime, str]] = []  # (submitted_at, job id), sorted
         self._queued: dict[str, tuple[datetime, str]] = {}  # job id -> its entry in _waiting
@@ -240,8 +242,12 @@ class View:
         job_id = record.job_id if record is not None else job_of(key)
         if record is not None:
             self._attempts_of.setdefault(job_id, set()).add(key)
+            gpus = sum(t.gpu_milli / WHOLE_GPU if t.gpu_milli else len(t.gpus) for t in record.tasks)
+            ended = record.ended_at.timestamp() if record.ended_at is not None else None
+            self._runs[key] = (gpus, record.placed_at.timestamp(), ended)
         else:
             self._attempts_of.get(job_id, set()).discard(key)
+            self._runs.pop(key, None)
         if record is not None and record.elastic and not record.ended:
             self.elastic.add(key)
         else:
@@ -373,6 +379,41 @@ class View:
     @property
     def waiting(self) -> int:
         return len(self._waiting)
+
+    # -------------------------------------------------------- least attained service (attained.py)
+
+    def service(self, job_id: str, at: float) -> attained.Service:
+        """What the job's attempts have run until `at` (seconds since the epoch), from their
+        records: a new leader reads the same."""
+        gpu_s = ran = longest = current = 0.0
+        for key in self._attempts_of.get(job_id, ()):
+            run = self._runs.get(key)
+            if run is None:
+                continue
+            gpus, placed, ended = run
+            wall = max(0.0, (at if ended is None else ended) - placed)
+            gpu_s += gpus * wall
+            ran += wall
+            longest = max(longest, wall)
+            if ended is None:
+                current = wall
+        return attained.Service(gpu_s, ran, longest, current)
+
+    def seen(self, at: float, most: int) -> list[attained.Seen]:
+        """The newest `most` jobs with a record, as the FIFO shadow replays them: those not ended,
+        and ended ones that ran (one cancelled while it waited would have left FIFO's queue then,
+        not blocked it until it fitted)."""
+        jobs = (j for j in self.jobs.values() if not j.state.final or self._attempts_of.get(j.job_id))
+        newest = heapq.nlargest(most, jobs, key=lambda j: (j.submitted_at, j.job_id))
+        return [
+            attained.Seen(
+                j.job_id,
+                j.submitted_at.timestamp(),
+                self.service(j.job_id, at).run_s(j.config.resumable),
+                j.config.smallest(),
+            )
+            for j in newest
+        ]
 
     # -------------------------------------------------------- sharing (services/scheduler/quota.py)
 
