@@ -700,10 +700,11 @@ class MusterFifoBounded(MusterLeastAttained):
     made it wait. On an overloaded cluster FIFO's waits are long, so the least-attained order
     rules; where FIFO would start a job soon, the job is protected as under `muster`. The
     shadow is replayed every `SHADOW_EVERY` decisions, or every 1/`SHADOW_SHARE` of the jobs seen
-    when that is more (each replay costs O(horizon)). This is the scheduler's default order
-    (services/scheduler/attained.py), which replays its shadow every `MUSTER_SHADOW_EVERY`
-    seconds instead. The replay's `--lose-progress` is the scheduler's default; a replay without
-    it is the scheduler with every job `"resumable": true` (it resumes from its checkpoints)."""
+    when that is more (each replay costs O(horizon)), and no more often than the scheduler
+    replays it (`MUSTER_SHADOW_EVERY`, 30 s of the replay's clock). This is the scheduler's
+    default order (services/scheduler/attained.py). The replay's `--lose-progress` is the
+    scheduler's default; a replay without it is the scheduler with every job `"resumable":
+    true` (it resumes from its checkpoints)."""
 
     def __init__(self, every: int = SHADOW_EVERY, horizon: int = attained.SHADOW_JOBS) -> None:
         super().__init__()
@@ -717,7 +718,9 @@ class MusterFifoBounded(MusterLeastAttained):
         self.nodes: list[NodeState] = []
         self.decisions = 0
         self.next_shadow = every  # the decision that replays the shadow next
+        self.shadow_at = -math.inf  # the clock at the last replay (the scheduler's: one per 30 s)
         self.queued: list[str] = []
+        self._kept_keys: dict[str, tuple[tuple[int, ...], float]] = {}  # running job -> key, until
 
     def _now(self, job_id: str) -> float:
         """Seconds the job has run since its current start (0 when it is not running)."""
@@ -745,12 +748,42 @@ class MusterFifoBounded(MusterLeastAttained):
             return 0, 0, self.arrived[job_id]
         return (1, *super()._key(job_id))
 
+    def _running_key(self, job_id: str) -> tuple[tuple[int, ...], float]:
+        """A running job's key, and until when it holds: a due one stays due while it runs (its
+        wait only grows, or with progress kept stands still) until the shadow changes; one not
+        due holds until it becomes due or crosses into its next level."""
+        key = self._key(job_id)
+        if key[0] == 0:
+            return key, math.inf
+        until = math.inf
+        if self.lose_progress:  # all its time counts as waited: due once it reaches the bound
+            until = self.arrival[job_id] + self.shadow.bound(job_id, self.arrival[job_id])
+        start, gpus = self.since[job_id]
+        mine = key[1]
+        if gpus and mine < len(LEVELS):
+            until = min(until, start + (LEVELS[mine] - self.attained.get(job_id, 0.0)) / gpus)
+        return key, until
+
+    def _stoppable(self, waiting: str) -> list[Loan]:
+        """As `muster-las`'s, with each running job's key kept until it may change (a replay
+        with thousands running asks for them at every head)."""
+        mine, kept, clock = self._key(waiting), self._kept_keys, self.clock
+        out = []
+        for job_id, loan in self.running.items():
+            entry = kept.get(job_id)
+            if entry is None or clock >= entry[1]:
+                entry = kept[job_id] = self._running_key(job_id)
+            if entry[0] > mine:
+                out.append(loan)
+        return out
+
     def _shadow(self) -> None:
         """Strict FIFO replayed over the newest `horizon` jobs seen, each with what is known of
         its run time (the scheduler's shadow, `attained.Shadow`)."""
         newest = list(self.arrival)[-self.horizon :]  # in arrival order
         seen = [attained.Seen(j, self.arrival[j], self._ran(j), self.config[j]) for j in newest]
         self.shadow = attained.Shadow.make(self.nodes, seen)
+        self._kept_keys.clear()
 
     def _decide(self, nodes: Mapping[str, NodeState], queue: Sequence[PendingJob]) -> Placements:
         if not self.nodes:
@@ -761,8 +794,9 @@ class MusterFifoBounded(MusterLeastAttained):
                 self.config[job.job_id] = job.config
         self.decisions += 1
         self.queued = [job.job_id for job in queue]
-        if self.decisions >= self.next_shadow:
+        if self.decisions >= self.next_shadow and self.clock >= self.shadow_at + attained.SHADOW_EVERY:
             self._shadow()
+            self.shadow_at = self.clock
             self.next_shadow = self.decisions + max(self.every, len(self.arrival) // SHADOW_SHARE)
         return super()._decide(nodes, queue)
 
@@ -776,10 +810,15 @@ class MusterFifoBounded(MusterLeastAttained):
                     soonest = min(soonest, self.clock + left)
         return None if soonest == math.inf else soonest
 
+    def started(self, job: PendingJob, tasks: Sequence[TaskSpec]) -> None:
+        super().started(job, tasks)
+        self._kept_keys.pop(job.job_id, None)
+
     def ended(self, job: PendingJob, tasks: Sequence[TaskSpec]) -> None:
         run = self._now(job.job_id)
         self.ran[job.job_id] = self.ran.get(job.job_id, 0.0) + run
         self.longest[job.job_id] = max(self.longest.get(job.job_id, 0.0), run)
+        self._kept_keys.pop(job.job_id, None)
         super().ended(job, tasks)
 
 
