@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any, Generic, TypeVar
 
@@ -60,6 +62,12 @@ class Store(Generic[M]):
         # can come before the write's own reply.
         self._wrote: dict[str, tuple[bytes, M]] = {}
         self._mirrored = False
+        # The mirror's position (the stream sequence it last applied), and who waits for it to
+        # reach one (`caught_up`): (sequence, tie, future), a heap.
+        self.applied = 0
+        self._behind: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._tie = itertools.count()
+        self._unreached = 0  # a sequence it waited for in vain (see `caught_up`)
 
     def _saw(self, key: str, revision: int, data: bytes | None, record: M | None = None) -> None:
         if self._latest is None:
@@ -190,6 +198,32 @@ class Store(Generic[M]):
             if record is not None:
                 yield key, record
 
+    def _reached(self, revision: int) -> None:
+        self.applied = max(self.applied, revision)
+        while self._behind and self._behind[0][0] <= self.applied:
+            _, _, waiter = heapq.heappop(self._behind)
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def caught_up(self, timeout: float) -> bool:
+        """Wait until the mirror holds every write made to the bucket before this call (read
+        your writes: a job listed right after its submit was accepted), at most `timeout`
+        seconds; whether it does. One request for the stream's last sequence, then nothing if
+        the mirror is there already. A last message that never comes (an expired one) is waited
+        for once, not by every later call."""
+        info = await self.kv._js.stream_info(self.kv._stream)
+        last = info.state.last_seq
+        if not info.state.messages or self.applied >= last or last <= self._unreached:
+            return True
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._behind, (last, next(self._tie), waiter))
+        try:
+            await asyncio.wait_for(waiter, timeout)
+            return True
+        except TimeoutError:
+            self._unreached = max(self._unreached, last)
+            return False
+
     async def mirror(
         self,
         into: MutableMapping[str, Any],
@@ -221,6 +255,10 @@ class Store(Generic[M]):
         async def delivered(msg: Msg) -> None:
             try:
                 revision, pending = _position(msg.reply)
+            except ValueError:
+                log.error("store.watch_update_failed", bucket=self.bucket, subject=msg.subject, exc_info=True)
+                return
+            try:
                 key = msg.subject[prefix:]
                 operation = _operation(msg.headers)
                 if operation is None:
@@ -251,6 +289,8 @@ class Store(Generic[M]):
                     synced.set()
             except Exception:  # never lost in nats-py's error callback: said, and the next goes on
                 log.error("store.watch_update_failed", bucket=self.bucket, subject=msg.subject, exc_info=True)
+            finally:
+                self._reached(revision)  # applied, or skipped for good: either way, passed
 
         while True:
             sub = None

@@ -300,3 +300,18 @@ async def test_an_answer_above_the_payload_limit_is_refused_logged_and_counted(n
         assert await said()
     finally:
         await nc.close()
+
+
+async def test_a_job_is_listed_as_soon_as_its_record_is_written(nats_url, procs):
+    """Read your writes: a user who submits and lists at once sees the job, although the
+    gateway's mirror hears of the record a moment after it is stored (CI saw the portal list
+    nothing right after an accepted submit)."""
+    nc, _ = await _records(nats_url, procs, [record(0)])
+    try:
+        kv = (await bus.ensure_jetstream(nc))[1][subjects.JOBS_BUCKET]
+        for i in range(1, 31):
+            await kv.put(record(i).job_id, record(i).to_bytes())
+            page = await client.ask(nc, "jobs", {"limit": 1}, timeout=5)
+            assert [j["job_name"] for j in page["jobs"]] == [f"job-{i}"]
+    finally:
+        await nc.close()

@@ -371,3 +371,46 @@ async def test_a_mirror_refreshes_what_it_holds_and_decodes_whole_what_it_does_n
             assert (await store.update("k1", lambda r: r.model_copy(update={"attempt": 100}))).attempt == 100
     finally:
         await nc.close()
+
+
+async def test_a_mirror_caught_up_holds_every_write_made_before_and_waits_only_so_long(nats_url):
+    """Read your writes: records written (and acknowledged) on another connection are in the
+    view once `caught_up` returns, whatever the watch's lag: live, and for a mirror that has
+    just started and holds nothing yet. With no mirror running it gives up after its timeout,
+    and does not wait again for the same last write."""
+    nc = await bus.connect("test", nats_url)
+    writer = await bus.connect("writer", nats_url)
+    try:
+        _, buckets = await bus.ensure_jetstream(nc)
+        _, theirs = await bus.ensure_jetstream(writer)
+        store = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
+        other = Store(theirs[subjects.ATTEMPTS_BUCKET], AttemptRecord)
+        view: dict[str, Any] = {}
+        async with mirroring(store, view):
+            for round_ in range(20):
+                keys = [f"j{round_}-{n}.1" for n in range(10)]
+                await asyncio.gather(*(other.create(k, record(1)) for k in keys))
+                assert await store.caught_up(5)
+                assert all(k in view for k in keys), [k for k in keys if k not in view]
+        # Written while no mirror runs, then a mirror started: it holds none of them yet.
+        await asyncio.gather(*(other.create(f"k{n}.1", record(1)) for n in range(50)))
+        fresh = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
+        seen: dict[str, Any] = {}
+        mirror = asyncio.create_task(fresh.mirror(seen, asyncio.Event()))
+        try:
+            assert not seen
+            assert await fresh.caught_up(5)
+            assert len(seen) == 20 * 10 + 50
+        finally:
+            mirror.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await mirror
+        await other.create("late.1", record(1))  # no mirror runs: it never hears of it
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        assert not await fresh.caught_up(0.3)
+        assert loop.time() - began >= 0.3
+        assert await fresh.caught_up(0.3)  # the same last write: not waited for twice
+    finally:
+        await writer.close()
+        await nc.close()

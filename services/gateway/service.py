@@ -108,6 +108,7 @@ QUEUE_STALE = 60.0  # seconds after which the last queue order heard is not beli
 # Seconds between two samples of the GPU allocation (the cluster page's chart).
 ALLOCATION_SAMPLE = settings.seconds("MUSTER_ALLOCATION_SAMPLE", 60.0, low=1.0)
 SYNC_WAIT = 10.0  # seconds a question waits for the gateway's first read of the job list
+READ_WAIT = 2.0  # seconds a listing waits for the gateway's mirror to hold every earlier write
 DIRECT_WAIT = 5.0  # seconds for a page of a stream
 LATEST_TASKS = 64  # `job` answers the latest metrics of at most this many tasks
 KEY_RE = re.compile(r"^[-/_=.a-zA-Z0-9]{1,128}$")
@@ -289,6 +290,12 @@ class Gateway:
             read = len(self.listing)
             why = f"the gateway is still reading the job list ({read} jobs so far); ask again"
             raise Refused(why, 1) from None
+        # Read your writes: a job whose submit was accepted is in the bucket, but the mirror may
+        # hear of it a moment later (more so with clustered servers). Listed at once, it would
+        # be missing; so the listing waits, briefly, for the mirror to hold every earlier write.
+        with contextlib.suppress(Exception):  # the bus is away: list what the mirror holds
+            if not await self.jobs.caught_up(READ_WAIT):
+                log.warning("gateway.listing_behind", applied=self.jobs.applied)
         return self.listing
 
     # ------------------------------------------------------------ questions
