@@ -300,3 +300,57 @@ async def test_the_leader_makes_its_shadow_from_the_records_and_calls_back_a_gan
         with contextlib.suppress(Exception):
             await asyncio.wait_for(task, 15)
         await nc.close()
+
+
+@pytest.mark.parametrize("where", ["copying the view", "in its thread"])
+async def test_a_shadow_that_fails_is_logged_and_the_leader_places_on(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """The shadow is made beside the leader's loop: an error there (a record it cannot read) is
+    logged and the old bounds stay; the leader goes on placing."""
+    import asyncio
+    import contextlib
+    import time
+
+    from muster.services.scheduler import attained, view
+    from muster.services.scheduler.service import Scheduler
+    from muster.shared import bus, subjects
+    from muster.shared.messages import JobRecord, NodeInfo, now
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a record the shadow cannot read")
+
+    if where == "in its thread":
+        monkeypatch.setattr(attained.Shadow, "make", broken)
+    else:
+        monkeypatch.setattr(view.View, "seen", broken)
+    nc = await bus.connect("test", nats_url)
+    js, buckets = await bus.setup(nc)
+    node = NodeInfo(
+        node="a", address="10.0.0.1", cpus=16, memory_mb=65536, runtime="sim", agent_id="a",
+        gpus=[GpuDevice(index=i, model="V100") for i in range(4)],
+    )  # fmt: skip
+    await buckets[subjects.NODES_BUCKET].put("a", node.to_bytes())
+    j = J("j", gpus=4)
+    record = JobRecord(
+        job_id="j", job_name="j", submission_id="j", user="u", config=j.config(), submitted_at=now()
+    )
+    await buckets[subjects.JOBS_BUCKET].put("j", record.to_bytes())
+    scheduler = Scheduler(nc, js, buckets)
+    stop = asyncio.Event()
+    task = asyncio.create_task(scheduler.run(stop))
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(Exception):
+                if await buckets[subjects.ATTEMPTS_BUCKET].get("j.1"):
+                    break
+            assert time.monotonic() < deadline, "j was not placed"
+            await asyncio.sleep(0.1)
+        assert not task.done() and scheduler.leading
+        assert scheduler.shadow == Shadow()  # the bounds it had: none yet
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 15)
+        await nc.close()

@@ -251,8 +251,12 @@ class Scheduler:
         if loop.time() - self._shadow_at < attained.SHADOW_EVERY:
             return
         self._shadow_at = loop.time()
-        nodes = [n.copy(empty=True) for n in self.view.capacity.cluster.nodes.values()]
-        seen = self.view.seen(now().timestamp(), attained.SHADOW_JOBS)
+        try:
+            nodes = [n.copy(empty=True) for n in self.view.capacity.cluster.nodes.values()]
+            seen = self.view.seen(now().timestamp(), attained.SHADOW_JOBS)
+        except Exception:  # the old bounds stay (lower ones only protect more): said, never fatal
+            log.error("scheduler.shadow_failed", exc_info=True)
+            return
 
         async def make() -> None:
             started = loop.time()
