@@ -733,15 +733,16 @@ class MusterFifoBounded(MusterLeastAttained):
             return max(self.longest.get(job_id, 0.0), self._now(job_id))
         return self.ran.get(job_id, 0.0) + self._now(job_id)
 
-    def waited(self, job_id: str) -> float:
-        """Time the job has waited so far, or would have if stopped now: all its time not
-        running; with progress lost at a stop, all its time (its runs so far, the current one
-        included, would count as waiting)."""
-        ran = 0.0 if self.lose_progress else self._ran(job_id)
-        return self.clock - self.arrival[job_id] - ran
+    def _due_at(self, job_id: str) -> float | None:
+        """When the job becomes due, or would if stopped now (None: it is), by the scheduler's
+        rule (`attained.Shadow.rank`): with progress lost at a stop, all its time counts as
+        waited; with it kept, its time not running."""
+        service = attained.Service(ran=self._ran(job_id))
+        arrival = self.arrival[job_id]
+        return self.shadow.due_at(job_id, arrival, self.clock, service, not self.lose_progress)
 
     def due(self, job_id: str) -> bool:
-        return self.waited(job_id) + EPSILON_S >= self.shadow.bound(job_id, self.arrival[job_id])
+        return self._due_at(job_id) is None
 
     def _key(self, job_id: str) -> tuple[int, int, int]:  # type: ignore[override]
         if self.due(job_id):
@@ -757,7 +758,8 @@ class MusterFifoBounded(MusterLeastAttained):
             return key, math.inf
         until = math.inf
         if self.lose_progress:  # all its time counts as waited: due once it reaches the bound
-            until = self.arrival[job_id] + self.shadow.bound(job_id, self.arrival[job_id])
+            due = self._due_at(job_id)
+            until = math.inf if due is None else due
         start, gpus = self.since[job_id]
         mine = key[1]
         if gpus and mine < len(LEVELS):
@@ -802,13 +804,8 @@ class MusterFifoBounded(MusterLeastAttained):
 
     def wakeup(self) -> float | None:
         """When the next waiting job becomes due (it may then stop a job that overtook it)."""
-        soonest = math.inf
-        for job_id in self.queued:
-            if job_id not in self.since:
-                left = self.shadow.bound(job_id, self.arrival[job_id]) - self.waited(job_id)
-                if left > EPSILON_S:
-                    soonest = min(soonest, self.clock + left)
-        return None if soonest == math.inf else soonest
+        times = (self._due_at(job_id) for job_id in self.queued if job_id not in self.since)
+        return min((t for t in times if t is not None), default=None)
 
     def started(self, job: PendingJob, tasks: Sequence[TaskSpec]) -> None:
         super().started(job, tasks)

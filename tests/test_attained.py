@@ -6,8 +6,13 @@ called back for a newcomer, a gang that started on time never."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
+import time
+from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -18,7 +23,20 @@ from muster.services.scheduler import quota
 from muster.services.scheduler.attained import Seen, Service, Shadow, fifo_starts, level
 from muster.services.scheduler.cycle import decide
 from muster.services.scheduler.placement import NodeState
-from muster.shared.messages import AttemptRecord, GpuDevice, JobState, TaskState, TaskStatus
+from muster.services.scheduler.service import Scheduler
+from muster.services.scheduler.view import View
+from muster.shared import bus, subjects
+from muster.shared.messages import (
+    AttemptRecord,
+    GpuDevice,
+    JobRecord,
+    JobState,
+    NodeInfo,
+    TaskSpec,
+    TaskState,
+    TaskStatus,
+    now,
+)
 from tests.test_cycle import NOW, ROWS, J, R, Row, matches, view_of
 
 
@@ -228,6 +246,48 @@ def test_with_virtual_clusters_the_sharing_order_rules() -> None:
 # ------------------------------------------------------------------ the service, on a real bus
 
 
+@contextlib.asynccontextmanager
+async def leader(
+    nats_url: str, puts: list[tuple[str, str, Any]]
+) -> AsyncIterator[tuple[Any, Any, Scheduler]]:
+    """A scheduler leading on the bus, over node a (4 V100) and the records `puts` (bucket, key,
+    record) written first; yields (connection, buckets, scheduler)."""
+    nc = await bus.connect("test", nats_url)
+    js, buckets = await bus.setup(nc)
+    node = NodeInfo(
+        node="a", address="10.0.0.1", cpus=16, memory_mb=65536, runtime="sim", agent_id="a",
+        gpus=[GpuDevice(index=i, model="V100") for i in range(4)],
+    )  # fmt: skip
+    for bucket, key, value in [(subjects.NODES_BUCKET, "a", node), *puts]:
+        await buckets[bucket].put(key, value.to_bytes())
+    scheduler = Scheduler(nc, js, buckets)
+    stop = asyncio.Event()
+    task = asyncio.create_task(scheduler.run(stop))
+    try:
+        yield nc, buckets, scheduler
+        assert not task.done() and scheduler.leading
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 15)
+        await nc.close()
+
+
+async def until(
+    nc: Any, buckets: Any, key: str, done: Callable[[AttemptRecord], bool], why: Callable[[], str]
+) -> AttemptRecord:
+    """Attempt record `key` once `done` holds of it (node a beats meanwhile), within 30 s."""
+    deadline = time.monotonic() + 30
+    while True:
+        with contextlib.suppress(Exception):
+            got = AttemptRecord.from_bytes((await buckets[subjects.ATTEMPTS_BUCKET].get(key)).value)
+            if done(got):
+                return got
+        assert time.monotonic() < deadline, why()
+        await nc.publish(subjects.beat("a"), b"")  # node a's agent beats
+        await asyncio.sleep(0.1)
+
+
 async def test_the_leader_makes_its_shadow_from_the_records_and_calls_back_a_gang_that_overtook_fifo(
     nats_url: str,
 ) -> None:
@@ -236,16 +296,6 @@ async def test_the_leader_makes_its_shadow_from_the_records_and_calls_back_a_gan
     are now, FIFO would run them one after the other and start `long` two hours from now, so
     `long` overtook FIFO and is not due. `new` (level 0) arrives and does not fit: the leader,
     once its shadow is made (in a thread, from the records it mirrors), calls `long` back."""
-    import asyncio
-    import contextlib
-    import time
-
-    from muster.services.scheduler.service import Scheduler
-    from muster.shared import bus, subjects
-    from muster.shared.messages import JobRecord, NodeInfo, TaskSpec, now
-
-    nc = await bus.connect("test", nats_url)
-    js, buckets = await bus.setup(nc)
     t = now()
 
     def record(j: J, state: JobState, submitted: timedelta, attempt: int = 0) -> JobRecord:
@@ -257,19 +307,12 @@ async def test_the_leader_makes_its_shadow_from_the_records_and_calls_back_a_gan
     def ran(job_id: str, node: str, placed: timedelta, hours: float | None = None) -> AttemptRecord:
         tasks = [TaskStatus.placed(TaskSpec(role="w", role_no=0, index=0, node=node, gpus=[0, 1, 2, 3]))]
         ended = None if hours is None else t - placed + timedelta(hours=hours)
-        if ended is not None:
-            tasks = [x.model_copy(update={"state": TaskState.SUCCEEDED}) for x in tasks]
-        else:
-            tasks = [x.model_copy(update={"state": TaskState.RUNNING}) for x in tasks]
+        state = TaskState.RUNNING if ended is None else TaskState.SUCCEEDED
+        tasks = [x.model_copy(update={"state": state}) for x in tasks]
         return AttemptRecord(job_id=job_id, attempt=1, tasks=tasks, placed_at=t - placed, ended_at=ended)
 
-    node = NodeInfo(
-        node="a", address="10.0.0.1", cpus=16, memory_mb=65536, runtime="sim", agent_id="a",
-        gpus=[GpuDevice(index=i, model="V100") for i in range(4)],
-    )  # fmt: skip
     four = timedelta(hours=4)
     puts = [
-        (subjects.NODES_BUCKET, "a", node),
         (subjects.JOBS_BUCKET, "e1", record(J("e1", gpus=4), JobState.SUCCEEDED, four, 1)),
         (subjects.ATTEMPTS_BUCKET, "e1.1", ran("e1", "a", four, hours=3)),
         (subjects.JOBS_BUCKET, "e2", record(J("e2", gpus=4), JobState.SUCCEEDED, four, 1)),
@@ -278,28 +321,17 @@ async def test_the_leader_makes_its_shadow_from_the_records_and_calls_back_a_gan
         (subjects.ATTEMPTS_BUCKET, "long.1", ran("long", "a", timedelta(hours=1))),
         (subjects.JOBS_BUCKET, "new", record(J("new", gpus=4), JobState.WAITING, timedelta(seconds=1))),
     ]
-    for bucket, key, value in puts:
-        await buckets[bucket].put(key, value.to_bytes())
-    scheduler = Scheduler(nc, js, buckets)
-    stop = asyncio.Event()
-    task = asyncio.create_task(scheduler.run(stop))
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            got = AttemptRecord.from_bytes((await buckets[subjects.ATTEMPTS_BUCKET].get("long.1")).value)
-            if got.preempted_by is not None:
-                break
-            assert time.monotonic() < deadline, f"long was not called back: {scheduler.shadow}"
-            await nc.publish(subjects.beat("a"), b"")  # node a's agent beats
-            await asyncio.sleep(0.1)
+    async with leader(nats_url, puts) as (nc, buckets, scheduler):
+        got = await until(
+            nc,
+            buckets,
+            "long.1",
+            lambda a: a.preempted_by is not None,
+            lambda: f"long was not called back: {scheduler.shadow}",
+        )
         assert got.preempted_by == "new" and got.rule is not None and "fewer GPU-hours" in got.rule
         assert scheduler.shadow is not None
         assert scheduler.shadow.bounds["long"] == pytest.approx(5 * 3600, abs=60)
-    finally:
-        stop.set()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 15)
-        await nc.close()
 
 
 @pytest.mark.parametrize("where", ["copying the view", "in its thread"])
@@ -308,49 +340,18 @@ async def test_a_shadow_that_fails_is_logged_and_the_leader_places_on(
 ) -> None:
     """The shadow is made beside the leader's loop: an error there (a record it cannot read) is
     logged and the old bounds stay; the leader goes on placing."""
-    import asyncio
-    import contextlib
-    import time
-
-    from muster.services.scheduler import attained, view
-    from muster.services.scheduler.service import Scheduler
-    from muster.shared import bus, subjects
-    from muster.shared.messages import JobRecord, NodeInfo, now
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("a record the shadow cannot read")
 
     if where == "in its thread":
-        monkeypatch.setattr(attained.Shadow, "make", broken)
+        monkeypatch.setattr(Shadow, "make", broken)
     else:
-        monkeypatch.setattr(view.View, "seen", broken)
-    nc = await bus.connect("test", nats_url)
-    js, buckets = await bus.setup(nc)
-    node = NodeInfo(
-        node="a", address="10.0.0.1", cpus=16, memory_mb=65536, runtime="sim", agent_id="a",
-        gpus=[GpuDevice(index=i, model="V100") for i in range(4)],
-    )  # fmt: skip
-    await buckets[subjects.NODES_BUCKET].put("a", node.to_bytes())
+        monkeypatch.setattr(View, "seen", broken)
     j = J("j", gpus=4)
     record = JobRecord(
         job_id="j", job_name="j", submission_id="j", user="u", config=j.config(), submitted_at=now()
     )
-    await buckets[subjects.JOBS_BUCKET].put("j", record.to_bytes())
-    scheduler = Scheduler(nc, js, buckets)
-    stop = asyncio.Event()
-    task = asyncio.create_task(scheduler.run(stop))
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(Exception):
-                if await buckets[subjects.ATTEMPTS_BUCKET].get("j.1"):
-                    break
-            assert time.monotonic() < deadline, "j was not placed"
-            await asyncio.sleep(0.1)
-        assert not task.done() and scheduler.leading
+    async with leader(nats_url, [(subjects.JOBS_BUCKET, "j", record)]) as (nc, buckets, scheduler):
+        await until(nc, buckets, "j.1", lambda a: True, lambda: "j was not placed")
         assert scheduler.shadow == Shadow()  # the bounds it had: none yet
-    finally:
-        stop.set()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 15)
-        await nc.close()

@@ -151,19 +151,22 @@ class Shadow:
             return 0.0  # left out of the shadow: no bound is known
         return max(0.0, self.latest_start - arrival)
 
+    def rank(
+        self, job_id: str, arrival: float, at: float, service: Service, resumable: bool = False
+    ) -> tuple[tuple[int, int, float, str], float | None]:
+        """The job's place in the queue (smaller first: due jobs by submission, then the others
+        by level and submission), and when it becomes due (None: it is)."""
+        left = self.bound(job_id, arrival) - service.waited(at - arrival, resumable)
+        if left <= EPSILON_S:  # waited + EPSILON_S >= bound
+            return (0, 0, arrival, job_id), None
+        return (1, level(service.attained), arrival, job_id), at + left
+
     def key(
         self, job_id: str, arrival: float, at: float, service: Service, resumable: bool = False
     ) -> tuple[int, int, float, str]:
-        """The job's place in the queue (smaller first): due jobs by submission, then the others
-        by level and submission."""
-        waited = service.waited(at - arrival, resumable)
-        if waited + EPSILON_S >= self.bound(job_id, arrival):
-            return 0, 0, arrival, job_id
-        return 1, level(service.attained), arrival, job_id
+        return self.rank(job_id, arrival, at, service, resumable)[0]
 
     def due_at(
         self, job_id: str, arrival: float, at: float, service: Service, resumable: bool = False
     ) -> float | None:
-        """When a waiting job becomes due (None: it is)."""
-        left = self.bound(job_id, arrival) - service.waited(at - arrival, resumable)
-        return at + left if left > EPSILON_S else None
+        return self.rank(job_id, arrival, at, service, resumable)[1]

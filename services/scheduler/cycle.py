@@ -306,33 +306,29 @@ class _Gangs:
 
 
 class _Keys:
-    """Each job's place in the least-attained order (attained.py) at `at`, worked out once per
-    cycle and job, from the records (so a new leader agrees, up to its shadow)."""
+    """Each job's place in the least-attained order (attained.py) at `at`, and when a job not
+    yet due becomes due, worked out once per cycle and job, from the records (so a new leader
+    agrees, up to its shadow)."""
 
     def __init__(self, view: View, shadow: attained.Shadow, at: datetime) -> None:
         self.view, self.shadow, self.at = view, shadow, at.timestamp()
         self._keys: dict[str, tuple[int, int, float, str]] = {}
+        self._due: dict[str, float] = {}  # job not due -> when it becomes due
 
     def __call__(self, job: Job) -> tuple[int, int, float, str]:
         key = self._keys.get(job.job_id)
         if key is None:
             service = self.view.service(job.job_id, self.at)
             arrival, resumable = job.submitted_at.timestamp(), job.config.resumable
-            key = self.shadow.key(job.job_id, arrival, self.at, service, resumable)
+            key, due = self.shadow.rank(job.job_id, arrival, self.at, service, resumable)
             self._keys[job.job_id] = key
+            if due is not None:
+                self._due[job.job_id] = due
         return key
 
     def due_at(self, waiting: Iterable[Job]) -> float | None:
         """When the first waiting job not yet due becomes due (None: none will)."""
-        at, service = self.at, self.view.service
-        times = (
-            self.shadow.due_at(
-                j.job_id, j.submitted_at.timestamp(), at, service(j.job_id, at), j.config.resumable
-            )
-            for j in waiting
-            if self(j)[0]
-        )
-        return min((t for t in times if t is not None), default=None)
+        return min((self._due[j.job_id] for j in waiting if self(j)[0]), default=None)
 
 
 def _lending(
