@@ -133,9 +133,13 @@ async def connect(
     logger = log.bind(component=name, url=shown(url))
 
     client: list[Client] = []
+    refused: list[str] = []
+    gone = asyncio.Event()
 
     async def disconnected() -> None:
-        closing = client and (client[0].is_closed or client[0].is_draining)
+        if not client:
+            return  # a first try that failed: said once, when no try succeeds in time
+        closing = client[0].is_closed or client[0].is_draining
         if not quiet and not closing:
             logger.warning("nats.disconnected")
 
@@ -143,12 +147,11 @@ async def connect(
         if not quiet:
             logger.info("nats.reconnected")
 
-    refused: list[str] = []
-    gone = asyncio.Event()
-
     async def closed_for_good() -> None:
+        if not client:
+            return  # a first try that failed (see below): nothing was handed out
         gone.set()
-        if client and not client[0].closed_on_purpose:
+        if not client[0].closed_on_purpose:
             why = client[0].last_error
             logger.error("nats.closed", error=(str(why) or type(why).__name__) if why else None)
 
@@ -172,24 +175,39 @@ async def connect(
         reconnected_cb=reconnected,
         closed_cb=closed_for_good,
         error_cb=error,
-        allow_reconnect=True,
+        allow_reconnect=False,  # for the first connection; on once connected (below)
     )
     if credentials is not None:
         options.update(nkeys_seed_str=credentials.seed, inbox_prefix=credentials.inbox)
     tls = tls_context()
     if tls is not None:
         options["tls"] = tls
-
-    # With unlimited reconnects nats-py retries the first connection forever: bound it here.
-    nc = Client()
     try:
-        await asyncio.wait_for(nc.connect(**options), connect_timeout)
-    except TimeoutError:
-        why = f"; refused: {refused[-1]}" if refused else ""
-        raise ConnectionError(f"cannot reach NATS at {shown(url)} within {connect_timeout:g}s{why}") from None
-    except nats.errors.Error as exc:  # a URL nats-py cannot use
+        Client()._setup_server_pool(servers)  # a URL nats-py cannot use fails here, not in a try
+    except nats.errors.Error as exc:
         why = str(exc).removeprefix("nats: ")
         raise ConnectionError(f"cannot use NATS URL {shown(url)!r}: {why}") from None
+
+    # The first connection: tries of one pass each, until `connect_timeout`. nats-py with
+    # reconnects on retries a first connection until it is cancelled, and Python 3.11 can lose
+    # that cancel (one of nats-py's own waits ending as it comes): a client the servers refused
+    # went on retrying for minutes past its bound. A try with reconnects off ends by itself.
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + connect_timeout
+    while True:
+        nc = Client()
+        try:
+            await asyncio.wait_for(nc.connect(**options), max(0.1, deadline - loop.time()))
+            break
+        except (TimeoutError, OSError, nats.errors.Error):
+            with contextlib.suppress(Exception):  # bounded: closing a failed TLS handshake hangs
+                await asyncio.wait_for(nc.close(), 1.0)
+        left = deadline - loop.time()
+        if left <= 0:
+            why = f"; refused: {refused[-1]}" if refused else ""
+            raise ConnectionError(f"cannot reach NATS at {shown(url)} within {connect_timeout:g}s{why}")
+        await asyncio.sleep(min(options["reconnect_time_wait"], left))
+    nc.options["allow_reconnect"] = True  # from now on, nats-py reconnects for ever
     client.append(nc)
     _IDENTITY[nc] = (credentials, refused)
     _CLOSED[nc] = gone

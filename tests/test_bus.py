@@ -234,3 +234,32 @@ def test_a_free_port_is_one_no_outgoing_connection_can_take_before_it_is_bound()
         held.listen()
         assert free_port(ports[0]) != ports[0]  # in use: another
     assert free_port(ports[1]) == ports[1]  # free: as asked
+
+
+async def test_a_refused_client_gives_up_at_its_bound_every_time(tmp_path):
+    """A client the server refuses (no credentials on a server that wants them) gets a
+    `ConnectionError` naming the refusal once `connect_timeout` has passed, every time. It
+    used to go on retrying past it (~5 % of tries: nats-py retried the first connection until
+    cancelled, and the cancel could be lost), and a compose test hung for minutes on one."""
+    from muster.shared import auth
+    from muster.shared.natsserver import NatsServer
+
+    keys = auth.AuthDir(tmp_path / "auth")
+    keys.ensure("root", "admin")
+    loop = asyncio.get_running_loop()
+
+    async def refused(bound: float) -> float:
+        start = loop.time()
+        with pytest.raises(ConnectionError, match=r"(?i)authorization"):
+            await bus.connect("stranger", server.url, connect_timeout=bound, quiet=True)
+        return loop.time() - start
+
+    with NatsServer(tmp_path / "nats", auth_config=keys.server_config) as server:
+        bounds = [0.6 + (i % 7) * 0.1 for i in range(100)]
+        done, hung = await asyncio.wait([asyncio.create_task(refused(b)) for b in bounds], timeout=30)
+        for task in hung:
+            task.cancel()
+        assert not hung, f"{len(hung)} of {len(bounds)} refused clients still trying after 30 s"
+        assert all(t.exception() is None for t in done), [t.exception() for t in done if t.exception()]
+        # A refused client asks again every 0.5 s until its bound (and the server is told so).
+        assert max(t.result() for t in done) < max(bounds) + 5
