@@ -186,3 +186,17 @@ def hosts():
         if shutil.which("iptables"):
             sh("iptables", "-D", "FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT", check=False)
         sh("ip", "link", "del", bridge, check=False)
+
+
+# ------------------------------------------------------------------ running in parallel
+
+# What needs the one Docker engine: run one at a time, in one worker (`pytest -n`, pytest-xdist's
+# `--dist loadgroup`). Agents act on containers by their node labels, and the chaos test removes
+# every task container; the rest (each with its own NATS server, ports and directories) is spread.
+ENGINE_FIXTURES = frozenset({"base_image", "engine", "compose", "muster_image", "mpi_image", "torch_image"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("docker") or ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("docker"))
