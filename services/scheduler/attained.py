@@ -71,13 +71,11 @@ class Seen:
 @dataclass(frozen=True)
 class Service:
     """What a job's attempts have run, until now: GPU-seconds (`attained`), wall seconds in all
-    (`ran`), its longest attempt (`longest`), and its current run so far (`now`, 0 when not
-    running)."""
+    (`ran`) and its longest attempt (`longest`), a running one so far."""
 
     attained: float = 0.0
     ran: float = 0.0
     longest: float = 0.0
-    now: float = 0.0
 
     def run_s(self, resumable: bool) -> float:
         """What is known of its run time."""

@@ -385,7 +385,7 @@ class View:
     def service(self, job_id: str, at: float) -> attained.Service:
         """What the job's attempts have run until `at` (seconds since the epoch), from their
         records: a new leader reads the same."""
-        gpu_s = ran = longest = current = 0.0
+        gpu_s = ran = longest = 0.0
         for key in self._attempts_of.get(job_id, ()):
             run = self._runs.get(key)
             if run is None:
@@ -395,9 +395,7 @@ class View:
             gpu_s += gpus * wall
             ran += wall
             longest = max(longest, wall)
-            if ended is None:
-                current = wall
-        return attained.Service(gpu_s, ran, longest, current)
+        return attained.Service(gpu_s, ran, longest)
 
     def seen(self, at: float, most: int) -> list[attained.Seen]:
         """The newest `most` jobs with a record, as the FIFO shadow replays them: those not ended,
