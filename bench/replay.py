@@ -24,7 +24,9 @@ Per policy it reports (a table, then one JSON line with every figure):
     for every policy), over the whole run, and the peak. *At saturation*: while a GPU job waits;
   * queueing delay (start - arrival; for a job that was stopped, all its time not running: finish -
     arrival - duration) and job completion time (finish - arrival): mean, p50, p99, max, in
-    simulated seconds, over the jobs placed; and how many stops (preemptions) there were;
+    simulated seconds, over the jobs placed; and how many stops (preemptions) there were, with
+    `--lose-progress` what share of the GPU time allocated went into runs they threw away, and
+    the allocation until the last arrival less those runs (`kept`);
   * GPUs stranded by fragmentation at saturation: while a GPU job waits, the free GPUs on nodes
     where no waiting GPU task fits now (too few free GPUs of its model there, or too few CPUs or
     too little memory left beside them), time-weighted mean; beside it, all free GPUs then;
@@ -191,6 +193,8 @@ class Run:
     order: dict[str, float] | None = None  # a sharing policy's order (bench/replay_vcs.py)
     waited: dict[str, float] = field(default_factory=dict)  # job -> its wait (as `delays`)
     stops: int = 0  # running jobs a preemptive policy stopped
+    lost_gpu_s: float = 0.0  # GPU-seconds of runs a stop threw away (`lose_progress`)
+    lost_by_last_arrival: float = 0.0  # the part of them before the last arrival
     stopped_jobs: int = 0  # distinct jobs among them
     last_start: float = 0.0  # the last start, a stopped job's restart included
     last_arrival: float = 0.0
@@ -213,6 +217,10 @@ class Run:
             "left_waiting": len(self.left_waiting),
             "preemptions": self.stops,
             "preempted_jobs": self.stopped_jobs,
+            # Allocated GPU time that was thrown away (runs stopped with progress lost): counted
+            # in the allocation figures below, though none of it finished anything.
+            "lost_gpu_s": round(self.lost_gpu_s, 1),
+            "lost_share": round(self.lost_gpu_s / m.gpu_s, 4) if m.gpu_s else 0.0,
             "queue_delay_s": {k: round(v, 1) for k, v in summary(self.delays).items()},
             "jct_s": {k: round(v, 1) for k, v in summary(self.jcts).items()},
             "active_s": round(active, 1),
@@ -220,6 +228,16 @@ class Run:
             "gpu_alloc_active": round(m.series(active, active)[0], 4) if active else None,
             "gpu_alloc_arrivals": (
                 round(m.series(self.last_arrival, self.last_arrival)[0], 4) if self.last_arrival else None
+            ),
+            # The same less the runs stops threw away: what went into work that finished.
+            "gpu_alloc_arrivals_kept": (
+                round(
+                    m.series(self.last_arrival, self.last_arrival)[0]
+                    - self.lost_by_last_arrival / (m.total_gpus * self.last_arrival),
+                    4,
+                )
+                if self.last_arrival and m.total_gpus
+                else None
             ),
             "gpu_alloc_run": round(m.gpu_s / (m.total_gpus * m.span_s), 4) if m.span_s else None,
             "gpu_alloc_peak": round(m.peak_used / m.total_gpus, 4) if m.total_gpus else 0.0,
@@ -272,6 +290,8 @@ def replay(
     delay_of: dict[str, float] = {}  # in order of first start
     jct_of: dict[str, float] = {}
     stops = 0
+    lost_gpu_s = lost_by_last_arrival = 0.0
+    last_arrival = arrivals[-1][0] if arrivals else 0.0
     last_start = 0.0
     wake = math.inf  # when the policy wants to decide again
     queue: list[str] = []
@@ -332,6 +352,11 @@ def replay(
             decide_s += time.perf_counter() - tick
             stopped_now = bool(policy.stops)
             for name in policy.stops:
+                if lose_progress:
+                    gpus = sum(len(spec.gpus) for spec in placed[name])
+                    lost_gpu_s += (now - ran_from[name]) * gpus
+                    before = min(now, last_arrival) - min(ran_from[name], last_arrival)
+                    lost_by_last_arrival += before * gpus
                 stop(name)
                 stops += 1
                 ran = 0.0 if lose_progress else now - ran_from[name]
@@ -392,9 +417,11 @@ def replay(
         waited=delay_of,
         jcts=list(jct_of.values()),
         stops=stops,
+        lost_gpu_s=lost_gpu_s,
+        lost_by_last_arrival=lost_by_last_arrival,
         stopped_jobs=len(left),
         last_start=last_start,
-        last_arrival=arrivals[-1][0] if arrivals else 0.0,
+        last_arrival=last_arrival,
         never={name: why for name, why in never.items() if name in tasks},
         left_waiting=queue,
         meter=meter,
@@ -462,7 +489,7 @@ def print_table(about: dict[str, Any], runs: list[dict[str, Any]], setup_s: floa
     print(
         f"{'policy':<14} {'wall s':>7} {'decide s':>8} {'replans':>7} {'placed':>6} {'never':>5}"
         f" | {'delay mean':>10} {'p50':>9} {'p99':>10} {'max':>10} | {'JCT mean':>10} {'p50':>10} {'p99':>10}"
-        f" {'max':>10} {'stops':>6}"
+        f" {'max':>10} {'stops':>6} {'lost':>6}"
     )
     for r in runs:
         d, j = r["queue_delay_s"], r["jct_s"]
@@ -470,18 +497,22 @@ def print_table(about: dict[str, Any], runs: list[dict[str, Any]], setup_s: floa
             f"{r['policy']:<14} {r['wall_s']:>7.2f} {r['decide_s']:>8.2f} {r['replans']:>7} {r['placed']:>6}"
             f" {r['never_placed']:>5} | {_s(d['mean']):>10} {_s(d['p50']):>9} {_s(d['p99']):>10}"
             f" {_s(d['max']):>10} | {_s(j['mean']):>10} {_s(j['p50']):>10} {_s(j['p99']):>10}"
-            f" {_s(j['max']):>10} {r['preemptions']:>6}"
+            f" {_s(j['max']):>10} {r['preemptions']:>6} {_share(r['lost_share']):>6}"
         )
-    print("(delays and JCT in simulated seconds; a stopped job's delay is all its time not running)")
+    print(
+        "(delays and JCT in simulated seconds; a stopped job's delay is all its time not running;"
+        " lost: the share of allocated GPU time in runs that stops threw away, with --lose-progress)"
+    )
     print()
     print(
-        f"{'policy':<14} {'alloc active':>12} {'arrivals':>8} {'run':>6} {'peak':>6} {'peak bkt':>8}"
+        f"{'policy':<14} {'alloc active':>12} {'arrivals':>8} {'kept':>6} {'run':>6} {'peak':>6}"
+        f" {'peak bkt':>8}"
         f" | {'saturated s':>11} {'share':>6} {'alloc@sat':>9} {'stranded@sat':>12} {'free@sat':>8}"
     )
     for r in runs:
         print(
             f"{r['policy']:<14} {_share(r['gpu_alloc_active']):>12} {_share(r['gpu_alloc_arrivals']):>8}"
-            f" {_share(r['gpu_alloc_run']):>6}"
+            f" {_share(r['gpu_alloc_arrivals_kept']):>6} {_share(r['gpu_alloc_run']):>6}"
             f" {_share(r['gpu_alloc_peak']):>6} {_share(r['gpu_alloc_peak_bucket']):>8} |"
             f" {_s(r['saturated_s']):>11} {_share(r['saturated_share_active']):>6}"
             f" {_share(r['gpu_alloc_saturated']):>9} {_s2(r['stranded_gpus_saturated']):>12}"
@@ -489,6 +520,7 @@ def print_table(about: dict[str, Any], runs: list[dict[str, Any]], setup_s: floa
         )
     print(
         "(active: from 0 to the last start, after which the run only drains; arrivals: to the last arrival;\n"
+        " kept: the same less runs that stops threw away (--lose-progress);\n"
         f" peak bkt: the busiest {runs[0]['bucket_s']:g} s bucket; saturated: a GPU job is waiting;"
         " stranded: free GPUs on nodes where no waiting GPU task fits, time-weighted mean)"
     )

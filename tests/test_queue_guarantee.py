@@ -203,6 +203,8 @@ def test_least_attained_order_under_a_fifo_shadow_keeps_fifos_bound(
     later = dict.fromkeys(names, 0)
     jct = dict.fromkeys(names, 0.0)
     stops = dict.fromkeys(names, 0)
+    lost = dict.fromkeys(names, 0.0)  # GPU-seconds of runs thrown away, and their share at most
+    share = dict.fromkeys(names, 0.0)
     jobs = 0
     for seed in range(workloads):
         trace = random_workload(random.Random(seed))
@@ -218,9 +220,19 @@ def test_least_attained_order_under_a_fifo_shadow_keeps_fifos_bound(
             later[name] += sum(1 for job, w in mine.waited.items() if w > fifo.waited[job])
             jct[name] += sum(mine.jcts) / len(mine.jcts)
             stops[name] += mine.stops
+            lost[name] += mine.lost_gpu_s
+            report = mine.report()
+            share[name] = max(share[name], report["lost_share"])
+            kept, allocated = report["gpu_alloc_arrivals_kept"], report["gpu_alloc_arrivals"]
+            assert kept == allocated if not mine.lost_gpu_s else 0 <= kept <= allocated, (kept, allocated)
     assert beyond["muster-las"] >= 5 and later["muster-las"] >= jobs * 0.1, (beyond, later)
     assert beyond["muster-fifo-las"] <= workloads * 0.02 and worst["muster-fifo-las"] <= 1.1, (beyond, worst)
     assert later["muster-fifo-las"] <= jobs * 0.005, (later, jobs)
     # the least-attained order does act (more stops than muster's callbacks alone) and pays
     assert stops["muster-fifo-las"] > stops["muster"], stops
+    # What a stop throws away is counted only where progress is lost, and is part of what ran.
+    if lose_progress:
+        assert lost["muster-fifo-las"] > 0 and 0 < share["muster-fifo-las"] < 1, (lost, share)
+    else:
+        assert lost == dict.fromkeys(names, 0.0), lost
     assert jct["muster-fifo-las"] < jct["muster"], jct
