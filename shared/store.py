@@ -62,6 +62,7 @@ class Store(Generic[M]):
         # can come before the write's own reply.
         self._wrote: dict[str, tuple[bytes, M]] = {}
         self._mirrored = False
+        self._from_leader: KeyValue | None = None  # see `_leader`
         # The mirror's position (the stream sequence it last applied), and who waits for it to
         # reach one (`caught_up`): (sequence, tie, future), a heap.
         self.applied = 0
@@ -108,13 +109,33 @@ class Store(Generic[M]):
             log.warning("store.bad_record", bucket=self.bucket, key=key, error=error)
         return None
 
-    async def get(self, key: str) -> M | None:
-        """The record under `key`; None when there is none or it does not decode."""
+    async def get(self, key: str, confirm: bool = False) -> M | None:
+        """The record under `key`; None when there is none or it does not decode.
+
+        `confirm`: a key the read did not find is asked of the bucket's stream leader too. Reads
+        are direct gets, which any replica of a replicated bucket may answer, and one that has
+        not applied the newest write yet says "not found" for a record just written: in CI the
+        registry refused a gang's endpoint as "no such attempt" 120 ms after the scheduler had
+        stored the attempt, and the gang never started. For reads whose None drops something
+        for good (an event, an endpoint); one more request, only when nothing was found."""
         try:
             entry = await self.kv.get(key)
         except KeyNotFoundError:
-            return None
+            if not confirm:
+                return None
+            try:
+                entry = await self._leader().get(key)
+            except KeyNotFoundError:
+                return None
         return self.decode(key, entry.value)
+
+    def _leader(self) -> KeyValue:
+        """The bucket read through its stream's leader (`$JS.API.STREAM.MSG.GET`), not direct."""
+        if self._from_leader is None:
+            kv = self.kv
+            leader = KeyValue(name=kv._name, stream=kv._stream, pre=kv._pre, js=kv._js, direct=False)
+            self._from_leader = leader
+        return self._from_leader
 
     async def create(self, key: str, record: M) -> bool:
         """Write `record` only if `key` has none; whether it was written."""

@@ -414,3 +414,30 @@ async def test_a_mirror_caught_up_holds_every_write_made_before_and_waits_only_s
     finally:
         await writer.close()
         await nc.close()
+
+
+async def test_a_confirmed_read_asks_the_leader_when_a_lagging_replica_has_not_the_record(nats_url):
+    """A direct get may be answered by a replica that has not applied a write the leader has
+    acknowledged (seen in CI with three servers: the registry refused a gang's endpoints as "no
+    such attempt" and the gang never started). Such a replica is the seam here: its reads find
+    nothing. A plain read believes it; a confirmed one asks the stream's leader (the real
+    server), and still finds nothing where there is nothing."""
+    from nats.js.errors import KeyNotFoundError
+
+    nc = await bus.connect("test", nats_url)
+    try:
+        js, buckets = await bus.ensure_jetstream(nc)
+        stored = record(1)
+        assert await Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord).create("j1.1", stored)
+        lagging = await js.key_value(subjects.ATTEMPTS_BUCKET)
+
+        async def behind(key: str, *args: object, **kwargs: object) -> object:
+            raise KeyNotFoundError
+
+        lagging.get = behind  # type: ignore[method-assign]
+        store = Store(lagging, AttemptRecord)
+        assert await store.get("j1.1") is None
+        assert await store.get("j1.1", confirm=True) == stored
+        assert await store.get("j9.1", confirm=True) is None
+    finally:
+        await nc.close()

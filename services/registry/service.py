@@ -137,7 +137,7 @@ class Registry:
 
     async def on_members(self, key: str) -> None:
         """An elastic attempt's members changed without a new endpoint: publish its next spec."""
-        attempt = await self.attempts.get(key)
+        attempt = await self.attempts.get(key, confirm=True)
         if attempt is not None and attempt.elastic and not attempt.ended:
             await self.collect([], attempt)
 
@@ -165,7 +165,7 @@ class Registry:
             or at - gang.read_at > ATTEMPT_REUSE
             or any(k not in gang.tasks for k in wanted)
         ):
-            attempt = await self.attempts.get(key)
+            attempt = await self.attempts.get(key, confirm=True)  # None refuses the endpoints
             if attempt is None:
                 return None
             gang = self._remember(attempt, at)

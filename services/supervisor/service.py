@@ -264,11 +264,11 @@ class Supervisor:
         # the mirrored copy serves; the stored record when the mirror has none yet, or holds
         # the job only as finished (a late event).
         held = self.view_jobs.get(first.job_id)
-        job = held if isinstance(held, JobRecord) else await self.jobs.get(first.job_id)
+        job = held if isinstance(held, JobRecord) else await self.jobs.get(first.job_id, confirm=True)
         if job is None:
             log.warning("supervisor.unknown_job", job_id=first.job_id, events=len(items))
             return
-        known = self.view_attempts.get(key) or await self.attempts.get(key)
+        known = self.view_attempts.get(key) or await self.attempts.get(key, confirm=True)  # None refuses
         tasks = {t.key: t for t in known.tasks} if known is not None else {}
         events = []
         for sent in items:
