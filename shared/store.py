@@ -174,7 +174,10 @@ class Store(Generic[M]):
 
         With `cache`, the first try is on the cached copy, decoded once when it was seen; only a
         write proves it current, so when it says "no change" (or does not decode) the stored
-        record decides."""
+        record decides.
+
+        A record the read does not find is asked of the stream's leader (see `get`): a replica
+        behind would make the change silently nothing."""
         cached = self._latest.get(key) if self._latest is not None else None
         revision: int | None
         data: bytes | None
@@ -187,7 +190,10 @@ class Store(Generic[M]):
                 try:
                     entry = await self.kv.get(key)
                 except KeyNotFoundError:
-                    return None
+                    try:
+                        entry = await self._leader().get(key)
+                    except KeyNotFoundError:
+                        return None
                 revision, data = entry.revision, entry.value
             current = current or self.decode(key, data)
             updated = change(current) if current is not None else None

@@ -420,8 +420,8 @@ async def test_a_confirmed_read_asks_the_leader_when_a_lagging_replica_has_not_t
     """A direct get may be answered by a replica that has not applied a write the leader has
     acknowledged (seen in CI with three servers: the registry refused a gang's endpoints as "no
     such attempt" and the gang never started). Such a replica is the seam here: its reads find
-    nothing. A plain read believes it; a confirmed one asks the stream's leader (the real
-    server), and still finds nothing where there is nothing."""
+    nothing. A plain read believes it; a confirmed one, and a read-modify-write, ask the stream's
+    leader (the real server), and still find nothing where there is nothing."""
     from nats.js.errors import KeyNotFoundError
 
     nc = await bus.connect("test", nats_url)
@@ -439,5 +439,10 @@ async def test_a_confirmed_read_asks_the_leader_when_a_lagging_replica_has_not_t
         assert await store.get("j1.1") is None
         assert await store.get("j1.1", confirm=True) == stored
         assert await store.get("j9.1", confirm=True) is None
+        # A read-modify-write through it finds the record too, and writes on the leader's revision.
+        updated = await store.update("j1.1", bump)
+        assert updated is not None and updated.attempt == 2
+        assert await store.get("j1.1", confirm=True) == updated
+        assert await store.update("j9.1", bump) is None
     finally:
         await nc.close()
