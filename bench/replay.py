@@ -205,6 +205,7 @@ class Run:
         bucket_s = max(self.bucket_s, active / MAX_BUCKETS)
         series = m.series(active, bucket_s)
         sat = m.saturated_s
+        to_arrival = m.series(self.last_arrival, self.last_arrival)[0] if self.last_arrival else 0.0
         return {
             "policy": self.policy,
             "wall_s": round(self.wall_s, 3),
@@ -226,16 +227,10 @@ class Run:
             "active_s": round(active, 1),
             "run_s": round(m.span_s, 1),
             "gpu_alloc_active": round(m.series(active, active)[0], 4) if active else None,
-            "gpu_alloc_arrivals": (
-                round(m.series(self.last_arrival, self.last_arrival)[0], 4) if self.last_arrival else None
-            ),
+            "gpu_alloc_arrivals": round(to_arrival, 4) if self.last_arrival else None,
             # The same less the runs stops threw away: what went into work that finished.
             "gpu_alloc_arrivals_kept": (
-                round(
-                    m.series(self.last_arrival, self.last_arrival)[0]
-                    - self.lost_by_last_arrival / (m.total_gpus * self.last_arrival),
-                    4,
-                )
+                round(to_arrival - self.lost_by_last_arrival / (m.total_gpus * self.last_arrival), 4)
                 if self.last_arrival and m.total_gpus
                 else None
             ),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -62,7 +63,6 @@ class Store(Generic[M]):
         # can come before the write's own reply.
         self._wrote: dict[str, tuple[bytes, M]] = {}
         self._mirrored = False
-        self._from_leader: KeyValue | None = None  # see `_leader`
         # The mirror's position (the stream sequence it last applied), and who waits for it to
         # reach one (`caught_up`): (sequence, tie, future), a heap.
         self.applied = 0
@@ -118,24 +118,26 @@ class Store(Generic[M]):
         registry refused a gang's endpoint as "no such attempt" 120 ms after the scheduler had
         stored the attempt, and the gang never started. For reads whose None drops something
         for good (an event, an endpoint); one more request, only when nothing was found."""
+        entry = await self._entry(key, confirm)
+        return None if entry is None else self.decode(key, entry.value)
+
+    async def _entry(self, key: str, confirm: bool) -> KeyValue.Entry | None:
+        """The stored entry (a direct get); on a miss, with `confirm`, the leader's (see `get`)."""
         try:
-            entry = await self.kv.get(key)
+            return await self.kv.get(key)
         except KeyNotFoundError:
             if not confirm:
                 return None
-            try:
-                entry = await self._leader().get(key)
-            except KeyNotFoundError:
-                return None
-        return self.decode(key, entry.value)
+        try:
+            return await self._leader.get(key)
+        except KeyNotFoundError:
+            return None
 
+    @functools.cached_property
     def _leader(self) -> KeyValue:
         """The bucket read through its stream's leader (`$JS.API.STREAM.MSG.GET`), not direct."""
-        if self._from_leader is None:
-            kv = self.kv
-            leader = KeyValue(name=kv._name, stream=kv._stream, pre=kv._pre, js=kv._js, direct=False)
-            self._from_leader = leader
-        return self._from_leader
+        kv = self.kv
+        return KeyValue(name=kv._name, stream=kv._stream, pre=kv._pre, js=kv._js, direct=False)
 
     async def create(self, key: str, record: M) -> bool:
         """Write `record` only if `key` has none; whether it was written."""
@@ -187,13 +189,9 @@ class Store(Generic[M]):
             if cached is not None:
                 (revision, data, current), cached = cached, None
             else:
-                try:
-                    entry = await self.kv.get(key)
-                except KeyNotFoundError:
-                    try:
-                        entry = await self._leader().get(key)
-                    except KeyNotFoundError:
-                        return None
+                entry = await self._entry(key, confirm=True)
+                if entry is None:
+                    return None
                 revision, data = entry.revision, entry.value
             current = current or self.decode(key, data)
             updated = change(current) if current is not None else None

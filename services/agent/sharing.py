@@ -145,7 +145,7 @@ class SharedStore(Store[M]):
         self._reads: dict[str, tuple[float, asyncio.Task[M | None]]] = {}
         self._swept = 0.0
 
-    async def get(self, key: str, confirm: bool = False) -> M | None:  # confirm: not used here
+    async def get(self, key: str, confirm: bool = False) -> M | None:  # shared reads: never confirmed
         now = asyncio.get_running_loop().time()
         if now - self._swept > self.ttl:  # at most once a ttl: forget what is too old to reuse
             self._reads = {
