@@ -693,7 +693,8 @@ class MusterFifoBounded(MusterLeastAttained):
     the latest start the shadow holds (FIFO starts nothing before an earlier arrival), less its
     arrival; a shadow replayed less often is only more cautious (its bounds are lower). Where
     a stop loses progress (`lose_progress`, set by the replay), a job's whole time counts as
-    waited, should it be stopped now, and its longest run is what is known of its run time.
+    waited, should it be stopped now, and its longest run is what is known of its run time,
+    and only a due job stops a running one (a stop throws the run away).
 
     What it does: while FIFO would still be busy with earlier work, a newcomer may stop a job
     that has run long (as `muster-las`), but not one that has waited as long as FIFO would have
@@ -768,8 +769,11 @@ class MusterFifoBounded(MusterLeastAttained):
 
     def _stoppable(self, waiting: str) -> list[Loan]:
         """As `muster-las`'s, with each running job's key kept until it may change (a replay
-        with thousands running asks for them at every head)."""
+        with thousands running asks for them at every head). Where a stop loses progress, only
+        a due job calls back (the scheduler's rule for gangs that do not resume, attained.py)."""
         mine, kept, clock = self._key(waiting), self._kept_keys, self.clock
+        if self.lose_progress and mine[0] != 0:
+            return []
         out = []
         for job_id, loan in self.running.items():
             entry = kept.get(job_id)

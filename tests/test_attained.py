@@ -174,8 +174,12 @@ def test_a_long_gang_that_started_before_fifo_would_have_is_called_back_for_a_ne
     d = decide(v, vcs, quota.Fixeds(), NOW, shadow=shadow)
     assert matches(d.lines(), ["preempt long.1 for new (head)", "wait new: *"]), d.lines()
     assert d.preempt[0].why.startswith("stopped to let job new, which has waited as long as it would have")
-    # `new` not due yet either: it goes ahead by level (0 against 2).
+    # `new` not due yet either: it goes ahead by level (0 against 2), but a stop would throw
+    # `long`'s four GPU-hours away, which only a due job is worth; if `long` resumes, it is stopped.
     shadow.bounds["new"] = 3600.0
+    d = decide(v, vcs, quota.Fixeds(), NOW, shadow=shadow)
+    assert not d.preempt and matches(d.lines(), ["wait new: *"]), d.lines()
+    v.jobs["long"].config = v.jobs["long"].config.model_copy(update={"resumable": True})
     d = decide(v, vcs, quota.Fixeds(), NOW, shadow=shadow)
     assert d.preempt[0].why == "stopped to let job new, which has used fewer GPU-hours, start"
 
@@ -295,12 +299,14 @@ async def test_the_leader_makes_its_shadow_from_the_records_and_calls_back_a_gan
     submitted before it, ran 3 hours side by side, one on a node since gone: on the nodes there
     are now, FIFO would run them one after the other and start `long` two hours from now, so
     `long` overtook FIFO and is not due. `new` (level 0) arrives and does not fit: the leader,
-    once its shadow is made (in a thread, from the records it mirrors), calls `long` back."""
+    once its shadow is made (in a thread, from the records it mirrors), calls `long` back (it
+    resumes from its checkpoints: a gang that does not is called back only for a due job)."""
     t = now()
 
     def record(j: J, state: JobState, submitted: timedelta, attempt: int = 0) -> JobRecord:
+        config = j.config().model_copy(update={"resumable": j.id == "long"})
         return JobRecord(
-            job_id=j.id, job_name=j.id, submission_id=j.id, user="u", config=j.config(),
+            job_id=j.id, job_name=j.id, submission_id=j.id, user="u", config=config,
             submitted_at=t - submitted, state=state, attempt=attempt, settled=attempt,
         )  # fmt: skip
 

@@ -194,8 +194,19 @@ def test_least_attained_order_under_a_fifo_shadow_keeps_fifos_bound(
     With the levels scaled to these workloads' run times (so the least-attained order acts),
     plain `muster-las` breaks FIFO's bound on some workloads; the shadow keeps it as `muster`
     does, and still completes jobs sooner on average than `muster`. With progress lost at a stop
-    (no checkpoints) too: then a job's whole time counts as waiting, should it be stopped."""
+    (no checkpoints) too: then a job's whole time counts as waiting, should it be stopped, and
+    only a due job calls a running one back (a stop throws its run away)."""
     monkeypatch.setattr(bp, "LEVELS", (60.0, 600.0, 6000.0))
+    callers: list[bool] = []  # for each head that called gangs back in muster-fifo-las: was it due?
+
+    class Recorded(bp.MusterFifoBounded):
+        def _stoppable(self, waiting: str) -> list[Loan]:
+            out = super()._stoppable(waiting)
+            if out:
+                callers.append(self.due(waiting))
+            return out
+
+    policies = {**POLICIES, "muster-fifo-las": Recorded}
     workloads = 150
     names = ("muster", "muster-las", "muster-fifo-las")
     beyond = dict.fromkeys(names, 0)
@@ -211,7 +222,7 @@ def test_least_attained_order_under_a_fifo_shadow_keeps_fifos_bound(
         fifo = rp.replay(trace, POLICIES["fifo"](), 1.0)
         jobs += len(fifo.waited)
         for name in names:
-            mine = rp.replay(trace, POLICIES[name](), 1.0, lose_progress=lose_progress)
+            mine = rp.replay(trace, policies[name](), 1.0, lose_progress=lose_progress)
             assert mine.waited.keys() == fifo.waited.keys()
             longest, theirs = max(mine.waited.values()), max(fifo.waited.values())
             if longest > theirs:
@@ -233,6 +244,9 @@ def test_least_attained_order_under_a_fifo_shadow_keeps_fifos_bound(
     # What a stop throws away is counted only where progress is lost, and is part of what ran.
     if lose_progress:
         assert lost["muster-fifo-las"] > 0 and 0 < share["muster-fifo-las"] < 1, (lost, share)
+        assert callers and all(callers), callers.count(False)
     else:
         assert lost == dict.fromkeys(names, 0.0), lost
+        # by the least-attained order too, while not due
+        assert callers.count(False) >= len(callers) // 10, (callers.count(False), len(callers))
     assert jct["muster-fifo-las"] < jct["muster"], jct

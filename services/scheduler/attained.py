@@ -22,12 +22,18 @@ FIFO would have made each job wait (issue 27; measured as `muster-fifo-las` in `
   config) has its runs counted as run, and their sum as its run time: the bound is then on the
   time it spent not running, and least-attained order gains more (docs/BENCHMARKS.md: the
   replay's default, against `--lose-progress`).
+- **What a call-back throws away.** A gang that does not resume is called back only for a job
+  that is due: a stop throws its run away, which FIFO's bound is worth and the least-attained
+  order alone is not (on the Philly-shaped replays with no job resumable, calling such gangs
+  back by level threw away 16-27 % of the GPU time allocated; only for due jobs, 1-11 %). A
+  resumable gang loses nothing and is called back by the order, as above.
 
 What a running job's key means: one that has waited as long as FIFO would have made it (its
 FIFO start has come) is due, so only an earlier due job can call it back, as under plain FIFO
 lending; one that started before its FIFO start (it overtook others) can be called back by any
-job ahead of it in the order. With every job below one GPU-hour the order is submission order,
-and it calls back exactly what FIFO lending does.
+job ahead of it in the order if it resumes, and by a due job if it does not. With every job
+below one GPU-hour the order is submission order, and it calls back what FIFO lending does, a
+gang that does not resume only once the head is due.
 """
 
 from __future__ import annotations

@@ -344,7 +344,7 @@ def _lending(
     before it and (in sharing order, which puts a VC's users by their share) of the same user:
     the queue's order, read from the records, so a new leader agrees (a lower priority gang is
     priority preemption's). In least-attained order (`keys`) it stood ahead if its key is the
-    smaller. While
+    smaller, and a gang that does not resume only of a job that is due (attained.py). While
     gangs are being stopped for someone, no other gang is called back (what they free may be
     enough), and each head they stop for is planned onto what they hold (named in `Plan.stop`
     again, not stopped twice), so nothing is lent on the resources it is about to take."""
@@ -363,6 +363,8 @@ def _lending(
         if rank(w.config.priority) != rank(job.config.priority):
             return False  # a lower priority gang is priority preemption's (quota.py)
         if keys is not None:  # ahead in the order (submitted at the same time: neither is)
+            if not job.config.resumable and keys(w)[0] != 0:
+                return False  # its run would be thrown away: worth it for a due job only
             return keys(w)[:3] < keys(job)[:3]
         # The sharing order puts users of one VC by their share: only a user's own are in order.
         return (not sharing or w.user == job.user) and w.submitted_at < job.submitted_at
