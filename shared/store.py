@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import heapq
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -34,6 +33,20 @@ BAD_RECORDS = Counter(
 )
 log = structlog.get_logger()
 _named: set[tuple[str, str, str]] = set()  # (bucket, key, why) already logged: each is named once
+
+
+async def confirmed(kv: KeyValue, key: str) -> KeyValue.Entry | None:
+    """The entry under `key` in `kv`, asked of the bucket's stream leader (`$JS.API.STREAM.MSG.GET`)
+    too when a direct get finds none: a replica that lags may answer a direct get (`Store.get`)."""
+    try:
+        return await kv.get(key)
+    except KeyNotFoundError:
+        pass
+    leader = KeyValue(name=kv._name, stream=kv._stream, pre=kv._pre, js=kv._js, direct=False)
+    try:
+        return await leader.get(key)
+    except KeyNotFoundError:
+        return None
 
 
 class Store(Generic[M]):
@@ -123,21 +136,12 @@ class Store(Generic[M]):
 
     async def _entry(self, key: str, confirm: bool) -> KeyValue.Entry | None:
         """The stored entry (a direct get); on a miss, with `confirm`, the leader's (see `get`)."""
+        if confirm:
+            return await confirmed(self.kv, key)
         try:
             return await self.kv.get(key)
         except KeyNotFoundError:
-            if not confirm:
-                return None
-        try:
-            return await self._leader.get(key)
-        except KeyNotFoundError:
             return None
-
-    @functools.cached_property
-    def _leader(self) -> KeyValue:
-        """The bucket read through its stream's leader (`$JS.API.STREAM.MSG.GET`), not direct."""
-        kv = self.kv
-        return KeyValue(name=kv._name, stream=kv._stream, pre=kv._pre, js=kv._js, direct=False)
 
     async def create(self, key: str, record: M) -> bool:
         """Write `record` only if `key` has none; whether it was written."""

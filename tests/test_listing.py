@@ -315,3 +315,40 @@ async def test_a_job_is_listed_as_soon_as_its_record_is_written(nats_url, procs)
             assert [j["job_name"] for j in page["jobs"]] == [f"job-{i}"]
     finally:
         await nc.close()
+
+
+async def test_a_job_just_written_is_found_by_id_and_name_where_a_replica_lags(nats_url):
+    """`muster status JOB` right after `muster submit` on three servers: the gateway's direct
+    gets may be answered by a replica that has not applied the record yet, which said "no such
+    job" of the id just printed. Such a replica is the seam (its reads find nothing); the
+    gateway asks the stream's leader (the real server) before it says so, by id and by name, and
+    still says it of a job there is not."""
+    from nats.js.errors import KeyNotFoundError
+
+    from muster.services.gateway.service import Gateway, Refused
+    from muster.shared.messages import Question
+
+    nc = await bus.connect("test", nats_url)
+    try:
+        js, buckets = await bus.ensure_jetstream(nc)
+        job = record(1, JobState.WAITING, name="fresh")
+        await buckets[subjects.JOBS_BUCKET].put(job.job_id, job.to_bytes())
+        await buckets[subjects.JOB_NAMES_BUCKET].put(subjects.name_key("alice", "fresh"), job.job_id.encode())
+
+        async def behind(key: str, *args: object, **kwargs: object) -> object:
+            raise KeyNotFoundError
+
+        lagging = {}
+        for name in (subjects.JOBS_BUCKET, subjects.JOB_NAMES_BUCKET, subjects.ATTEMPTS_BUCKET):
+            lagging[name] = await js.key_value(name)
+            lagging[name].get = behind  # type: ignore[method-assign]
+        gateway = Gateway(nc, js, {**buckets, **lagging})
+        assert await gateway.jobs.get(job.job_id) is None  # what it read before
+        assert await gateway.resolve("alice", job.job_id) == job
+        assert await gateway.resolve("alice", "fresh") == job
+        answer = await gateway.job("alice", Question.model_validate({"ref": job.job_id}))
+        assert answer["job"]["job_id"] == job.job_id
+        with pytest.raises(Refused, match="no job with id or name 'j00000000009a'"):
+            await gateway.resolve("alice", "j00000000009a")
+    finally:
+        await nc.close()

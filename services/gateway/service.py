@@ -84,7 +84,7 @@ from muster.shared.messages import (
     now,
     vc_refusal,
 )
-from muster.shared.store import Store
+from muster.shared.store import Store, confirmed
 
 log = structlog.get_logger(service="gateway")
 REQUESTS = Counter("muster_gateway_requests_total", "Questions answered by the gateway", ["verb", "outcome"])
@@ -339,7 +339,7 @@ class Gateway:
         record = await self.resolve(who, request.ref)
         history = []
         for n in range(1, record.attempt + 1):
-            attempt = await self.attempts.get(attempt_key(record.job_id, n))
+            attempt = await self.attempts.get(attempt_key(record.job_id, n), confirm=True)
             if attempt is not None:
                 history.append(attempt.model_dump(mode="json"))
         answer: dict[str, Any] = {"job": record.model_dump(mode="json"), "attempts": history}
@@ -422,7 +422,7 @@ class Gateway:
         each task was placed on, for tasks the attempt has, are believed; others are skipped
         and counted (any agent may publish output under its own node's name)."""
         record, attempt, role, index = await self.tasks_asked(who, request)
-        placed = await self.attempts.get(attempt_key(record.job_id, attempt))
+        placed = await self.attempts.get(attempt_key(record.job_id, attempt), confirm=True)
         nodes = {t.key: t.node for t in placed.tasks} if placed is not None else {}
         task = f"{role}.{index}"
         node = nodes.get(task, "*") if "*" not in task else "*"  # one task: its own node's subject
@@ -457,7 +457,7 @@ class Gateway:
         `{"task", "points": [{"t", "step", "name", "value"}], "dropped"}`."""
         record, attempt, role, index = await self.tasks_asked(who, request)
         subject = subjects.task_metrics(record.job_id, attempt, role, index)
-        placed = await self.attempts.get(attempt_key(record.job_id, attempt))
+        placed = await self.attempts.get(attempt_key(record.job_id, attempt), confirm=True)
         nodes = {t.key: t.node for t in placed.tasks} if placed is not None else {}
         msgs, last, more = await self.read(subjects.METRICS_STREAM, subject, request.after, request.limit)
         out = []
@@ -612,22 +612,26 @@ class Gateway:
                 await sub.unsubscribe()
 
     async def resolve(self, who: str, ref: Any) -> JobRecord:
-        """A job the asker may see, by id or else by name; anything else is "no such job"."""
+        """A job the asker may see, by id or else by name; anything else is "no such job".
+        Records are read with `confirm` (a replica that lags must not say "no such job" of the
+        id `muster submit` has just printed; Store.get)."""
         if not isinstance(ref, str) or not KEY_RE.match(ref):
             raise Refused(f"no job {str(ref)[:64]!r}")
-        record = await self.jobs.get(ref)
+        record = await self.jobs.get(ref, confirm=True)
         if record is not None and (who == subjects.ALL or record.user == who):
             return record
         if who != subjects.ALL:
             with contextlib.suppress(Exception):
-                entry = await self.names.get(subjects.name_key(who, ref))
-                record = await self.jobs.get((entry.value or b"").decode(errors="replace"))
+                entry = await confirmed(self.names, subjects.name_key(who, ref))
+                job_id = (entry.value or b"").decode(errors="replace") if entry is not None else ""
+                record = await self.jobs.get(job_id, confirm=True) if job_id else None
                 if record is not None and record.user == who:
                     return record
         else:
             named = [x for x in (await self.listed()).values() if x.job_name == ref]
             if named:
-                record = await self.jobs.get(max(named, key=lambda x: (x.submitted, x.job_id)).job_id)
+                latest = max(named, key=lambda x: (x.submitted, x.job_id)).job_id
+                record = await self.jobs.get(latest, confirm=True)
                 if record is not None:
                     return record
         raise Refused(f"no job with id or name {ref!r}")
