@@ -247,44 +247,37 @@ def test_up_joins_an_existing_nats_with_muster_nats_url(nats_url, tmp_path):
 
 
 def test_readme_first_command_runs_the_distributed_example_to_succeeded(tmp_path):
-    """What the README's first command does: `muster up` with a local agent, then
-    `muster submit examples/ps-worker/job.json --wait`, from another directory."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "MUSTER_NATS_URL"}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}"
+    """What the README's first command does, in the repository's root: `muster up` with a local
+    agent in the background and, at once, `muster submit examples/ps-worker/job.json --wait`,
+    which finds the mesh starting there and waits for it (no MUSTER_NATS_URL: on a loaded
+    machine NATS took longer than the CLI's 2 s to come up when the test named its URL)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MUSTER_")}
+    env |= {
+        "PATH": f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}",
+        "XDG_STATE_HOME": str(tmp_path / "state"),  # its own notes: no other test's mesh is seen
+        "XDG_RUNTIME_DIR": str(tmp_path / "run"),
+    }
+    cli = [sys.executable, "-m", "muster.services.cli.main"]
+    data, port = str(tmp_path / "data"), str(free_port())
     up = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "muster.services.cli.main",
-            "up",
-            "--runtime",
-            "process",
-            "--cpus",
-            "8",
-            "--data-dir",
-            str(tmp_path / "data"),
-            "--port",
-            str(port),
-        ],
+        [*cli, "up", "--runtime", "process", "--cpus", "8", "--data-dir", data, "--port", port],
+        cwd=root,
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=open(tmp_path / "up.log", "wb"),  # noqa: SIM115
     )
     try:
-        env["MUSTER_NATS_URL"] = f"nats://127.0.0.1:{port}"
-        job = Path(__file__).resolve().parents[1] / "examples" / "ps-worker" / "job.json"
-        r = subprocess.run(
-            [sys.executable, "-m", "muster.services.cli.main", "submit", str(job), "--wait"],
-            env=env,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+
+        def run(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [*cli, *args], cwd=root, env=env, capture_output=True, text=True, timeout=120
+            )
+
+        r = run("submit", "examples/ps-worker/job.json", "--wait")
         assert r.returncode == 0, r.stdout + r.stderr + (tmp_path / "up.log").read_text()[-3000:]
         assert r.stdout.splitlines()[-1].split()[1:3] == ["SUCCEEDED", "all"]
-        logs = muster("logs", "ps-worker", env=env).stdout
+        logs = run("logs", "ps-worker").stdout
         assert logs.count("every ps agrees the sum is 6") == 3
     finally:
         up.send_signal(signal.SIGINT)
