@@ -446,3 +446,52 @@ async def test_a_confirmed_read_asks_the_leader_when_a_lagging_replica_has_not_t
         assert await store.update("j9.1", bump) is None
     finally:
         await nc.close()
+
+
+async def test_a_kill_and_a_jobs_secrets_just_written_are_not_lost_to_a_lagging_replica(nats_url):
+    """Two reads whose "not found" lost something for good, on a replica that lags (the seam, as
+    above): the supervisor refused `muster kill` of a job just submitted as if there were no
+    such job (and its tasks ran on), and the scheduler sent a job's orders without the secret
+    values the validator had written before the job. Both ask the leader now."""
+    from nats.js.errors import KeyNotFoundError
+
+    from muster.services.scheduler.service import Scheduler
+    from muster.services.scheduler.view import Job
+    from muster.services.supervisor.service import Supervisor
+    from muster.shared.consume import Sent
+    from muster.shared.jobconfig import split_secrets
+    from muster.shared.messages import JobRecord, JobState, KillRequest, TaskState
+    from tests.test_listing import record as job_record
+
+    nc = await bus.connect("test", nats_url)
+    try:
+        js, buckets = await bus.ensure_jetstream(nc)
+        job = job_record(1, JobState.RUNNING)
+        config = job.config.model_copy(update={"jobEnvs": {"API_TOKEN": "tok-abcdef"}})
+        shown, hidden = split_secrets(config)
+        job = job.model_copy(update={"config": shown, "attempt": 1})
+        task = TaskStatus(role="w", role_no=0, index=0, node="n1", gpus=[0], state=TaskState.RUNNING)
+        attempt = AttemptRecord(job_id=job.job_id, attempt=1, tasks=[task])
+        await buckets[subjects.SECRETS_BUCKET].put(job.job_id, json.dumps(hidden).encode())
+        await buckets[subjects.JOBS_BUCKET].put(job.job_id, job.to_bytes())
+        await buckets[subjects.ATTEMPTS_BUCKET].put(attempt.key, attempt.to_bytes())
+
+        async def behind(key: str, *args: object, **kwargs: object) -> object:
+            raise KeyNotFoundError
+
+        lagging = {}
+        for name in (subjects.JOBS_BUCKET, subjects.ATTEMPTS_BUCKET, subjects.SECRETS_BUCKET):
+            lagging[name] = await js.key_value(name)
+            lagging[name].get = behind  # type: ignore[method-assign]
+        seen = {**buckets, **lagging}
+
+        assert await Scheduler(nc, js, seen)._secrets(Job.of(job)) == hidden == {"API_TOKEN": "tok-abcdef"}
+
+        kills = await nc.subscribe(subjects.kill("n1"))
+        request = KillRequest(job_id=job.job_id)
+        await Supervisor(nc, js, seen).on_kill(Sent("alice", subjects.kill_request("alice"), request))
+        stored = JobRecord.from_bytes((await buckets[subjects.JOBS_BUCKET].get(job.job_id)).value)
+        assert stored.state == JobState.STOPPED and stored.reason == "killed by alice"
+        assert (await kills.next_msg(timeout=10)).data  # the running task is told to stop
+    finally:
+        await nc.close()

@@ -34,7 +34,7 @@ from typing import Any
 import structlog
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -62,7 +62,7 @@ from muster.shared.messages import (
     now,
     vc_refusal,
 )
-from muster.shared.store import Store
+from muster.shared.store import Store, confirmed
 
 log = structlog.get_logger(service="scheduler")
 RECENT_JOBS = 8192  # job records the scheduler keeps as bytes (see kv_jobs)
@@ -462,7 +462,7 @@ class Scheduler:
             if n == 1:
                 TO_PLACED.observe(max(0.0, (now() - job.submitted_at).total_seconds()))
         else:
-            existing = await self.kv_attempts.get(record.key)  # an earlier leader's: reuse it
+            existing = await self.kv_attempts.get(record.key, confirm=True)  # an earlier leader's: reuse it
             if existing is None:
                 log.error("scheduler.bad_attempt_record", attempt=record.key)
                 return
@@ -517,9 +517,8 @@ class Scheduler:
         only: orders go to the placed nodes' own subjects, which no other identity may read."""
         if not has_secrets(job.config):
             return {}
-        try:
-            entry = await self.secrets.get(job.job_id)
-        except KeyNotFoundError:
+        entry = await confirmed(self.secrets, job.job_id)  # written before the job's record
+        if entry is None:
             return {}  # a value that is really "***"
         hidden = json.loads(entry.value or b"{}")
         if not isinstance(hidden, dict):

@@ -298,7 +298,7 @@ class Supervisor:
         attempt = await self.attempts.update(key, change)
         if attempt is None:  # replayed events: nothing new, but finish what may be unfinished
             applied = [False] * len(events)
-            attempt = await self.attempts.get(key)
+            attempt = await self.attempts.get(key, confirm=True)
             if attempt is None:
                 log.warning("supervisor.unknown_attempt", attempt=key)
                 return
@@ -453,7 +453,7 @@ class Supervisor:
         an admin sends as the owner). Another user's job is refused as if it did not exist. The
         request decoded, so its job id is a job id's shape (no subject or key is built from
         anything else); who killed it is who sent it, whatever the payload's `user` says."""
-        job = await self.jobs.get(sent.message.job_id)
+        job = await self.jobs.get(sent.message.job_id, confirm=True)  # just submitted, perhaps
         if job is None or job.user != sent.by:
             consume.REFUSED.labels("kill").inc()
             log.warning("supervisor.kill_refused", job_id=sent.message.job_id, by=sent.by[:64])
@@ -489,7 +489,7 @@ class Supervisor:
 
             if await self.attempts.update(attempt_key(job.job_id, job.attempt), end) is not None:
                 ATTEMPTS_ENDED.labels(JobState.STOPPED).inc()
-            attempt = await self.attempts.get(attempt_key(job.job_id, job.attempt))
+            attempt = await self.attempts.get(attempt_key(job.job_id, job.attempt), confirm=True)
             if attempt is not None:
                 await self.kill_rest(attempt, grace=req.grace)
         JOBS_ENDED.labels(JobState.STOPPED).inc()

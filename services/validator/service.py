@@ -79,7 +79,7 @@ from muster.shared.messages import (
     now,
     vc_refusal,
 )
-from muster.shared.store import Store
+from muster.shared.store import Store, confirmed
 from muster.shared.subjects import Headers
 
 VERDICTS = Counter("muster_validator_verdicts_total", "Submissions judged", ["verdict"])
@@ -245,7 +245,7 @@ class Validator:
         claimed, unless its job record was written (then the claim is that job's)."""
         name = job_name_in(data)
         job_id = job_id_for(user, sid)
-        if name is not None and await self.jobs.get(job_id) is None:
+        if name is not None and await self.jobs.get(job_id, confirm=True) is None:
             await self.release_name(subjects.name_key(user, name), job_id)
         reason = "internal error while validating; see validator logs"
         return await self.reject(sid, user, name, [FieldError(path="", reason=reason)], data)
@@ -278,7 +278,7 @@ class Validator:
         # read (a round trip per submission saved). One the mirror has not shown yet loses its
         # `create` below.
         known = job_id in self.view or job_id in self._admitted or job_id in self.live.jobs
-        existing = await self.jobs.get(job_id) if known else None
+        existing = await self.jobs.get(job_id, confirm=True) if known else None
         if existing is not None:
             if record_digest(existing) != digest:
                 return await self.reject(sid, user, config.jobName, [reused(job_id)], data)
@@ -337,7 +337,7 @@ class Validator:
         else:
             # Another replica got there first with this submission id (ack wait passed, or the
             # same id published twice at once): the same config is the same job.
-            winner = await self.jobs.get(job_id)
+            winner = await self.jobs.get(job_id, confirm=True)
             if winner is None:
                 raise RuntimeError(f"job record {job_id} exists but does not decode")
             if record_digest(winner) != digest:
@@ -388,9 +388,8 @@ class Validator:
                 return None
             except KeyWrongLastSequenceError:
                 pass
-            try:
-                entry = await self.names.get(name)
-            except KeyNotFoundError:
+            entry = await confirmed(self.names, name)
+            if entry is None:
                 continue  # released in between: try again
             holder = (entry.value or b"").decode(errors="replace")
             if holder == job_id:
@@ -424,7 +423,7 @@ class Validator:
     async def job_state(self, job_id: str) -> JobState | None:
         """The job's state; None when it has no record (or one that does not decode)."""
         try:
-            record = await self.jobs.get(job_id)
+            record = await self.jobs.get(job_id, confirm=True)
         except InvalidKeyError:  # a claim holding garbage
             return None
         return record.state if record is not None else None
