@@ -166,7 +166,7 @@ async def connect(
     options: dict[str, Any] = dict(
         servers=servers,
         name=name,
-        max_reconnect_attempts=-1,
+        max_reconnect_attempts=1,  # a first try: two turns per server, then it ends (below)
         reconnect_time_wait=0.5,
         connect_timeout=min(2.0, connect_timeout / max(1, len(servers))),  # each server gets a turn
         ping_interval=5,
@@ -188,10 +188,12 @@ async def connect(
         why = str(exc).removeprefix("nats: ")
         raise ConnectionError(f"cannot use NATS URL {shown(url)!r}: {why}") from None
 
-    # The first connection: tries of one pass each, until `connect_timeout`. nats-py with
-    # reconnects on retries a first connection until it is cancelled, and Python 3.11 can lose
-    # that cancel (one of nats-py's own waits ending as it comes): a client the servers refused
-    # went on retrying for minutes past its bound. A try with reconnects off ends by itself.
+    # The first connection: tries that each end by themselves, until `connect_timeout`. nats-py
+    # with reconnects on retries a first connection until it is cancelled, and Python 3.11 can
+    # lose that cancel (one of nats-py's own waits ending as it comes): a client the servers
+    # refused went on retrying for minutes past its bound. A try with reconnects off ends when a
+    # server refuses it, and one limited to a few attempts per server when none answers (with
+    # unlimited attempts it went round the servers until cancelled).
     loop = asyncio.get_running_loop()
     deadline = loop.time() + connect_timeout
     while True:
@@ -208,6 +210,7 @@ async def connect(
             raise ConnectionError(f"cannot reach NATS at {shown(url)} within {connect_timeout:g}s{why}")
         await asyncio.sleep(min(options["reconnect_time_wait"], left))
     nc.options["allow_reconnect"] = True  # from now on, nats-py reconnects for ever
+    nc.options["max_reconnect_attempts"] = -1
     client.append(nc)
     _IDENTITY[nc] = (credentials, refused)
     _CLOSED[nc] = gone

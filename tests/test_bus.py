@@ -263,3 +263,25 @@ async def test_a_refused_client_gives_up_at_its_bound_every_time(tmp_path):
         assert all(t.exception() is None for t in done), [t.exception() for t in done if t.exception()]
         # A refused client asks again every 0.5 s until its bound (and the server is told so).
         assert max(t.result() for t in done) < max(bounds) + 5
+
+
+async def test_a_try_at_an_unreachable_server_ends_by_itself(monkeypatch):
+    """With no server answering, each try of the first connection ends by itself (two turns per
+    server), so `connect_timeout` holds even if the bound around a try never fires: Python 3.11
+    can lose the cancel that ends it, and with unlimited attempts a try went round the servers
+    until cancelled. Here the bound is taken away (the seam); the client still gives up."""
+    real = asyncio.wait_for
+    tries = 0
+
+    async def unbounded(aw, timeout):  # a try is never cancelled; closing keeps its bound
+        nonlocal tries
+        if asyncio.iscoroutine(aw) and aw.__qualname__.endswith("Client.connect"):
+            tries += 1
+            return await aw
+        return await real(aw, timeout)
+
+    monkeypatch.setattr(bus.asyncio, "wait_for", unbounded)
+    url = f"nats://127.0.0.1:{free_port()},nats://127.0.0.1:{free_port()}"
+    with pytest.raises(ConnectionError, match="cannot reach NATS"):
+        await real(bus.connect("lonely", url, connect_timeout=2.0, quiet=True), 30)
+    assert tries >= 2
