@@ -11,6 +11,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -94,6 +95,22 @@ class Procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
                 p.wait(10)
+
+
+async def lagging(js: Any, *buckets: str) -> dict[str, Any]:
+    """Handles on `buckets` whose direct reads find nothing, as from a replica of a replicated
+    bucket that has not applied the newest writes (the seam for a lag no test can make on
+    demand); their writes, and reads through the stream's leader, go to the real server."""
+    from nats.js.errors import KeyNotFoundError
+
+    async def behind(key: str, *args: object, **kwargs: object) -> object:
+        raise KeyNotFoundError
+
+    handles = {}
+    for name in buckets:
+        handles[name] = await js.key_value(name)
+        handles[name].get = behind
+    return handles
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from muster.services.gateway.listing import Listing, Query, Summary, cursor_key,
 from muster.shared import bus, client, subjects
 from muster.shared.jobconfig import JobConfig
 from muster.shared.messages import AttemptRecord, JobRecord, JobState, TaskStatus
+from tests.conftest import lagging
 from tests.test_cli import muster
 
 T0 = datetime(2024, 5, 1, tzinfo=UTC)
@@ -323,8 +324,6 @@ async def test_a_job_just_written_is_found_by_id_and_name_where_a_replica_lags(n
     job" of the id just printed. Such a replica is the seam (its reads find nothing); the
     gateway asks the stream's leader (the real server) before it says so, by id and by name, and
     still says it of a job there is not."""
-    from nats.js.errors import KeyNotFoundError
-
     from muster.services.gateway.service import Gateway, Refused
     from muster.shared.messages import Question
 
@@ -335,14 +334,8 @@ async def test_a_job_just_written_is_found_by_id_and_name_where_a_replica_lags(n
         await buckets[subjects.JOBS_BUCKET].put(job.job_id, job.to_bytes())
         await buckets[subjects.JOB_NAMES_BUCKET].put(subjects.name_key("alice", "fresh"), job.job_id.encode())
 
-        async def behind(key: str, *args: object, **kwargs: object) -> object:
-            raise KeyNotFoundError
-
-        lagging = {}
-        for name in (subjects.JOBS_BUCKET, subjects.JOB_NAMES_BUCKET, subjects.ATTEMPTS_BUCKET):
-            lagging[name] = await js.key_value(name)
-            lagging[name].get = behind  # type: ignore[method-assign]
-        gateway = Gateway(nc, js, {**buckets, **lagging})
+        behind = await lagging(js, subjects.JOBS_BUCKET, subjects.JOB_NAMES_BUCKET, subjects.ATTEMPTS_BUCKET)
+        gateway = Gateway(nc, js, {**buckets, **behind})
         assert await gateway.jobs.get(job.job_id) is None  # what it read before
         assert await gateway.resolve("alice", job.job_id) == job
         assert await gateway.resolve("alice", "fresh") == job

@@ -11,6 +11,7 @@ from typing import Any
 from muster.shared import bus, subjects
 from muster.shared.messages import AttemptRecord, TaskStatus
 from muster.shared.store import GroupCommit, Store
+from tests.conftest import lagging
 
 
 def record(n: int) -> AttemptRecord:
@@ -422,20 +423,12 @@ async def test_a_confirmed_read_asks_the_leader_when_a_lagging_replica_has_not_t
     such attempt" and the gang never started). Such a replica is the seam here: its reads find
     nothing. A plain read believes it; a confirmed one, and a read-modify-write, ask the stream's
     leader (the real server), and still find nothing where there is nothing."""
-    from nats.js.errors import KeyNotFoundError
-
     nc = await bus.connect("test", nats_url)
     try:
         js, buckets = await bus.ensure_jetstream(nc)
         stored = record(1)
         assert await Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord).create("j1.1", stored)
-        lagging = await js.key_value(subjects.ATTEMPTS_BUCKET)
-
-        async def behind(key: str, *args: object, **kwargs: object) -> object:
-            raise KeyNotFoundError
-
-        lagging.get = behind  # type: ignore[method-assign]
-        store = Store(lagging, AttemptRecord)
+        store = Store((await lagging(js, subjects.ATTEMPTS_BUCKET))[subjects.ATTEMPTS_BUCKET], AttemptRecord)
         assert await store.get("j1.1") is None
         assert await store.get("j1.1", confirm=True) == stored
         assert await store.get("j9.1", confirm=True) is None
@@ -453,8 +446,6 @@ async def test_a_kill_and_a_jobs_secrets_just_written_are_not_lost_to_a_lagging_
     above): the supervisor refused `muster kill` of a job just submitted as if there were no
     such job (and its tasks ran on), and the scheduler sent a job's orders without the secret
     values the validator had written before the job. Both ask the leader now."""
-    from nats.js.errors import KeyNotFoundError
-
     from muster.services.scheduler.service import Scheduler
     from muster.services.scheduler.view import Job
     from muster.services.supervisor.service import Supervisor
@@ -476,14 +467,8 @@ async def test_a_kill_and_a_jobs_secrets_just_written_are_not_lost_to_a_lagging_
         await buckets[subjects.JOBS_BUCKET].put(job.job_id, job.to_bytes())
         await buckets[subjects.ATTEMPTS_BUCKET].put(attempt.key, attempt.to_bytes())
 
-        async def behind(key: str, *args: object, **kwargs: object) -> object:
-            raise KeyNotFoundError
-
-        lagging = {}
-        for name in (subjects.JOBS_BUCKET, subjects.ATTEMPTS_BUCKET, subjects.SECRETS_BUCKET):
-            lagging[name] = await js.key_value(name)
-            lagging[name].get = behind  # type: ignore[method-assign]
-        seen = {**buckets, **lagging}
+        behind = await lagging(js, subjects.JOBS_BUCKET, subjects.ATTEMPTS_BUCKET, subjects.SECRETS_BUCKET)
+        seen = {**buckets, **behind}
 
         assert await Scheduler(nc, js, seen)._secrets(Job.of(job)) == hidden == {"API_TOKEN": "tok-abcdef"}
 
