@@ -43,6 +43,16 @@ def _bindable(port: int, host: str) -> bool:
             return False
 
 
+def _slice(ports: range) -> range:
+    """MUSTER_PORT_SLICE=i/n: every n-th port from the i-th only, so that processes picking
+    ports side by side (the test suite's workers, and what each starts) never pick the same
+    one; `_handed` keeps one process from picking a port twice, not two processes."""
+    i, _, n = os.environ.get("MUSTER_PORT_SLICE", "").partition("/")
+    if i.isdigit() and n.isdigit() and 0 <= int(i) < int(n):
+        return ports[int(i) :: int(n)]
+    return ports
+
+
 def _unassigned() -> range | None:
     """Ports the kernel never gives to outgoing connections: those below its ephemeral range
     (else above it), or None when that range leaves too few."""
@@ -65,7 +75,7 @@ def free_port(preferred: int | None = None, host: str = "127.0.0.1") -> int:
     tests: "no free metrics port"). No port is handed out twice by one process."""
     if preferred and _bindable(preferred, host):
         return preferred
-    ports = _unassigned() or range(0)
+    ports = _slice(_unassigned() or range(0))
     for port in random.sample(ports, min(200, len(ports))):
         if port not in _handed and _bindable(port, host):
             _handed.add(port)

@@ -213,6 +213,16 @@ def hosts():
 ENGINE_FIXTURES = frozenset({"base_image", "engine", "compose", "muster_image", "mpi_image", "torch_image"})
 
 
+# Ports: each worker picks from its own slice (shared/natsserver.py `free_port`), and so does what
+# it starts: two workers picked the same "free" port for two agents' metrics in CI.
+_worker, _workers = (
+    os.environ.get("PYTEST_XDIST_WORKER", "").removeprefix("gw"),
+    os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"),
+)
+if _worker.isdigit():
+    os.environ.setdefault("MUSTER_PORT_SLICE", f"{_worker}/{_workers}")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("docker") or ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):

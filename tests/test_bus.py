@@ -236,6 +236,21 @@ def test_a_free_port_is_one_no_outgoing_connection_can_take_before_it_is_bound()
     assert free_port(ports[1]) == ports[1]  # free: as asked
 
 
+def test_processes_side_by_side_pick_ports_from_slices_that_never_meet(monkeypatch):
+    """Two test workers each handed out a "free" port, the same one, to two agents (CI: "no free
+    metrics port"): `_handed` is one process's. With MUSTER_PORT_SLICE i/n (conftest sets it per
+    worker) a process picks only from its own n-th of the ports."""
+    from muster.shared import natsserver
+
+    picked = {}
+    for i in (0, 1):
+        monkeypatch.setenv("MUSTER_PORT_SLICE", f"{i}/2")
+        monkeypatch.setattr(natsserver, "_handed", set())  # as if each were its own process
+        picked[i] = {free_port() for _ in range(100)}
+    assert len(picked[0]) == len(picked[1]) == 100 and not picked[0] & picked[1]
+    assert len({p % 2 for p in picked[0]}) == len({p % 2 for p in picked[1]}) == 1  # every other
+
+
 async def test_a_refused_client_gives_up_at_its_bound_every_time(tmp_path):
     """A client the server refuses (no credentials on a server that wants them) gets a
     `ConnectionError` naming the refusal once `connect_timeout` has passed, every time. It

@@ -16,6 +16,7 @@ from muster.services.cli.mesh import local_identity
 from muster.shared import bus, subjects
 from muster.shared.messages import JobRecord, JobState
 from muster.shared.natsserver import free_port
+from muster.shared.store import Store
 from tests.conftest import CORPUS
 
 VALID = {
@@ -216,12 +217,10 @@ async def test_submit_wait_follows_the_job_to_its_final_state(mesh, tmp_path):
     assert first[1:] == ["cli-demo", "accepted"], first
     # Stand in for the services of later issues: finish the job in the store.
     nc = await bus.connect("test", env["MUSTER_NATS_URL"], credentials=local_identity(env["MUSTER_NATS_URL"]))
-    kv = await nc.jetstream().key_value(subjects.JOBS_BUCKET)
-    entry = await kv.get(first[0])
-    record = JobRecord.from_bytes(entry.value)
-    await kv.update(
-        first[0], record.model_copy(update={"state": JobState.FAILED}).to_bytes(), last=entry.revision
-    )
+    # Through a read-modify-write that reads again on a conflict: the scheduler writes the
+    # record too ("no nodes registered"), and a plain update lost that race in CI.
+    jobs = Store(await nc.jetstream().key_value(subjects.JOBS_BUCKET), JobRecord)
+    assert await jobs.update(first[0], lambda r: r.model_copy(update={"state": JobState.FAILED}))
     await nc.close()
     rest, _ = waiter.communicate(timeout=20)
     assert waiter.returncode == 1  # exit 0 only if SUCCEEDED
