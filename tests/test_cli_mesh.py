@@ -25,8 +25,9 @@ VENV = Path(sys.executable).parent.parent
 
 
 def user_env(tmp_path: Path) -> dict[str, str]:
-    """A user's shell: no MUSTER_* (no MUSTER_NATS_URL), runtime and state dirs of its own."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MUSTER_")}
+    """A user's shell: no MUSTER_* (no MUSTER_NATS_URL; the test worker's port slice kept), runtime
+    and state dirs of its own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MUSTER_") or k == "MUSTER_PORT_SLICE"}
     env |= {"XDG_RUNTIME_DIR": str(tmp_path / "run"), "XDG_STATE_HOME": str(tmp_path / "state")}
     env["PATH"] = f"{VENV / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}"
     return env

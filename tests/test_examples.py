@@ -99,7 +99,7 @@ def torch_image(base_image: str) -> str:
 def up(tmp_path: Path) -> Iterator[dict[str, str]]:
     """`muster up --cpus 8` from the repository root, as the README's first command (Docker when
     an engine answers, the default; no GPU); the environment for the CLI beside it."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MUSTER_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MUSTER_") or k == "MUSTER_PORT_SLICE"}
     env |= {
         "PATH": f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}",
         "XDG_STATE_HOME": str(tmp_path / "state"),  # its own note of the local identity
