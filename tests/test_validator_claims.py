@@ -11,6 +11,7 @@ from nats.js.errors import KeyNotFoundError
 from muster.services.validator.service import Validator
 from muster.shared import bus, client, subjects
 from muster.shared.messages import job_id_for, now
+from tests.conftest import lagging
 from tests.test_validator import config
 
 
@@ -97,3 +98,19 @@ def test_claim_timeout_setting(monkeypatch):
         monkeypatch.setenv("MUSTER_NAME_CLAIM_TIMEOUT", bad)
         with pytest.raises(ValueError, match="MUSTER_NAME_CLAIM_TIMEOUT must be a number of seconds"):
             claim_timeout()
+
+
+async def test_a_live_jobs_name_is_neither_released_nor_taken_over_where_a_replica_lags(nc):
+    """The name claims read the job that holds a name: a replica that has not applied the job's
+    record yet (the seam, conftest.lagging) said there was none, so giving up on a redelivery
+    released the name of a job that exists, and a second submission took over the name of a live
+    job once the claim looked stale. The validator asks the stream's leader before either."""
+    js, buckets = await bus.ensure_jetstream(nc)
+    first = await Validator(nc, js, buckets).judge("s-first", "bob", config("taken"), now())
+    assert first.accepted
+    v = Validator(nc, js, {**buckets, **await lagging(js, subjects.JOBS_BUCKET)})
+    v.claim_timeout = 0.0  # every claim looks stale: only the holder's record keeps the name
+    second = await v.judge("s-second", "bob", config("taken"), now())
+    assert not second.accepted and f"job {first.job_id} is WAITING" in second.errors[0].reason, second
+    await v.give_up("s-first", "bob", config("taken"))
+    assert await claim_of(nc, "taken", "bob") == first.job_id
