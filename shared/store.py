@@ -131,17 +131,14 @@ class Store(Generic[M]):
         registry refused a gang's endpoint as "no such attempt" 120 ms after the scheduler had
         stored the attempt, and the gang never started. For reads whose None drops something
         for good (an event, an endpoint); one more request, only when nothing was found."""
-        entry = await self._entry(key, confirm)
-        return None if entry is None else self.decode(key, entry.value)
-
-    async def _entry(self, key: str, confirm: bool) -> KeyValue.Entry | None:
-        """The stored entry (a direct get); on a miss, with `confirm`, the leader's (see `get`)."""
         if confirm:
-            return await confirmed(self.kv, key)
-        try:
-            return await self.kv.get(key)
-        except KeyNotFoundError:
-            return None
+            entry = await confirmed(self.kv, key)
+        else:
+            try:
+                entry = await self.kv.get(key)
+            except KeyNotFoundError:
+                entry = None
+        return None if entry is None else self.decode(key, entry.value)
 
     async def create(self, key: str, record: M) -> bool:
         """Write `record` only if `key` has none; whether it was written."""
@@ -193,7 +190,7 @@ class Store(Generic[M]):
             if cached is not None:
                 (revision, data, current), cached = cached, None
             else:
-                entry = await self._entry(key, confirm=True)
+                entry = await confirmed(self.kv, key)
                 if entry is None:
                     return None
                 revision, data = entry.revision, entry.value

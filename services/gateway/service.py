@@ -623,10 +623,10 @@ class Gateway:
         if who != subjects.ALL:
             with contextlib.suppress(Exception):
                 entry = await confirmed(self.names, subjects.name_key(who, ref))
-                job_id = (entry.value or b"").decode(errors="replace") if entry is not None else ""
-                record = await self.jobs.get(job_id, confirm=True) if job_id else None
-                if record is not None and record.user == who:
-                    return record
+                if entry is not None:
+                    record = await self.jobs.get((entry.value or b"").decode(errors="replace"), confirm=True)
+                    if record is not None and record.user == who:
+                        return record
         else:
             named = [x for x in (await self.listed()).values() if x.job_name == ref]
             if named:
