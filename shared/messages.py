@@ -791,7 +791,7 @@ class QueueOrder(Message):
     """The scheduler leader's waiting queue, on core NATS `muster.queue` (never kept): after each
     cycle that changed it, and at least every few seconds while it leads. `jobs`: the first
     QUEUE_SHOWN waiting jobs in the order the cycle considered them (sharing order with virtual
-    clusters or priorities, else submission order), those it placed left out; `total`: every job
+    clusters, else by priority and then least-attained order), those it placed left out; `total`: every job
     still waiting after the cycle. Jobs held back by a quota their VC may not exceed, or in a
     retry's backoff, are counted in `total` but have no place in `jobs` (their reason says why)."""
 

@@ -141,17 +141,26 @@ def test_the_shadow_replays_no_job_cancelled_while_it_waited() -> None:
 
 # ------------------------------------------------------------------ the cycle
 
-PLAIN = [r for r in ROWS if not r.vcs and all(j.priority == "normal" for j in r.queue)]
+
+def _one_user(row: Row) -> bool:
+    return len({j.user for j in row.queue} | {r.job.user for r in row.running}) == 1
+
+
+# With priorities and one user, the sharing order is priority, then submission: the same.
+PLAIN = [r for r in ROWS if not r.vcs and (_one_user(r) or all(j.priority == "normal" for j in r.queue))]
 
 
 @pytest.mark.parametrize("row", PLAIN, ids=[r.name for r in PLAIN])
 def test_below_one_gpu_hour_the_order_decides_as_fifo_lending(row: Row) -> None:
     """Every job in these rows has run under an hour on under one GPU: the same decision as in
-    submission order, with no shadow yet, and with the shadow made from the view."""
+    submission order (by priority first, preemptions included), with no shadow yet, and with the
+    shadow made from the view. (Steps come in the order the cycle took the jobs: where a priority
+    is in use, the sharing order's cycle takes them in submission order.)"""
     v, vcs = view_of(row)
-    expected = decide(v, vcs, quota.Fixeds(), NOW).lines()
+    plain = decide(v, vcs, quota.Fixeds(), NOW)
     for shadow in (Shadow(), Shadow.make(v.capacity.cluster.nodes.values(), v.seen(NOW.timestamp(), 100))):
-        assert decide(v, vcs, quota.Fixeds(), NOW, shadow=shadow).lines() == expected
+        d = decide(v, vcs, quota.Fixeds(), NOW, shadow=shadow)
+        assert (sorted(d.lines()), d.queue) == (sorted(plain.lines()), plain.queue)
 
 
 def long_gang(bound: float) -> tuple[Row, Shadow]:
@@ -182,6 +191,23 @@ def test_a_long_gang_that_started_before_fifo_would_have_is_called_back_for_a_ne
     v.jobs["long"].config = v.jobs["long"].config.model_copy(update={"resumable": True})
     d = decide(v, vcs, quota.Fixeds(), NOW, shadow=shadow)
     assert d.preempt[0].why == "stopped to let job new, which has used fewer GPU-hours, start"
+
+
+def test_a_priority_in_use_keeps_the_least_attained_order_within_each_priority() -> None:
+    """One job with a priority (here a high one running on node b) does not turn the whole queue
+    to the sharing order: within each priority it stays least-attained under FIFO's bound, so
+    `new` (due) still calls `long` back, and a higher priority still goes first."""
+    row, shadow = long_gang(bound=7200.0)
+    row.nodes["b"] = 2
+    row.running.append(R(J("hi", gpus=2, priority="high", at=1), ("b:0,1",)))
+    v, vcs = view_of(row)
+    assert v.ranked and not vcs
+    d = decide(v, vcs, quota.Fixeds(), NOW, shadow=shadow)
+    assert matches(d.lines(), ["preempt long.1 for new (head)", "wait new: *"]), d.lines()
+    # A low job submitted first, and one that has run long, go behind `new` by priority and level.
+    row.queue = [J("lo", gpus=4, priority="low", at=0), J("new", gpus=4, at=3000)]
+    v, vcs = view_of(row)
+    assert decide(v, vcs, quota.Fixeds(), NOW, shadow=shadow).queue == ["new", "lo"]
 
 
 def test_a_gang_that_has_waited_as_long_as_fifo_would_have_is_never_called_back() -> None:

@@ -9,17 +9,17 @@ What a cycle decides, in the order the service applies it:
 1. **Preemptions.** The protected head (placement.py: the first waiting job that does not fit)
    lends its reservation: jobs behind it run on what it holds, and once it would fit on what is
    free plus what gangs behind it in the queue hold (same VC and priority, submitted later and,
-   with virtual clusters or priorities in use, by the same user), the fewest of them are
-   stopped for it ("head"), gracefully and uncharged (they wait again in their place), and it
-   starts on what they free the next cycle. With no virtual cluster or priority in use, the
-   queue is in least-attained order under FIFO's bound (attained.py; `decide(shadow=...)`), and
+   with virtual clusters in use, by the same user), the fewest of them are stopped for it
+   ("head"), gracefully and uncharged (they wait again in their place), and it starts on what
+   they free the next cycle. With no virtual cluster configured, the queue is by priority, then
+   in least-attained order under FIFO's bound (attained.py; `decide(shadow=...)`), and
    "behind" means later in that order. While any gang is being stopped for someone, no
    other gang is called back, and the job it is stopped for is planned onto what it holds, which
-   is then lent to nobody. With
-   virtual clusters or priorities in use (quota.py), when no head calls gangs back: the first
-   waiting job, in sharing order, that does not fit now but would if some gangs stopped gets them
-   stopped — lower-priority gangs of its own VC ("priority"), or borrowed gangs of other VCs when
-   it is within its quota ("reclaim"). None while any gang is still stopping.
+   is then lent to nobody. With virtual clusters or priorities in use (quota.py), when no head
+   calls gangs back: the first waiting job, in queue order, that does not fit now but would if
+   some gangs stopped gets them stopped — lower-priority gangs of its own VC ("priority"), or
+   borrowed gangs of other VCs when it is within its quota ("reclaim"). None while any gang is
+   still stopping.
 2. **Placements and reasons**, in queue order: the plan of the waiting queue (placement.py, a
    bounded backfill window, around nodes to avoid), each placement marked `borrowed` when its VC
    is beyond its quota, counted in sharing order; every other waiting job's reason, when it
@@ -121,7 +121,8 @@ class Decision:
     reasons: dict[str, str] = field(default_factory=dict)  # every waiting job left waiting: why
     blocked: list[Job] = field(default_factory=list)  # could run here, do not fit now (first few)
     # The waiting queue after this cycle, in the order it considered the jobs (sharing order, or
-    # submission order), those it places left out: the first QUEUE_SHOWN job ids only.
+    # by priority and least-attained order), those it places left out: the first QUEUE_SHOWN job
+    # ids only.
     queue: list[str] = field(default_factory=list)
     due_at: float | None = None  # when the next waiting job becomes due (attained.py), seconds
 
@@ -164,13 +165,14 @@ def decide(
     """What this cycle does (module docstring). `window`: jobs behind the head one plan tries;
     `tries`: waiting jobs looked at for a preemption, or a shrink, that would let them in;
     `shadow`: the queue in least-attained order under its FIFO bounds (attained.py) rather than
-    in submission order, when no virtual cluster or priority is in use."""
+    in submission order, when no virtual cluster is configured (by priority first, if any job
+    has one: one high job does not turn the whole queue to the sharing order)."""
     waiting = view.queue(at)
     decision = Decision(queued=len(waiting))
     if waiting:
-        keys = None if shadow is None or vcs or view.ranked else _Keys(view, shadow, at)
-        if keys is not None:
-            waiting.sort(key=lambda w: keys(w[0]))
+        keys = None if shadow is None or vcs else _Keys(view, shadow, at)
+        if keys is not None:  # by priority first, where some job has one (`view.ranked`)
+            waiting.sort(key=lambda w: (-rank(w[0].config.priority), keys(w[0])))
             decision.due_at = keys.due_at(job for job, _ in waiting)
         _place(view, vcs, fixed, waiting, at, window, tries, decision, keys)
     if view.elastic:
@@ -202,7 +204,7 @@ def _place(
     order: quota.Order[placement.PendingJob] | None = None
     queue: list[placement.PendingJob] | quota.Order[placement.PendingJob]
     running: list[quota.Running] | None = None
-    if vcs or view.ranked:
+    if vcs or (view.ranked and keys is None):
         order, ledger, running = _sharing(view, vcs, fixed, waiting, at)
         queue = order
     else:
@@ -249,6 +251,11 @@ def _place(
         if not decision.preempt:
             decision.preempt = _preempt_for(view, _in_order(order, jobs), plan, ledger, running or [], tries)
         plan.pending.update(held_back)
+    elif view.ranked and not decision.preempt:  # priorities in least-attained order
+        running = gangs.load().running or []
+        capacity = quota.capacity_of(view.capacity.cluster.nodes.values())
+        ledger = quota.Ledger(quota.limits(vcs, capacity), running)
+        decision.preempt = _preempt_for(view, (job for job, _ in waiting), plan, ledger, running, tries)
     # With no node registered at all, the cluster is starting, not too small.
     registered = bool(view.capacity.cluster.nodes)
     for job, n in waiting:
@@ -408,8 +415,8 @@ def _sharing(
     waiting: list[tuple[Job, int]],
     at: datetime,
 ) -> tuple[quota.Order[placement.PendingJob], quota.Ledger, list[quota.Running]]:
-    """With virtual clusters or priorities in use: the queue in sharing order (quota.py), made
-    as the planner takes it; the ledger; what runs."""
+    """With virtual clusters configured (or priorities in use and no least-attained order): the
+    queue in sharing order (quota.py), made as the planner takes it; the ledger; what runs."""
     running = view.running(at)
     capacity = quota.capacity_of(view.capacity.cluster.nodes.values())
     ledger = quota.Ledger(quota.limits(vcs, capacity), running)
