@@ -770,7 +770,8 @@ class MusterFifoBounded(MusterLeastAttained):
     def _stoppable(self, waiting: str) -> list[Loan]:
         """As `muster-las`'s, with each running job's key kept until it may change (a replay
         with thousands running asks for them at every head). Where a stop loses progress, only
-        a due job calls back (the scheduler's rule for gangs that do not resume, attained.py)."""
+        a due job calls back (the scheduler's rule for gangs that do not resume, attained.py),
+        the newest start stopped first; where it keeps it, the one last in the order."""
         mine, kept, clock = self._key(waiting), self._kept_keys, self.clock
         if self.lose_progress and mine[0] != 0:
             return []
@@ -781,6 +782,10 @@ class MusterFifoBounded(MusterLeastAttained):
                 entry = kept[job_id] = self._running_key(job_id)
             if entry[0] > mine:
                 out.append(loan)
+        # Stopped from the end (the scheduler's cycle.last_called_back): resumable, the last in
+        # the order first; else the newest start first (`running` is in start order).
+        if not self.lose_progress:
+            out.sort(key=lambda loan: kept[loan.job_id][0])
         return out
 
     def _shadow(self) -> None:

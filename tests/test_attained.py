@@ -210,6 +210,44 @@ def test_a_priority_in_use_keeps_the_least_attained_order_within_each_priority()
     assert decide(v, vcs, quota.Fixeds(), NOW, shadow=shadow).queue == ["new", "lo"]
 
 
+def test_of_gangs_that_resume_the_one_that_has_run_most_is_called_back_first() -> None:
+    """`new` needs a whole node; stopping either `big` (4 GPUs on a for 3 hours: 12 GPU-hours,
+    level 2) or `small` (3 GPUs on b for an hour, started after it: 3 GPU-hours, level 1) makes
+    room. Both resume: the one last in the order, `big`, is stopped (Tiresias' choice; a stop
+    costs it no work). Neither resumes (and `new` is due): the newest, `small`, which throws
+    the least away, as before."""
+    row = Row(
+        "x",
+        nodes={"a": 4, "b": 4},
+        running=[R(J("big", gpus=4, at=0), ("a:0,1,2,3",)), R(J("small", gpus=3, at=10), ("b:0,1,2",))],
+        queue=[J("new", gpus=4, at=3000)],
+        expect=[],
+    )
+    v, vcs = view_of(row)
+    three_hours_ago = NOW - timedelta(hours=3)
+    big = v.attempts["big.1"]
+    v.attempts["big.1"] = big.model_copy(
+        update={
+            "placed_at": three_hours_ago,
+            "tasks": [t.model_copy(update={"started_at": three_hours_ago}) for t in big.tasks],
+        }
+    )
+    v.attempt_changed("big.1")
+    v.attempt_changed("small.1")  # the record that changed last is not what decides
+    for job_id in ("big", "small"):
+        v.jobs[job_id].config = v.jobs[job_id].config.model_copy(update={"resumable": True})
+    far = 1e7  # none is due: FIFO would start them later still
+    shadow = Shadow({"big": far, "small": far, "new": far}, 0.0)
+    d = decide(v, vcs, quota.Fixeds(), NOW, shadow=shadow)
+    assert matches(d.lines(), ["preempt big.1 for new (head)", "wait new: *"]), d.lines()
+    for job_id in ("big", "small"):
+        v.jobs[job_id].config = v.jobs[job_id].config.model_copy(update={"resumable": False})
+    v.attempt_changed("big.1")
+    shadow.bounds["new"] = 0.0
+    d = decide(v, vcs, quota.Fixeds(), NOW, shadow=shadow)
+    assert matches(d.lines(), ["preempt small.1 for new (head)", "wait new: *"]), d.lines()
+
+
 def test_a_gang_that_has_waited_as_long_as_fifo_would_have_is_never_called_back() -> None:
     row, shadow = long_gang(bound=1800.0)  # it started after FIFO would have: it is due
     v, vcs = view_of(row)

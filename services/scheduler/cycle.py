@@ -381,9 +381,26 @@ def _lending(
         if w is None:
             return []
         gangs.load()
-        return [placement.Loan(r.job_id, r.config, r.tasks) for r in gangs.by_id.values() if ahead(w, r)]
+        behind = [r for r in gangs.by_id.values() if ahead(w, r)]
+        behind.sort(key=lambda r: last_called_back(view, r, keys))  # the call-back stops from the end
+        return [placement.Loan(r.job_id, r.config, r.tasks) for r in behind]
 
     return {"stoppable": stoppable, "stop_first": True}, gangs
+
+
+def last_called_back(view: View, r: quota.Running, keys: _Keys | None) -> tuple[Any, ...]:
+    """Gangs a head may call back, sorted by this, are stopped from the last on, until it fits:
+    first, in least-attained order, those that resume, the last in the order first (Tiresias
+    stops the job that has run most; a stop costs it no work); then the others, the newest
+    placed first. (Before, the view's order decided: the gang whose record changed last first.)
+    On the Philly-shaped replays (docs/BENCHMARKS.md): with every job resumable, mean JCT fell
+    on 6 seeds of 7, with fewer stops; with none, the newest first beat the fewest GPU-seconds
+    run first on all 7."""
+    job = view.jobs.get(r.job_id)
+    if keys is not None and job is not None and job.config.resumable:
+        return (1, keys(job))
+    record = view.attempts.get(r.key)
+    return (0, record.placed_at.timestamp() if record is not None else 0.0)
 
 
 def _stop_for_head(victim: quota.Running, head: Job, keys: _Keys | None) -> Preempt:

@@ -35,9 +35,10 @@ until the head fits. Instead a job behind the head that fits only by using them 
 The caller says which running gangs stood behind a waiting job in the queue (`stoppable`); as
 soon as the head would fit on what is free plus
 what the running gangs behind it hold, the plan places the head there and names the gangs it
-displaces (`Plan.stop`: released newest first until the head fits, then every one it does not
-displace is kept). The caller stops them gracefully and uncharged (they keep their place in the
-queue) before the head starts. Any gang that overtook the head may be called back, not only those
+displaces (`Plan.stop`: released from the last the caller gave on, the newest start as the
+cluster holds them, until the head fits, then every one it does not displace is kept). The
+caller stops them gracefully and uncharged (they keep their place in the queue) before the head
+starts. Any gang that overtook the head may be called back, not only those
 on its claims: a gang started on unclaimed resources while an earlier head waited may stand where
 this head is to go, and under strict FIFO it would not run before it. The claimed resources never
 idle while a job behind the head fits on them, and the head starts no later than under the
@@ -1012,7 +1013,8 @@ class Cluster:
         as tentative allocations that are all undone before returning: the cluster is unchanged.
 
         `stoppable(job)`: the running gangs that stood behind the waiting `job` in the queue,
-        oldest start first, as the cluster holds them. Given, the head lends its claimed resources
+        the first to stop last (oldest start first, as the cluster holds them, unless the
+        caller's order says otherwise: cycle.last_called_back). Given, the head lends its claimed resources
         (module docstring): a job behind it that fits only on them is placed, and a head that
         fits on what is free plus what its stoppable gangs hold is placed there, the ones it
         displaces in `Plan.stop` (counted as gone for the rest of the plan). `stop_first`: the
@@ -1184,10 +1186,11 @@ class Cluster:
         self, groups: Groups, loans: list[Loan], free: _Free, stmt: _Statement
     ) -> tuple[list[TaskSpec], list[Loan]]:
         """Place the head on what is free plus what its `loans` hold, if it fits there: released
-        newest first until it fits, then every one it does not displace taken back (oldest
-        first). Returns the head's tasks (kept in `stmt`) and the loans to stop (left released:
-        the caller puts them back when the plan ends); ([], []) and nothing changed if it does
-        not fit even with all of them gone."""
+        from the last on until it fits (the caller's order: the last is the first to stop), then
+        every one it does not displace taken back (the first first). Returns the head's tasks
+        (kept in `stmt`) and the loans to stop (left released: the caller puts them back when
+        the plan ends); ([], []) and nothing changed if it does not fit even with all of them
+        gone."""
         self._lift(loans)
         specs, failed = _place(groups, self, {}, free, stmt, keep=False)
         self._put_back(loans)
@@ -1204,7 +1207,7 @@ class Cluster:
             self._put_back(released)
             return [], []
         stop = []
-        for loan in reversed(released):  # oldest first: the ones that ran longest keep running
+        for loan in reversed(released):  # the first first: the ones the caller keeps longest
             try:
                 self.allocate(loan.config, loan.tasks)
             except ValueError:
