@@ -72,11 +72,13 @@ class J:
 
 @dataclass(frozen=True)
 class R:
-    """A running attempt 1 of `job`, one task per entry of `on` ("node:gpu,gpu")."""
+    """A running attempt 1 of `job`, one task per entry of `on` ("node:gpu,gpu"); `stopping`:
+    the indexes of tasks an elastic shrink removed that still hold their node (still running)."""
 
     job: J
     on: tuple[str, ...]
     borrowed: bool = False
+    stopping: tuple[int, ...] = ()
 
 
 @dataclass
@@ -286,6 +288,20 @@ ROWS = [
         queue=[J("j", gpus=2, at=5)],
         expect=["wait j: *"],
     ),
+    Row(
+        "while removed tasks still stop, what they free is the waiting job's: nothing grows into it",
+        nodes={"a": 3},
+        running=[R(J("e", gpus=1, elastic=(1, 3)), ("a:0", "a:1"), stopping=(1,))],
+        queue=[J("j", gpus=2, at=5)],
+        expect=["wait j: *"],
+    ),
+    Row(
+        "removed tasks still stopping that would not make room: the role grows as before",
+        nodes={"a": 3},
+        running=[R(J("e", gpus=1, elastic=(1, 3)), ("a:0", "a:1"), stopping=(1,))],
+        queue=[J("j", gpus=3, at=5)],
+        expect=["wait j: *", "grow e.1 +w.2@a"],
+    ),
 ]
 
 
@@ -320,6 +336,7 @@ def view_of(row: Row) -> tuple[View, dict[str, VirtualCluster]]:
                     gpus=[int(g) for g in gpus.split(",") if g],
                     state=TaskState.RUNNING,
                     started_at=LONG_AGO + timedelta(seconds=r.job.at),
+                    removed=i in r.stopping,
                 )
             )
         record = AttemptRecord(

@@ -540,6 +540,17 @@ def _resize(
             view.cluster.release(config, tasks)
 
 
+def _stopping(view: View) -> list[tuple[JobConfig, TaskSpec]]:
+    """Tasks an earlier shrink removed that still hold their node (not yet reported stopped)."""
+    out = []
+    for key in view.elastic:
+        record = view.attempts.get(key)
+        job = view.jobs.get(record.job_id) if record is not None else None
+        if record is not None and job is not None:
+            out += [(job.config, t.spec()) for t in record.tasks if t.removed and not t.state.ended]
+    return out
+
+
 def _shrink_or_grow(
     view: View,
     vcs: Mapping[str, VirtualCluster],
@@ -550,8 +561,11 @@ def _shrink_or_grow(
     placed: list[Place],
     held: list[tuple[JobConfig, list[TaskSpec]]],
 ) -> None:
+    stopping = _stopping(view)
     for waiting in decision.blocked[:tries]:
         pending = placement.PendingJob(waiting.job_id, waiting.config.smallest())
+        if stopping and elastic.freeing_for(view.cluster, pending, stopping):
+            return  # room is being made for it: nothing shrinks more, nothing grows into it
         running = [(job.config, record) for job, record in ready if job.job_id != waiting.job_id]
         chosen = elastic.shrink_for(view.cluster, pending, running)
         if chosen:

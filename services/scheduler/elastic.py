@@ -9,7 +9,8 @@ A role with `minTaskNumber`/`maxTaskNumber` is placed at its minimum. Then, in e
   (one membership change rather than one per task), and replaces tasks that failed; a role one
   of whose tasks has succeeded is finishing and no longer grows.
 Waiting work comes first: a role grows only when no waiting job could be let in by shrinking,
-so what it takes is room no waiting job can use now (EDL's point: idle GPUs do work).
+nor fits in what removed tasks still stopping will free, so what it takes is room no waiting job
+can use now (EDL's point: idle GPUs do work).
 An attempt changes at most once per `dwell` seconds and only while every member runs, so a
 gang that is still starting, or just changed, is left alone (no thrashing).
 
@@ -77,6 +78,25 @@ def grow(cluster: placement.Cluster, config: JobConfig, record: AttemptRecord) -
         for spec in added:
             cluster.release(config, [spec])
     return added
+
+
+def freeing_for(
+    cluster: placement.Cluster,
+    waiting: placement.PendingJob,
+    stopping: Sequence[tuple[JobConfig, TaskSpec]],
+) -> bool:
+    """Whether `waiting` fits once the `stopping` tasks (removed by a shrink, still holding their
+    node until their agent reports them stopped) are gone: room already being made for it,
+    which no role may grow into meanwhile."""
+    released: list[tuple[JobConfig, TaskSpec]] = []
+    try:
+        for config, spec in stopping:
+            cluster.release(config, [spec])
+            released.append((config, spec))
+        return cluster.place_alone(waiting) is not None
+    finally:
+        for config, spec in released:
+            cluster.allocate(config, [spec])
 
 
 def shrink_for(
