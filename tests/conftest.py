@@ -223,6 +223,7 @@ if _worker.isdigit():
     os.environ.setdefault("MUSTER_PORT_SLICE", f"{_worker}/{_workers}")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids (--dist loadgroup)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("docker") or ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
