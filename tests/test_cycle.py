@@ -296,6 +296,16 @@ ROWS = [
         expect=["wait j: *"],
     ),
     Row(
+        "a gang called back for the head: no elastic role grows into what the head is planned onto",
+        nodes={"a": 4},
+        running=[
+            R(J("e", gpus=1, elastic=(1, 3)), ("a:0",)),
+            R(J("later", gpus=2, at=5), ("a:2,3",)),
+        ],
+        queue=[J("head", gpus=3, at=1)],
+        expect=["preempt later.1 for head (head)", "wait head: first in line: stopping 1 gang(s)*"],
+    ),
+    Row(
         "removed tasks still stopping that would not make room: the role grows as before",
         nodes={"a": 3},
         running=[R(J("e", gpus=1, elastic=(1, 3)), ("a:0", "a:1"), stopping=(1,))],
@@ -403,6 +413,22 @@ def test_nothing_is_decided_while_a_preempted_gang_is_still_stopping() -> None:
     v.attempts["x2.1"] = stopping
     v.attempt_changed("x2.1")
     assert decide(v, vcs, quota.Fixeds(), NOW).lines() == ["wait y1: waiting for 1 preempted gang(s) to stop"]
+
+
+def test_while_a_gang_stops_for_the_head_no_elastic_role_grows_into_its_place() -> None:
+    row = next(r for r in ROWS if r.name.startswith("a gang called back for the head"))
+    v, vcs = view_of(row)
+    record = v.attempts["later.1"]
+    v.attempts["later.1"] = record.model_copy(update={"preempted_by": "head", "ended_at": NOW})
+    v.attempt_changed("later.1")
+    lines = decide(v, vcs, quota.Fixeds(), NOW).lines()
+    assert lines == ["wait head: waiting for 1 gang(s) stopped for it to stop"]
+    # Once its tasks have stopped, the head takes the GPU beside them, not the elastic role.
+    ended = [t.model_copy(update={"state": TaskState.STOPPED}) for t in record.tasks]
+    v.attempts["later.1"] = v.attempts["later.1"].model_copy(update={"tasks": ended})
+    v.attempt_changed("later.1")
+    assert not v.stopping
+    assert decide(v, vcs, quota.Fixeds(), NOW).lines() == ["place head.1 w.0@a[1, 2, 3]"]
 
 
 def test_while_a_gang_stops_for_the_head_nothing_else_is_stopped_and_nothing_is_lent_on_its_place() -> None:

@@ -540,14 +540,17 @@ def _resize(
             view.cluster.release(config, tasks)
 
 
-def _stopping(view: View) -> list[tuple[JobConfig, TaskSpec]]:
-    """Tasks an earlier shrink removed that still hold their node (not yet reported stopped)."""
+def _freeing(view: View) -> list[tuple[JobConfig, TaskSpec]]:
+    """What is being freed: the tasks of gangs ended or stopped whose tasks have not stopped
+    yet, and of elastic roles that a shrink removed; each holds its node until its agent
+    reports it stopped."""
     out = []
-    for key in view.elastic:
+    for key in view.stopping | view.elastic:
         record = view.attempts.get(key)
         job = view.jobs.get(record.job_id) if record is not None else None
         if record is not None and job is not None:
-            out += [(job.config, t.spec()) for t in record.tasks if t.removed and not t.state.ended]
+            gone = key in view.stopping
+            out += [(job.config, t.spec()) for t in record.tasks if not t.state.ended and (gone or t.removed)]
     return out
 
 
@@ -561,16 +564,19 @@ def _shrink_or_grow(
     placed: list[Place],
     held: list[tuple[JobConfig, list[TaskSpec]]],
 ) -> None:
-    stopping = _stopping(view)
-    for waiting in decision.blocked[:tries]:
+    blocked = decision.blocked[:tries]
+    freeing = _freeing(view) if blocked else []
+    for waiting in blocked:
         pending = placement.PendingJob(waiting.job_id, waiting.config.smallest())
-        if stopping and elastic.freeing_for(view.cluster, pending, stopping):
+        if freeing and elastic.freeing_for(view.cluster, pending, freeing):
             return  # room is being made for it: nothing shrinks more, nothing grows into it
         running = [(job.config, record) for job, record in ready if job.job_id != waiting.job_id]
         chosen = elastic.shrink_for(view.cluster, pending, running)
         if chosen:
             decision.shrink = Shrink(waiting, chosen)
             return
+    if decision.preempt or any(view.attempts[k].preempted_by for k in view.stopping if k in view.attempts):
+        return  # gangs stop for a job, planned onto what they hold and what is free beside it
     ledger = None
     if vcs:  # a VC that may not borrow: its elastic jobs grow only within its quota
         capacity = quota.capacity_of(view.capacity.cluster.nodes.values())

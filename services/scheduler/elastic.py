@@ -9,8 +9,8 @@ A role with `minTaskNumber`/`maxTaskNumber` is placed at its minimum. Then, in e
   (one membership change rather than one per task), and replaces tasks that failed; a role one
   of whose tasks has succeeded is finishing and no longer grows.
 Waiting work comes first: a role grows only when no waiting job could be let in by shrinking,
-nor fits in what removed tasks still stopping will free, so what it takes is room no waiting job
-can use now (EDL's point: idle GPUs do work).
+nor fits in what tasks still stopping will free (removed ones, or a preempted or called-back
+gang's), so what it takes is room no waiting job can use now (EDL's point: idle GPUs do work).
 An attempt changes at most once per `dwell` seconds and only while every member runs, so a
 gang that is still starting, or just changed, is left alone (no thrashing).
 
@@ -83,14 +83,14 @@ def grow(cluster: placement.Cluster, config: JobConfig, record: AttemptRecord) -
 def freeing_for(
     cluster: placement.Cluster,
     waiting: placement.PendingJob,
-    stopping: Sequence[tuple[JobConfig, TaskSpec]],
+    freeing: Sequence[tuple[JobConfig, TaskSpec]],
 ) -> bool:
-    """Whether `waiting` fits once the `stopping` tasks (removed by a shrink, still holding their
-    node until their agent reports them stopped) are gone: room already being made for it,
-    which no role may grow into meanwhile."""
+    """Whether `waiting` fits once the `freeing` tasks (stopping: removed by a shrink, or of a
+    gang preempted, called back or ended; each holds its node until its agent reports it
+    stopped) are gone: room already being made for it, which no role may grow into meanwhile."""
     released: list[tuple[JobConfig, TaskSpec]] = []
     try:
-        for config, spec in stopping:
+        for config, spec in freeing:
             cluster.release(config, [spec])
             released.append((config, spec))
         return cluster.place_alone(waiting) is not None

@@ -156,6 +156,7 @@ class View:
         self.beats = Beats(node_timeout)
         self.ranked: set[str] = set()  # jobs not ended whose priority is not normal
         self.elastic: set[str] = set()  # attempts not ended with elastic roles
+        self.stopping: set[str] = set()  # attempts ended or preempted whose tasks still hold
 
     # -------------------------------------------------------- nodes
 
@@ -257,6 +258,10 @@ class View:
         else:
             self.failed.pop(key, None)
         freed = self._hold(key, record)
+        if record is not None and (record.ended or record.preempted_by is not None) and key in self._held:
+            self.stopping.add(key)
+        else:
+            self.stopping.discard(key)
         # A waiting job's next attempt may go once its current one has ended with all its tasks.
         ended = record is None or record.ended or all(t.state.ended for t in record.tasks)
         return freed or (job_id in self._queued and ended)
