@@ -258,10 +258,6 @@ class View:
         else:
             self.failed.pop(key, None)
         freed = self._hold(key, record)
-        if record is not None and (record.ended or record.preempted_by is not None) and key in self._held:
-            self.stopping.add(key)
-        else:
-            self.stopping.discard(key)
         # A waiting job's next attempt may go once its current one has ended with all its tasks.
         ended = record is None or record.ended or all(t.state.ended for t in record.tasks)
         return freed or (job_id in self._queued and ended)
@@ -280,6 +276,10 @@ class View:
         old = self._held.pop(key, {})
         if new:
             self._held[key] = new
+        if new and record is not None and (record.ended or record.preempted_by is not None):
+            self.stopping.add(key)
+        else:
+            self.stopping.discard(key)
         touched: dict[str, tuple[list[Use], list[Use]]] = {}  # node -> (uses freed, uses taken)
         for task, use in old.items():
             if new.get(task) != use:
