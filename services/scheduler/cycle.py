@@ -26,8 +26,9 @@ What a cycle decides, in the order the service applies it:
    differs from the one its record has (and whether it can never run on these nodes).
 3. **Elastic roles** (elastic.py): newest tasks removed so that the first blocked waiting job
    fits (a shrink), or else elastic roles grown into capacity no waiting job can use (grows),
-   within the quota of a VC that may not borrow. Read as the cluster will be once step 2's
-   placements are held.
+   within the quota of a VC that may not borrow: none while gangs stop for a job, nor while a
+   blocked job would fit in what stopping tasks will free. Read as the cluster will be once step
+   2's placements are held.
 """
 
 from __future__ import annotations
