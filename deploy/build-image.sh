@@ -36,6 +36,7 @@ done
 find_pip
 
 need_docker
+one_at_a_time
 
 VERSION="$(sed -n 's/^version *= *"\(.*\)"/\1/p' "$ROOT/pyproject.toml" | head -n1)"
 [[ -n "$VERSION" ]] || die "cannot read the version from $ROOT/pyproject.toml"

@@ -14,6 +14,15 @@ need_docker() {
   docker info >/dev/null 2>&1 || missing "the Docker engine does not answer (is dockerd running?)"
 }
 
+# One run at a time on this machine, until the script exits (where flock(1) is there): a second
+# run waits, then finds the image built. Two builds at once broke one another (the first one's
+# prune of its dangling install stage removed the layer the second was building on).
+one_at_a_time() {
+  command -v flock >/dev/null || return 0
+  exec 9>"${TMPDIR:-/tmp}/muster-$NAME.lock"
+  flock 9 || die "cannot take ${TMPDIR:-/tmp}/muster-$NAME.lock"
+}
+
 # PIP: as set, else the project's .venv/bin/pip, else pip3.
 find_pip() {
   if [[ -n "${PIP:-}" ]]; then :

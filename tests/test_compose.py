@@ -10,6 +10,7 @@ and sees 3 distinct nodes alive, also with nats-1 stopped. Needs a Docker engine
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -82,6 +83,25 @@ def muster_image(compose: list[str]) -> Iterator[str]:
     assert _run(["docker", "tag", f"muster/muster:{version}", tag]).returncode == 0
     yield tag
     _run(["docker", "rmi", tag])  # only the tag: the image stays
+
+
+def test_a_second_build_of_the_image_waits_for_the_first(muster_image: str, tmp_path: Path) -> None:
+    """Two builds at once broke one another (the first one's prune of its dangling install stage
+    removed the layer the second was building on): a build waits while another holds the lock,
+    then finds the image built."""
+    import fcntl
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the lock, and nothing else, is this test's own
+    with (tmp_path / "muster-build-image.lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        build = subprocess.Popen(
+            [str(ROOT / "deploy" / "build-image.sh")], env=env, stderr=subprocess.PIPE, text=True
+        )
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            build.wait(timeout=10)  # up to date, it would be done in a second or two
+        assert build.returncode is None, "it ran while another build held the lock"
+    _, err = build.communicate(timeout=300)
+    assert build.returncode == 0 and "is up to date" in err, err
 
 
 @dataclass
