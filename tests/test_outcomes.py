@@ -82,8 +82,9 @@ async def _run(cluster, nc, shared: Path, config: dict, args: tuple, ended, free
         await asyncio.sleep(0.005)
     agent.send_signal(signal.SIGKILL)
     agent.wait(10)
-    if away:  # past the node timeout: the fence alone can tell
+    if away:  # past the node timeout: the fence alone can tell, and ps is lost with the node
         record = await wait_final(nc, job_id, timeout=NODE_TIMEOUT + 30)
+        await _all_ended(nc, job_id, NODE_TIMEOUT + 30)
         cluster.agent("n1", *args)
     else:
         cluster.agent("n1", *args)
@@ -91,15 +92,20 @@ async def _run(cluster, nc, shared: Path, config: dict, args: tuple, ended, free
     return record
 
 
-async def _check(nc, record: JobRecord, shared: Path, cluster) -> None:  # noqa: F811
-    """SUCCEEDED in its first attempt, its workers recorded as exited 0, and nothing run twice."""
-    deadline = time.monotonic() + 30  # the job ends with its workers; ps is stopped after
+async def _all_ended(nc, job_id: str, timeout: float):  # noqa: F811
+    """The job's attempt once every task of it is recorded as ended."""
+    deadline = time.monotonic() + timeout
     while True:
-        a = await attempt(nc, record.job_id)
+        a = await attempt(nc, job_id)
         if all(t.state.ended for t in a.tasks):
-            break
+            return a
         assert time.monotonic() < deadline, a
         await asyncio.sleep(0.2)
+
+
+async def _check(nc, record: JobRecord, shared: Path, cluster, away: bool) -> None:  # noqa: F811
+    """SUCCEEDED in its first attempt, its workers recorded as exited 0, and nothing run twice."""
+    a = await _all_ended(nc, record.job_id, 30)  # the job ends with its workers; ps is stopped after
     assert (record.state, record.attempt, record.platform_retries) == (JobState.SUCCEEDED, 1, 0), (
         record,
         cluster.logs(),
@@ -108,9 +114,10 @@ async def _check(nc, record: JobRecord, shared: Path, cluster) -> None:  # noqa:
         w = a.task("w", i)
         assert (w.state, w.cause, w.exit_code) == (TaskState.SUCCEEDED, TaskCause.EXITED, 0), w
     # Killed with its agent (process; Docker when no agent came back) or by the kill order the
-    # job's end sent (an agent came back and adopted it): never an exit of its own (137).
+    # job's end sent (an agent came back and adopted it): never an exit of its own (137). Away
+    # past the node timeout, it is declared lost with its node before any agent comes back.
     ps = a.task("ps", 0)
-    assert ps.cause in (TaskCause.PLATFORM, TaskCause.KILLED), ps
+    assert ps.cause in ((TaskCause.NODE_LOST,) if away else (TaskCause.PLATFORM, TaskCause.KILLED)), ps
     runs = sorted((shared / "runs").read_text().split())
     assert runs == ["ps.0", "w.0", "w.1"], f"a task ran again: {runs}"
 
@@ -134,7 +141,7 @@ async def test_process_tasks_that_exit_as_their_agent_is_killed_are_not_run_agai
     shared.mkdir()
     config = _config(shared, "img")
     record = await _run(cluster, nc, shared, config, AGENT, _workers_ended, freeze, away)
-    await _check(nc, record, shared, cluster)
+    await _check(nc, record, shared, cluster, away)
 
 
 async def test_a_task_printing_as_its_agent_dies_is_lost_not_failed(cluster, nc, tmp_path, monkeypatch):  # noqa: F811
@@ -193,7 +200,7 @@ async def test_docker_tasks_that_exit_as_their_agent_is_killed_are_not_run_again
 
     args = ("--runtime", "docker", "--overcommit", *AGENT)
     record = await _run(cluster, nc, shared, config, args, ended, True, away)
-    await _check(nc, record, shared, cluster)
+    await _check(nc, record, shared, cluster, away)
 
 
 @pytest.mark.docker
@@ -258,8 +265,9 @@ async def test_docker_tasks_that_exit_while_their_dead_agents_fence_waits_are_re
 
     assert await asyncio.to_thread(ps_left), "the exits were told only after the fence removed the containers"
     record = await wait_final(nc, job_id, timeout=timeout + 30)
+    await _all_ended(nc, job_id, timeout + 30)
     cluster.agent("n1", *args)
-    await _check(nc, record, shared, cluster)
+    await _check(nc, record, shared, cluster, away=True)
 
 
 # ------------------------------------------------------------------ the pieces, one by one
