@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -89,8 +90,6 @@ def test_a_second_build_of_the_image_waits_for_the_first(muster_image: str, tmp_
     """Two builds at once broke one another (the first one's prune of its dangling install stage
     removed the layer the second was building on): a build waits while another holds the lock,
     then finds the image built."""
-    import fcntl
-
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the lock, and nothing else, is this test's own
     with (tmp_path / "muster-build-image.lock").open("w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
