@@ -766,26 +766,40 @@ def _is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def unicode_errors(data: Any) -> list[FieldError]:
-    """Every key or string in `data` that is not valid Unicode text (JSON's `\\ud800` escape
-    decodes to a lone surrogate, which no UTF-8 encoder takes): the config could be neither
-    stored nor sent. Iterative, so any depth json.loads accepts is fine."""
+MAX_NESTING = 64  # objects and lists inside one another; real configs use under ten
+
+
+def value_errors(data: Any) -> list[FieldError]:
+    """What in `data` no field's own rule would catch, anywhere (`extras` takes any value):
+    keys or strings that are not valid Unicode text (JSON's `\\ud800` escape decodes to a lone
+    surrogate, which no UTF-8 encoder takes), NaN or infinite numbers (Python's JSON reader takes
+    them, JSON has no such value, and they are written back as null), and nesting deeper than
+    `MAX_NESTING` (past ~200 levels a stored record can no longer be read back, so an accepted
+    job would be lost). Each is named by its path. Iterative, so any depth json.loads accepts is
+    fine."""
     errors: list[FieldError] = []
-    stack: list[tuple[Any, str]] = [(data, "")]
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
     while stack and len(errors) < 20:
-        value, path = stack.pop()
+        value, path, depth = stack.pop()
         if isinstance(value, str):
             if not _encodes(value):
                 errors.append(FieldError(path=path, reason="must be valid Unicode text (a lone surrogate?)"))
-        elif isinstance(value, dict):
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                errors.append(FieldError(path=path, reason=f"must be a finite number, got {value}"))
+        elif isinstance(value, dict | list):
+            if depth >= MAX_NESTING:
+                errors.append(FieldError(path=path, reason=f"nested more than {MAX_NESTING} levels deep"))
+                continue
+            if isinstance(value, list):
+                stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
+                continue
             for k, v in value.items():
                 key = str(k)
                 if not _encodes(key):
                     key = key.encode("utf-8", "backslashreplace").decode()
                     errors.append(FieldError(path=f"{path}.{key}" if path else key, reason=_BAD_KEY))
-                stack.append((v, f"{path}.{key}" if path else key))
-        elif isinstance(value, list):
-            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(value))
+                stack.append((v, f"{path}.{key}" if path else key, depth + 1))
     return sorted(errors, key=lambda e: e.path)
 
 
@@ -804,10 +818,11 @@ def check_job(data: Any) -> tuple[JobConfig | None, list[FieldError]]:
     """Validate a decoded job config. Never raises on user input."""
     if not isinstance(data, dict):
         return None, [FieldError(path="", reason=f"a job config must be a JSON object, got {_kind(data)}")]
-    # Text that cannot be encoded is named at once: nothing else is checked, nothing quotes it.
-    bad_text = unicode_errors(data)
-    if bad_text:
-        return None, bad_text
+    # Values that could be neither stored nor read back are named at once: nothing else is
+    # checked (nothing quotes text that cannot be encoded).
+    bad_values = value_errors(data)
+    if bad_values:
+        return None, bad_values
     errors: list[FieldError] = []
     config: JobConfig | None = None
     try:

@@ -395,7 +395,7 @@ TABLE = [
         "jobEnvs-value-nan",
         mutate("jobEnvs.LR", float("nan")),
         "jobEnvs.LR",
-        "must be a string, number or true/false, got nan",
+        "must be a finite number, got nan",
     ),
     row("jobEnvs-not-object", mutate("jobEnvs", ["A=1"]), "jobEnvs", "must be an object, got a list"),
     # extras

@@ -141,6 +141,36 @@ async def history(nc, job_id: str) -> list[JobEvent]:
     return out
 
 
+def _nested(depth: int) -> object:
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+async def test_a_config_nested_too_deep_or_holding_infinity_is_refused_where_and_one_within_reads_back(
+    nats_url, nc
+):
+    """`extras` takes any value. Nested ~200 deep, a config was accepted and its record then
+    unreadable to every reader (pydantic's JSON parser stops near 200 levels), so the job was
+    lost after "accepted"; past 255 the validator failed on it five times, then answered
+    "internal error". Infinity (Python's JSON reader takes it) was accepted and stored as null."""
+    async with validator(nats_url):
+        _, deep = await client.submit(nc, config("deep", extras={"x": _nested(220)}), timeout=15)
+        _, deeper = await client.submit(nc, config("deeper", extras={"x": _nested(300)}), timeout=15)
+        infinite = config("inf").replace(b'"jobName"', b'"extras": {"lr": Infinity}, "jobName"')
+        _, inf = await client.submit(nc, infinite, timeout=15)
+        _, fine = await client.submit(nc, config("fine", extras={"x": _nested(60)}), timeout=15)
+    for verdict in (deep, deeper):
+        assert verdict is not None and not verdict.accepted, verdict
+        [error] = verdict.errors
+        assert error.path == "extras.x" + "[0]" * 62 and "nested more than 64 levels" in error.reason, error
+    assert inf is not None and not inf.accepted, inf
+    assert [(e.path, e.reason) for e in inf.errors] == [("extras.lr", "must be a finite number, got inf")]
+    assert fine is not None and fine.accepted, fine
+    assert (await job(nc, fine.job_id)).config.extras["x"] == _nested(60)
+
+
 async def test_name_is_unique_among_unfinished_jobs_even_under_concurrent_replicas(nats_url, nc):
     async with validator(nats_url), validator(nats_url):
         verdicts = await asyncio.gather(*(client.submit(nc, config("same"), timeout=15) for _ in range(8)))
