@@ -94,11 +94,41 @@ def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
     return 2 + sum(sizes[id(k)] + sizes[id(v)] + 2 for k, v in node.value)
 
 
+def _as_written(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
+    return loader.construct_scalar(node)  # type: ignore[arg-type]
+
+
+# A date or time (`RELEASE: 2024-05-01`) stays the text it was written as, as it would in JSON:
+# PyYAML's date objects have no JSON form, so the config could be neither checked nor sent.
+_BoundedLoader.add_constructor("tag:yaml.org,2002:timestamp", _as_written)
+
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def _not_json(value: Any) -> str | None:
+    """Where in `value` something has no JSON form (`!!binary`, `!!set`), with what it is; None if
+    nothing. Iterative, as deep as the parser went."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, dict):
+            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in item.items())
+        elif isinstance(item, list | tuple):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
+        elif not isinstance(item, _JSON_SCALARS):
+            what = "binary data" if isinstance(item, bytes) else f"a {type(item).__name__}"
+            return f"{path or 'the config'}: {what} has no JSON form; write it as text"
+    return None
+
+
 def load(text: str) -> Any:
     try:
-        return yaml.load(text, Loader=_BoundedLoader)  # a SafeLoader: no Python tags
+        value = yaml.load(text, Loader=_BoundedLoader)  # a SafeLoader: no Python tags
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigYAMLError(f"invalid YAML{where}: {problem}") from None
+    if (problem := _not_json(value)) is not None:
+        raise ConfigYAMLError(f"invalid YAML: {problem}")
+    return value

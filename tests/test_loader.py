@@ -60,6 +60,13 @@ OK_CASES = [
     ),
     pytest.param("jobName: x\n", "job.txt", {"jobName": "x"}, id="yaml-content-other-extension"),
     pytest.param('{"a": "http://x"}', "job.yaml", {"a": "http://x"}, id="json-in-yaml-file"),
+    # A date or time stays the text it was written as (PyYAML's date objects have no JSON form).
+    pytest.param(
+        "jobEnvs:\n  RELEASE: 2024-05-01\n  AT: !!timestamp 2024-05-01T10:00:00Z\n",
+        "job.yaml",
+        {"jobEnvs": {"RELEASE": "2024-05-01", "AT": "2024-05-01T10:00:00Z"}},
+        id="yaml-dates-stay-text",
+    ),
     pytest.param("[1, 2]", "", [1, 2], id="json-list"),
     pytest.param("", "", None, id="empty-text"),
 ]
@@ -87,6 +94,15 @@ ERROR_CASES = [
         "job.yaml",
         "invalid YAML",
         id="yaml-python-tag-refused",
+    ),
+    pytest.param(
+        "extras:\n  blob: !!binary aGVsbG8=\n",
+        "job.yaml",
+        "extras.blob: binary data has no JSON form",
+        id="yaml-binary",
+    ),
+    pytest.param(
+        "extras:\n  s: !!set {a, b}\n", "job.yaml", "extras.s: a set has no JSON form", id="yaml-set"
     ),
     pytest.param(b'{"a": "\xff\xfe"}', "job.json", "not UTF-8", id="non-utf8-bytes"),
     pytest.param(b"\xc3\x28", "", "not UTF-8", id="invalid-utf8-sequence"),
