@@ -176,6 +176,19 @@ def test_a_chart_escapes_what_tasks_named_and_draws_nothing_from_nothing():
     assert "no points yet" in empty and "polyline" not in empty
 
 
+def test_a_chart_of_values_at_the_ends_of_the_float_range_draws():
+    """A task's metrics may hold any finite value: 1e308 and -1e308 made the range infinite and
+    the job's page answer 500 (OverflowError in the ticks)."""
+    for values in ([1e308, -1e308], [1.79e308, 1.79e308], [-1.79e308, 5e-324]):
+        points = [
+            {"t": f"2026-11-26T10:00:0{i}+00:00", "step": i, "name": "loss", "value": v}
+            for i, v in enumerate(values)
+        ]
+        [chart] = views.metric_charts([{"task": "w.0", "points": points}])
+        drawn = chart["svg"].split('points="')[1].split('"')[0]
+        assert "nan" not in drawn and "inf" not in drawn, (values, drawn)
+
+
 def test_a_line_of_many_points_is_thinned_and_keeps_its_last():
     pts = [(float(i), float(i)) for i in range(10_000)]
     svg = views.line_chart("m", [views.Series("t", pts)], "step")
@@ -200,3 +213,29 @@ def test_the_allocation_chart_counts_from_zero():
     labels = re.findall(r'text-anchor="end" fill="currentColor">([^<]+)<', svg)
     assert labels[0] == "0" and "-" not in "".join(labels), labels
     assert svg.count('class="series"') == 2
+
+
+def test_after_signing_in_only_a_path_of_this_site_is_followed():
+    """`/<tab>/evil.example` passed the check: URL parsers drop a tab or newline, so the Location
+    written became `//evil.example`, another site, with the session cookie just set."""
+    from yarl import URL
+
+    from muster.services.portal.app import _next
+
+    assert _next("/jobs/j1?tab=logs") == "/jobs/j1?tab=logs"
+    for target in (
+        "/\t/evil.example",
+        "/\n/evil.example",
+        "/\r\n/evil.example",
+        "//evil.example",
+        "/\\evil.example",
+        "https://evil.example",
+        " /jobs",
+        "/ /x",
+        "/\x7f/x",
+        "",
+        None,
+    ):
+        got = _next(target)
+        assert got == "/jobs", (target, got)
+        assert URL(got).host is None and not str(URL(got)).startswith("//")

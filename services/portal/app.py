@@ -819,8 +819,15 @@ def _day(value: str, field: str) -> str:
 
 
 def _next(target: str | None) -> str:
-    """Where to go after signing in: a path of this site only."""
-    if target and target.startswith("/") and not target.startswith("//") and "\\" not in target:
+    """Where to go after signing in: a path of this site only. No whitespace or control character
+    either: URL parsers drop a tab or newline, so `/<tab>/evil.example` would become
+    `//evil.example`, another site, once the browser (or yarl, writing the Location) reads it."""
+    if (
+        target
+        and target.startswith("/")
+        and not target.startswith("//")
+        and not any(c <= " " or c in "\\\x7f" for c in target)
+    ):
         return target[:512]
     return "/jobs"
 

@@ -158,6 +158,8 @@ def _nice(low: float, high: float, ticks: int = 5) -> list[float]:
     if high <= low:
         high = low + (abs(low) or 1.0)
     raw = (high - low) / ticks
+    if not math.isfinite(raw) or raw <= 0:  # a range past the largest float: no round ticks
+        return []
     mag = 10 ** math.floor(math.log10(raw))
     step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
     first = math.ceil(low / step) * step
@@ -166,6 +168,15 @@ def _nice(low: float, high: float, ticks: int = 5) -> list[float]:
         out.append(round(v, 12))
         v += step
     return out
+
+
+def _along(v: float, low: float, high: float) -> float:
+    """Where `v` lies from `low` (0) to `high` (1). Halved first when the span is past the largest
+    float (a task may print 1e308 and -1e308: any finite value is taken)."""
+    span = high - low
+    if math.isfinite(span):
+        return (v - low) / span
+    return (v * 0.5 - low * 0.5) / (high * 0.5 - low * 0.5)
 
 
 def _label(v: float) -> str:
@@ -245,10 +256,10 @@ def line_chart(
     pw, ph = width - left - right, height - top - bottom
 
     def px(x: float) -> float:
-        return left + (x - x0) / (x1 - x0) * pw
+        return left + _along(x, x0, x1) * pw
 
     def py(y: float) -> float:
-        return top + ph - (y - y0) / (y1 - y0) * ph
+        return top + ph - _along(y, y0, y1) * ph
 
     out.append(el("rect", x=left, y=top, width=pw, height=ph, fill="none", stroke="#999", stroke_width=0.5))
     for t in _nice(y0, y1):
