@@ -838,3 +838,42 @@ async def test_an_exec_request_of_the_wrong_shape_is_answered_with_its_refusal(c
         assert (reply.kind, reply.session) == ("error", "s1") and "job_id" in reply.error, reply
     finally:
         await nc.close()
+
+
+async def test_a_new_leader_that_cannot_resend_one_attempts_orders_leads_on(nats_url):
+    """A new leader re-sends the orders of attempts no task has acted on yet. One it could not
+    send (here: the job's secrets record is not an object) ended the scheduler's process, and a
+    restarted one took the lease and ended again, for as long as the record stayed: nothing was
+    placed. Now that attempt is logged and the leader places on."""
+    from muster.shared import subjects
+    from muster.shared.messages import AttemptRecord, JobRecord, JobState, TaskSpec, TaskStatus
+    from muster.shared.messages import now as now_
+    from tests.test_attained import J, leader, until
+
+    t = now_()
+    stuck = J("stuck", gpus=2).config().model_copy(update={"jobEnvs": {"API_TOKEN": "***"}})
+    spec = TaskSpec(role="w", role_no=0, index=0, node="a", gpus=[0, 1])
+
+    class Raw(bytes):
+        def to_bytes(self) -> bytes:
+            return bytes(self)
+
+    def job(job_id: str, config, state: JobState, attempt: int = 0) -> JobRecord:
+        return JobRecord(
+            job_id=job_id, job_name=job_id, submission_id=job_id, user="u", config=config,
+            submitted_at=t, state=state, attempt=attempt, settled=attempt,
+        )  # fmt: skip
+
+    puts = [
+        (subjects.SECRETS_BUCKET, "stuck", Raw(b"[1, 2]")),
+        (subjects.JOBS_BUCKET, "stuck", job("stuck", stuck, JobState.RUNNING, 1)),
+        (
+            subjects.ATTEMPTS_BUCKET,
+            "stuck.1",
+            AttemptRecord(job_id="stuck", attempt=1, tasks=[TaskStatus.placed(spec)]),
+        ),
+        (subjects.JOBS_BUCKET, "next", job("next", J("next", gpus=2).config(), JobState.WAITING)),
+    ]
+    async with leader(nats_url, puts) as (nc, buckets, scheduler):
+        got = await until(nc, buckets, "next.1", lambda a: True, lambda: "next was not placed")
+        assert got.tasks[0].gpus == [2, 3]  # beside the attempt whose orders could not go

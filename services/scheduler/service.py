@@ -84,6 +84,7 @@ QUEUE_EVERY = 10.0  # seconds between publications of an unchanged queue order, 
 QUEUE_SPACING = 1.0  # seconds at least between two (a changed order waits, then goes: the latest)
 IN_FLIGHT = 128  # commits and reason writes of one cycle in flight at once
 ORDERS_IN_FLIGHT = 64  # one attempt's orders (one per node) in flight at once
+SYNC_WAIT = 30.0  # seconds between warnings while a new leader waits for its buckets' first read
 # Seconds a preempted gang gets between SIGTERM and SIGKILL, to checkpoint.
 ELASTIC_GRACE = settings.seconds("MUSTER_ELASTIC_GRACE", 10.0)  # SIGTERM..SIGKILL of a removed task
 PREEMPTIONS = Counter("muster_scheduler_preemptions_total", "Gangs stopped to make room", ["why"])
@@ -208,8 +209,8 @@ class Scheduler:
         lost = asyncio.Event()
         renewing = asyncio.create_task(self._renew(revision, lost))
         try:
-            synced = asyncio.gather(*(e.wait() for e in self.synced.values()))
-            await asyncio.wait_for(synced, 30)
+            if not await self._synced(stop, lost):
+                return
             self.leading = True
             self._queue_sent = self._queue = None  # a new leader tells the gateways at once
             if self.shadow is not None:
@@ -240,6 +241,21 @@ class Scheduler:
             renewing.cancel()
             if self._shadowing is not None:
                 self._shadowing.cancel()
+
+    async def _synced(self, stop: asyncio.Event, lost: asyncio.Event) -> bool:
+        """Wait until every mirrored bucket has been read once (a big one may take a while: said
+        every SYNC_WAIT, the lease renewed meanwhile); False if stopped or the lease is lost."""
+        while not (stop.is_set() or lost.is_set()):
+            behind = [name for name, e in self.synced.items() if not e.is_set()]
+            if not behind:
+                return True
+            waits = [asyncio.ensure_future(e.wait()) for e in (*(self.synced[n] for n in behind), stop, lost)]
+            done, _ = await asyncio.wait(waits, timeout=SYNC_WAIT, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+            if not done:
+                log.warning("scheduler.sync_slow", waiting_for=sorted(behind), seconds=SYNC_WAIT)
+        return False
 
     def _shadow_when_due(self) -> None:
         """Make the queue's FIFO shadow again, every SHADOW_EVERY while jobs wait, in a thread
@@ -535,7 +551,11 @@ class Scheduler:
                 continue
             if all(t.state == TaskState.PLACED for t in record.tasks):
                 log.info("scheduler.resend_orders", attempt=record.key)
-                await self._send_assignments(job, record)
+                try:
+                    await self._send_assignments(job, record)
+                except Exception as exc:  # one attempt's orders, not the leadership: its tasks
+                    # stay placed and the supervisor ends them uncharged after the start deadline
+                    log.error("scheduler.resend_failed", attempt=record.key, error=repr(exc)[:300])
 
     async def set_reason(self, job_id: str, attempt: int, reason: str, unschedulable: bool = False) -> None:
         def change(current: JobRecord) -> JobRecord | None:
