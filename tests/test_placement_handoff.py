@@ -225,3 +225,36 @@ async def test_an_attempt_that_ended_before_its_placement_was_taken_up_is_settle
     record = await b.record(subjects.JOBS_BUCKET, "jh5", JobRecord)
     assert (record.attempt, record.settled) == (1, 1) and record.state == JobState.FAILED, record
     assert await history(b, "jh5", ("placed", "retrying", "ended")) == ["placed", "ended"]
+
+
+async def test_a_task_an_elastic_role_added_is_taken_up_while_the_mirror_still_lacks_it(
+    alone: tuple[Supervisor, Bus],
+):
+    """The scheduler adds w.2 to the attempt's record, then sends its order; its running report
+    can come before the supervisor's mirror has the write. It was refused as naming a task the
+    attempt does not have (and failed as never started 10 minutes later): the stored record
+    decides. A report for it from another node is still refused."""
+    from muster.shared import consume
+    from muster.shared.messages import TaskEvent, TaskEventKind
+
+    supervisor, b = alone
+    await b.put(subjects.JOBS_BUCKET, "jh9", job("jh9", state=JobState.RUNNING, attempt=1, settled=0))
+    before = placed("jh9", 1)
+    grown = before.model_copy(
+        update={
+            "tasks": [*before.tasks, TaskStatus.placed(TaskSpec(role="w", role_no=0, index=2, node="n2"))]
+        }
+    )
+    await b.put(subjects.ATTEMPTS_BUCKET, grown.key, grown)
+    supervisor.view_attempts[before.key] = before  # the mirror, a write behind
+
+    def report(by: str) -> consume.Sent[TaskEvent]:
+        event = TaskEvent(job_id="jh9", attempt=1, role="w", index=2, node="n2", kind=TaskEventKind.RUNNING)
+        return consume.Sent(by, subjects.task_event("jh9", 1, "w", 2, TaskEventKind.RUNNING, by), event)
+
+    await supervisor.apply_events(grown.key, [report("n0")])  # forged: n0 did not get w.2
+    stored = await b.record(subjects.ATTEMPTS_BUCKET, grown.key, AttemptRecord)
+    assert [t.state for t in stored.tasks] == [TaskState.PLACED] * 3
+    await supervisor.apply_events(grown.key, [report("n2")])
+    stored = await b.record(subjects.ATTEMPTS_BUCKET, grown.key, AttemptRecord)
+    assert [t.state for t in stored.tasks] == [TaskState.PLACED, TaskState.PLACED, TaskState.RUNNING]

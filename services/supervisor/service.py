@@ -257,6 +257,14 @@ class Supervisor:
             return 0.0
         return min(MAX_SPACING, WRITE_SPACING * len(attempt.tasks))
 
+    @staticmethod
+    def _refusals(known: AttemptRecord | None, items: list[consume.Sent[TaskEvent]]) -> list[str | None]:
+        """Why each event may not be applied to `known` (None: it may)."""
+        if known is None:
+            return ["no such attempt"] * len(items)
+        tasks = {t.key: t for t in known.tasks}
+        return [policy.event_refusal(s.message, s.subject, s.by, known, tasks) for s in items]
+
     async def apply_events(self, key: str, items: list[consume.Sent[TaskEvent]]) -> None:
         """Apply task events of the attempt `key`, in order, in one write of its record."""
         first = items[0].message
@@ -268,15 +276,16 @@ class Supervisor:
         if job is None:
             log.warning("supervisor.unknown_job", job_id=first.job_id, events=len(items))
             return
-        known = self.view_attempts.get(key) or await self.attempts.get(key, confirm=True)  # None refuses
-        tasks = {t.key: t for t in known.tasks} if known is not None else {}
+        mirrored = self.view_attempts.get(key)
+        known = mirrored or await self.attempts.get(key, confirm=True)  # None refuses
+        refusals = self._refusals(known, items)
+        if mirrored is not None and any(refusals):
+            # The mirror may lag the record: an elastic role's new task can report before the
+            # write that added it is seen here. Refused only by the stored record.
+            known = await self.attempts.get(key, confirm=True)
+            refusals = self._refusals(known, items)
         events = []
-        for sent in items:
-            why = (
-                "no such attempt"
-                if known is None
-                else policy.event_refusal(sent.message, sent.subject, sent.by, known, tasks)
-            )
+        for sent, why in zip(items, refusals, strict=True):
             if why is not None:
                 consume.REFUSED.labels("task_event").inc()
                 log.warning("supervisor.event_refused", subject=sent.subject[:200], why=why)
