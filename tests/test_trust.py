@@ -203,6 +203,36 @@ async def test_garbage_on_every_consumer_is_terminated_and_stalls_nothing(cluste
     assert "message.rejected" in logs and "Traceback" not in logs
 
 
+async def test_an_order_for_an_attempt_with_no_record_runs_nothing(cluster, nc, tmp_path):  # noqa: F811
+    """The scheduler writes an attempt's record before its orders. An order with no record is
+    forged, or outlived its attempt: a node away past the job retention found its old orders
+    still queued, and ran the finished job's tasks again (the record it checked them against was
+    pruned, so nothing said the attempt had ended). It is refused and counted; work goes on."""
+    from muster.shared.jobconfig import JobConfig
+    from muster.shared.messages import Assignment, TaskSpec
+
+    cluster.core()
+    agent = cluster.agent("n1", "--address", "127.0.0.1", "--cpus", "2")
+    await _declared(nc)
+    ran = tmp_path / "ran"
+    config = JobConfig.model_validate(
+        {"jobName": "ghost", "image": "img", "taskRoles": [role("w", 1, f"touch {ran}")]}
+    )
+    order = Assignment(
+        job_id="jghost", attempt=1, user="u", config=config, node="n1",
+        gang=[TaskSpec(role="w", role_no=0, index=0, node="n1")],
+    )  # fmt: skip
+    await nc.jetstream().publish(subjects.assign("n1"), order.to_bytes())
+    record = await run_job(nc, {"jobName": "after", "image": "img", "taskRoles": [role("w", 1, "true")]})
+    assert record.state == JobState.SUCCEEDED
+
+    async def refused() -> bool:
+        return "agent.order_refused" in cluster.logs()
+
+    await _until(refused, 30, "the order was not refused")
+    assert not ran.exists() and agent.poll() is None
+
+
 async def test_garbage_records_in_kv_are_skipped_not_fatal(cluster, nc):  # noqa: F811
     """Defect 14: one garbage entry in the nodes, jobs or attempts bucket stops nothing."""
     cluster.core()  # the services declare the buckets

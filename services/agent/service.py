@@ -48,7 +48,7 @@ from muster.services.agent.rsh import Rsh
 from muster.services.agent.runtime import (
     Runtime,
 )
-from muster.services.agent.sharing import Attempts, Shared
+from muster.services.agent.sharing import Attempts, Placement, Shared
 from muster.services.agent.tasks import NOT_STARTED, LocalTask, Tasks
 from muster.shared import bus, consume, hostpaths, settings, subjects
 from muster.shared.messages import (
@@ -64,6 +64,7 @@ from muster.shared.messages import (
     attempt_key,
     now,
 )
+from muster.shared.store import Store
 
 HEARTBEATS_MISSED = Counter(
     "muster_agent_heartbeats_missed_total", "Heartbeats this agent could not send to the bus", ["node"]
@@ -441,13 +442,25 @@ class Agent:
 
     async def assign(self, a: Assignment) -> None:
         placement = await self.attempts.placement(a.key)
-        record = placement.record if placement is not None else None
+        if placement is None:
+            stored = await Store.get(self.attempts, a.key, confirm=True)  # not the shared read
+            if stored is None:
+                # The scheduler writes an attempt's record before its orders: with none, the
+                # order is forged or outlived its attempt (a node away past the job retention
+                # finds its old orders still queued). Run nothing of it.
+                consume.REFUSED.labels("assignment").inc()
+                self.log.warning("agent.order_refused", attempt=a.key, why="no such attempt")
+                for spec in a.mine:
+                    self.tasks.remember((a.job_id, a.attempt, spec.role, spec.index))
+                return
+            placement = Placement.of(stored)
+        record = placement.record
         for spec in a.mine:
             key = (a.job_id, a.attempt, spec.role, spec.index)
             if self.tasks.known(key):
                 continue  # a redelivered or repeated order
-            status = placement.by_key.get(spec.key) if placement is not None else None
-            if record is not None and (record.ended or (status is not None and status.state.ended)):
+            status = placement.by_key.get(spec.key)
+            if record.ended or (status is not None and status.state.ended):
                 # Its attempt ended before the order was read: never start it, but say so.
                 if status is not None and not status.state.ended:
                     self.tasks.report_ended(
