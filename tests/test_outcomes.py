@@ -306,6 +306,23 @@ async def test_a_process_task_records_its_own_exit_and_a_stop_is_never_taken_for
     assert await runtime.reap(found["muster-j1-1-w-1"]) is None
 
 
+async def test_a_process_task_ends_with_its_main_process_whatever_it_left_running(tmp_path):
+    """A command that leaves a child in the background (`server &`) ended, but the child held
+    its output pipe open: the task was never reported ended, and a stop found nothing left to
+    stop. It ends with its main process, as a container does, its output delivered first."""
+    runtime = ProcessRuntime(tmp_path / "tasks")
+    lines: list[str] = []
+    task = await runtime.start(
+        _launch("muster-j3-1-w-0", "echo hi; sleep 600 & echo bye; exit 0"), lines.append
+    )
+    assert await asyncio.wait_for(task.wait(), 15) == 0
+    assert lines == ["hi", "bye"]
+    deadline = time.monotonic() + 10
+    while task_pids("muster-j3-1-w-0"):  # the sleep was killed with it
+        assert time.monotonic() < deadline, task_pids("muster-j3-1-w-0")
+        await asyncio.sleep(0.05)
+
+
 async def test_the_fence_of_a_dead_agent_reports_what_ended_and_kills_what_runs(tmp_path, nats_url):
     """The agent (here, this test) dies having seen nothing: one task had ended by itself,
     one still runs, and a report waits in its outbox. Its fence kills the running one (recorded

@@ -64,6 +64,7 @@ WRAPPER = (
 )
 
 log = structlog.get_logger(service="agent")
+OUTPUT_DRAIN = 10.0  # seconds the output may take to end once the task's main process has exited
 
 
 class ProcessTask:
@@ -120,7 +121,15 @@ class ProcessTask:
 
     async def wait(self) -> int:
         code = await self.proc.wait()
-        await self._reader  # every line delivered before the exit is reported
+        # The task ends with its main process, as a container ends with its first one: what it
+        # left running in its process group (`server &`) is killed. It held the output pipe
+        # open, so the task was never reported ended, and a stop found nothing left to stop.
+        self._signal(signal.SIGKILL)
+        try:  # every line written before the exit is delivered before the exit is reported
+            await asyncio.wait_for(asyncio.shield(self._reader), OUTPUT_DRAIN)
+        except TimeoutError:  # a process that left the group (setsid) still holds the pipe
+            log.warning("process.output_not_drained", task=self.name, seconds=OUTPUT_DRAIN)
+            self._reader.cancel()
         return 128 - code if code < 0 else code
 
     async def remove(self) -> None:
