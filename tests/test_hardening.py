@@ -874,6 +874,39 @@ async def test_a_new_leader_that_cannot_resend_one_attempts_orders_leads_on(nats
         ),
         (subjects.JOBS_BUCKET, "next", job("next", J("next", gpus=2).config(), JobState.WAITING)),
     ]
-    async with leader(nats_url, puts) as (nc, buckets, scheduler):
+    async with leader(nats_url, puts) as (nc, buckets, _):
         got = await until(nc, buckets, "next.1", lambda a: True, lambda: "next was not placed")
         assert got.tasks[0].gpus == [2, 3]  # beside the attempt whose orders could not go
+
+
+async def test_waiting_on_a_container_while_the_engine_refuses_asks_once_a_second():
+    """Each wait of a running task's container is a blocking call in slices; one the engine
+    refused at once (dockerd restarting) was asked again at once: about 1,150 calls a second
+    per task, each a worker thread's. The engine here is a stand-in (its restart is the seam)."""
+    import requests
+
+    from muster.services.agent.docker_runtime import DockerTask
+
+    class Restarting:
+        name = "muster-j1-1-w-0"
+
+        def __init__(self) -> None:
+            self.asked, self.until = 0, time.monotonic() + 2.0
+            self.attrs: dict = {"State": {}}
+
+        def logs(self, **kwargs: object) -> Iterator[bytes]:
+            return iter(())
+
+        def wait(self, timeout: float) -> dict:
+            self.asked += 1
+            if time.monotonic() < self.until:
+                raise requests.exceptions.ConnectionError("the engine is restarting")
+            return {"StatusCode": 7}
+
+        def reload(self) -> None:
+            pass
+
+    container = Restarting()
+    task = DockerTask(container, None, asyncio.get_running_loop(), None)  # type: ignore[arg-type]
+    assert await asyncio.wait_for(task.wait(), 30) == 7
+    assert container.asked <= 5, container.asked

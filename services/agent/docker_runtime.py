@@ -205,11 +205,15 @@ class DockerTask:
     async def _wait(self) -> int:
         try:
             while True:  # in slices: a thread blocked here must not keep a stopping agent alive
+                began = time.monotonic()
                 try:
                     result = await asyncio.to_thread(self._container.wait, timeout=WAIT_SLICE)
                     break
                 except requests.exceptions.RequestException:
-                    continue
+                    # A slice that timed out: wait on. One refused at once (the engine restarting)
+                    # is tried again a second later, not in a loop of a thousand calls a second.
+                    if time.monotonic() - began < WAIT_SLICE / 2:
+                        await asyncio.sleep(1.0)
             code = int(result["StatusCode"])
             await asyncio.to_thread(self._container.reload)
             self.oom_killed = bool(self._container.attrs.get("State", {}).get("OOMKilled"))
