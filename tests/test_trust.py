@@ -331,6 +331,27 @@ async def test_reports_made_while_the_bus_is_away_are_sent_when_it_is_back(tmp_p
         await nc.close()
 
 
+async def test_a_report_made_when_the_disk_takes_nothing_is_sent_from_memory(tmp_path, nc):  # noqa: F811
+    """A full disk (here: the outbox gone, a file in its place) made keeping a report raise into
+    the task's start or end, which died unseen: the task was never reported ended."""
+    import shutil
+
+    await bus.ensure_jetstream(nc)
+    outbox = tmp_path / "outbox"
+    reporter = Reporter(nc.jetstream(timeout=5), outbox)
+    reporter.start()
+    shutil.rmtree(outbox)
+    outbox.write_text("not a directory")
+    event = TaskEvent(job_id="j2", attempt=1, role="w", index=0, node="n", kind=TaskEventKind.RUNNING)
+    reporter.report(event)  # does not raise
+    assert await reporter.flush(30), "the report was never sent"
+    stored = await nc.jetstream().get_last_msg(
+        subjects.EVENTS_STREAM, subjects.task_event("j2", 1, "w", 0, "running", "n")
+    )
+    assert TaskEvent.from_bytes(stored.data).kind == TaskEventKind.RUNNING
+    await reporter.close()
+
+
 async def test_a_run_that_ends_while_its_agent_is_down_is_charged_exactly(
     cluster,
     nc,  # noqa: F811

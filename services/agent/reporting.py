@@ -31,8 +31,12 @@ def keep(outbox: Path, event: TaskEvent) -> tuple[Path, bytes]:
     path = outbox / f"{time.time_ns():020d}-{next(_seq):06d}-{task}.{event.kind}.json"
     data = event.to_bytes()
     tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+    try:
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk: no half entry left behind
+        raise
     return path, data
 
 
@@ -40,7 +44,7 @@ class Reporter:
     def __init__(self, js: JetStreamContext, outbox: Path):
         self.js, self.outbox = js, outbox
         outbox.mkdir(parents=True, exist_ok=True)
-        self.queue: asyncio.Queue[tuple[Path, bytes, TaskEvent | None]] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[Path | None, bytes, TaskEvent | None]] = asyncio.Queue()
         self.unsent = 0  # queued, not yet published
         self.idle = asyncio.Event()
         self.idle.set()
@@ -54,11 +58,24 @@ class Reporter:
             self.sender = asyncio.create_task(self._send_all())
 
     def report(self, event: TaskEvent) -> None:
-        """Keep `event` on disk and queue it for publishing; returns at once."""
-        path, data = keep(self.outbox, event)
+        """Keep `event` on disk and queue it for publishing; returns at once. A disk that takes
+        nothing (full) is said, and the event goes from memory only: it raised into whatever
+        reported it (a task's start or end), which then died unseen and left the task running
+        in the agent's books for ever."""
+        try:
+            path: Path | None
+            path, data = keep(self.outbox, event)
+        except OSError as exc:
+            log.error(
+                "agent.outbox_unwritable",
+                task=f"{event.job_id}.{event.attempt}.{event.role}.{event.index}",
+                kind=str(event.kind),
+                error=str(exc) or type(exc).__name__,
+            )
+            path, data = None, event.to_bytes()
         self._queue(path, data, event)
 
-    def _queue(self, path: Path, data: bytes, event: TaskEvent | None) -> None:
+    def _queue(self, path: Path | None, data: bytes, event: TaskEvent | None) -> None:
         """`event`: the entry decoded, when it was made here (one read back from disk is not)."""
         self.queue.put_nowait((path, data, event))
         self.unsent += 1
@@ -86,12 +103,12 @@ class Reporter:
                 if not self.unsent:
                     self.idle.set()
 
-    async def _send(self, path: Path, data: bytes, event: TaskEvent | None) -> None:
+    async def _send(self, path: Path | None, data: bytes, event: TaskEvent | None) -> None:
         if event is None:
             try:
                 event = TaskEvent.from_bytes(data)
             except ValueError as exc:
-                log.warning("agent.outbox_bad_entry", path=path.name, error=str(exc)[:200])
+                log.warning("agent.outbox_bad_entry", path=str(path), error=str(exc)[:200])
                 _forget(path)
                 return
         subject = subjects.task_event(
@@ -124,5 +141,7 @@ def _read(path: Path) -> bytes:
         return b""
 
 
-def _forget(path: Path) -> None:
-    path.unlink(missing_ok=True)
+def _forget(path: Path | None) -> None:
+    if path is not None:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
