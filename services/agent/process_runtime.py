@@ -1,6 +1,8 @@
 """The process runtime: the runtime contract as local subprocesses, for machines with no Docker
 engine. The image is ignored (the agent warns), limits are not enforced, mounts are the host
-paths themselves; each task runs in its own process group so stopping it stops its children.
+paths themselves; each task runs in its own process group so stopping it stops its children, and
+it ends with its main process, as a container does: what that left running in the group is
+killed then.
 
 Each task has a record in `state_dir` (name, labels), written before it is spawned; its
 processes are found by the `MUSTER_TASK=<name>` variable in their environment, so a task spawned
