@@ -32,7 +32,11 @@ BAD_RECORDS = Counter(
     "muster_bad_records_total", "KV records skipped: they do not decode, or claim what cannot be", ["bucket"]
 )
 log = structlog.get_logger()
-_named: set[tuple[str, str, str]] = set()  # (bucket, key, why) already logged: each is named once
+# (bucket, key, why) already logged: each is named once. Bounded (the oldest forgotten first): a
+# why may quote the record (a heartbeat from the future names its time), so a node rewriting a
+# bad record adds one per write.
+_named: dict[tuple[str, str, str], None] = {}
+NAMED_KEPT = 4096
 
 
 async def confirmed(kv: KeyValue, key: str) -> KeyValue.Entry | None:
@@ -118,7 +122,9 @@ class Store(Generic[M]):
             error = str(exc)[:200]
         BAD_RECORDS.labels(self.bucket).inc()
         if (self.bucket, key, error) not in _named:
-            _named.add((self.bucket, key, error))
+            _named[(self.bucket, key, error)] = None
+            if len(_named) > NAMED_KEPT:
+                del _named[next(iter(_named))]
             log.warning("store.bad_record", bucket=self.bucket, key=key, error=error)
         return None
 

@@ -480,3 +480,20 @@ async def test_a_kill_and_a_jobs_secrets_just_written_are_not_lost_to_a_lagging_
         assert (await kills.next_msg(timeout=10)).data  # the running task is told to stop
     finally:
         await nc.close()
+
+
+def test_bad_records_are_named_once_each_and_what_is_remembered_of_them_is_bounded():
+    """A reason may quote the record (a heartbeat from the future names its time): a node
+    rewriting a bad record every minute added one remembered reason per write, for ever."""
+    from muster.shared import store as store_module
+
+    kv: Any = type("KV", (), {"_name": "muster_test"})()
+    store = Store(kv, AttemptRecord, check=lambda key, record: f"written at {record.job_id}")
+    record = AttemptRecord(job_id="j0", attempt=1, tasks=[]).to_bytes()
+    assert store.decode("j0.1", record) is None
+    before = len(store_module._named)
+    assert store.decode("j0.1", record) is None  # the same reason: named once
+    assert len(store_module._named) == before
+    for i in range(store_module.NAMED_KEPT + 100):
+        store.decode("j.1", AttemptRecord(job_id=f"j{i}", attempt=1, tasks=[]).to_bytes())
+    assert len(store_module._named) == store_module.NAMED_KEPT
