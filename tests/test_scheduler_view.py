@@ -140,6 +140,24 @@ def test_beats_heard_on_the_bus_keep_a_node_without_writes_of_its_record():
     assert "unknown" not in v.cluster.nodes
 
 
+def test_nothing_is_kept_of_a_pruned_node_or_a_pruned_jobs_attempts():
+    """A node's last beat and a job's set of attempt keys outlived their records: one entry per
+    node and per job ever seen, in a scheduler that runs for months."""
+    v = View(node_timeout=5)
+    put_node(v, node("a"))
+    assert v.node_beat("a", T0 + timedelta(seconds=1)) is False and v.last_beat("a") is not None
+    del v.nodes["a"]
+    v.node_changed("a", T0 + timedelta(seconds=2))
+    assert v.last_beat("a") is None and "a" not in v.beats.last
+    put_job(v, job("j", state=JobState.SUCCEEDED, attempt=1))
+    put_attempt(v, attempt("j", 1, ("b", [0], TaskState.SUCCEEDED)))
+    del v.attempts["j.1"]
+    v.attempt_changed("j.1")
+    del v.jobs["j"]
+    v.job_changed("j")
+    assert "j" not in v._attempts_of
+
+
 def test_tasks_hold_until_they_end_and_an_attempt_can_come_before_its_job():
     v = View(node_timeout=5)
     put_node(v, node("a"))

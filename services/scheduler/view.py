@@ -172,6 +172,8 @@ class View:
         info = self.nodes.get(name)
         if info is not None:
             self.beats.saw(name, info.heartbeat_at)
+        else:
+            self.beats.forget(name)  # pruned: nothing kept of it
         if info is None or not self._schedulable(info, at):
             return self._drop(name)
         shape = (info.cpus, info.memory_mb, tuple((d.index, d.model) for d in info.gpus))
@@ -247,7 +249,11 @@ class View:
             ended = record.ended_at.timestamp() if record.ended_at is not None else None
             self._runs[key] = (gpus, record.placed_at.timestamp(), ended)
         else:
-            self._attempts_of.get(job_id, set()).discard(key)
+            held = self._attempts_of.get(job_id)
+            if held is not None:
+                held.discard(key)
+                if not held:  # its job's last attempt pruned: nothing kept of it
+                    del self._attempts_of[job_id]
             self._runs.pop(key, None)
         if record is not None and record.elastic and not record.ended:
             self.elastic.add(key)
