@@ -54,6 +54,9 @@ REDELIVERING = Gauge(
 )
 LAG_EVERY = settings.seconds("MUSTER_LAG_EVERY", 10.0, low=0.1)
 LAG_WAIT = 3.0  # seconds one consumer-info request may take
+# Seconds between "still working" signals for a message whose handling runs long (a kill waiting
+# out its grace): below the consumers' ack wait (30 s), so the server does not deliver it again.
+WORKING_EVERY = 10.0
 
 
 class Handling(Generic[M]):
@@ -77,6 +80,9 @@ class Handling(Generic[M]):
         self.last: dict[str, asyncio.Task[None]] = {}  # per key, the newest message's handling
         self.running: set[asyncio.Task[None]] = set()
         self.rejected: dict[str, int] = {}
+        # Stream sequence -> (message, when its handling began), while it is handled.
+        self.underway: dict[int, tuple[Msg, float]] = {}
+        self._working: asyncio.Task[None] | None = None
 
     def _reject(self, msg: Msg, why: str, detail: str) -> None:
         """Count a terminated message; log the 1st, 10th, 100th... of each kind, so a flood of
@@ -102,15 +108,27 @@ class Handling(Generic[M]):
             with contextlib.suppress(Exception):
                 await msg.term()
             return
+        seq = None
         with contextlib.suppress(Exception):
+            seq = msg.metadata.sequence.stream
             if (msg.metadata.num_delivered or 1) > 1:
                 REDELIVERED.labels(self.consumer).inc()
+        if seq is not None and seq in self.underway:
+            # Delivered again while its handling still runs (it outlived the ack wait before a
+            # "working" signal went): that handling acks it. Another would hold a slot waiting
+            # behind it, one more every ack wait, until no slot was left for any message.
+            return
         await self.slots.acquire()
         key = self.key(decoded) if self.key else None
         before = self.last.get(key) if key is not None else None
         task = asyncio.create_task(self._run(msg, decoded, before))
         self.running.add(task)
         task.add_done_callback(self.running.discard)
+        if seq is not None:
+            self.underway[seq] = (msg, asyncio.get_running_loop().time())
+            task.add_done_callback(lambda _: self.underway.pop(seq, None))
+            if self._working is None or self._working.done():
+                self._working = asyncio.create_task(self._still_working())
         if key is not None:
             self.last[key] = task
             task.add_done_callback(lambda t: self.last.get(key) is t and self.last.pop(key))
@@ -134,9 +152,22 @@ class Handling(Generic[M]):
         finally:
             self.slots.release()
 
+    async def _still_working(self) -> None:
+        """While messages are handled, tell the server of each handled for WORKING_EVERY or
+        longer that it is still being worked on (its ack wait starts again)."""
+        loop = asyncio.get_running_loop()
+        while self.underway:
+            await asyncio.sleep(WORKING_EVERY)
+            for msg, began in list(self.underway.values()):
+                if loop.time() - began >= WORKING_EVERY:
+                    with contextlib.suppress(Exception):
+                        await msg.in_progress()
+
     async def drain(self) -> None:
         if self.running:
             await asyncio.wait(list(self.running))
+        if self._working is not None:
+            self._working.cancel()
 
 
 def payload(model: Any) -> Callable[[Msg], Any]:

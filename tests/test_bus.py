@@ -300,3 +300,63 @@ async def test_a_try_at_an_unreachable_server_ends_by_itself(monkeypatch):
     with pytest.raises(ConnectionError, match="cannot reach NATS"):
         await real(bus.connect("lonely", url, connect_timeout=2.0, quiet=True), 30)
     assert tries >= 2
+
+
+@pytest.mark.parametrize("signals", [False, True], ids=["redelivered", "said-working"])
+async def test_a_message_handled_past_its_ack_wait_is_handled_once_and_holds_one_slot(
+    nats_url, monkeypatch, signals
+):
+    """A handler that runs past the consumer's ack wait (an agent's kill waiting out its grace)
+    got its message again every ack wait, and each copy took a slot to wait behind it: with
+    a long enough grace no slot was left and the node took no order at all. Now a copy of a
+    message still handled is dropped (the handling acks it), and a long handling tells the
+    server it is still working, so no copy comes."""
+    from nats.js.api import ConsumerConfig
+
+    from muster.shared import consume
+
+    if signals:
+        monkeypatch.setattr(consume, "WORKING_EVERY", 0.3)
+    nc = await bus.connect("test", nats_url)
+    try:
+        js = nc.jetstream()
+        stream = f"SLOW{int(signals)}"
+        await js.add_stream(name=stream, subjects=[f"{stream}.>"])
+        sub = await js.pull_subscribe(f"{stream}.>", "slow", config=ConsumerConfig(ack_wait=1.0))
+        handled: list[str] = []
+
+        async def handle(text: str) -> None:
+            handled.append(text)
+            if text == "long":
+                await asyncio.sleep(4.5)
+
+        from prometheus_client import REGISTRY
+
+        def redelivered() -> float:
+            return REGISTRY.get_sample_value("muster_messages_redelivered_total", {"consumer": "slow"}) or 0.0
+
+        before = redelivered()
+        handling = consume.Handling("slow", lambda m: m.data.decode(), handle, structlog_like(), parallel=2)
+        stop = asyncio.Event()
+        serving = asyncio.create_task(consume.serve(sub, handling, stop, batch=8))
+        await js.publish(f"{stream}.a", b"long")
+        await asyncio.sleep(3.5)  # three ack waits: three copies before
+        for i in range(3):
+            await js.publish(f"{stream}.a", f"quick{i}".encode())
+        deadline = asyncio.get_running_loop().time() + 15
+        while len(handled) < 4 or (await sub.consumer_info()).num_ack_pending:
+            assert asyncio.get_running_loop().time() < deadline, handled
+            await asyncio.sleep(0.1)
+        assert handled.count("long") == 1 and sorted(handled[1:]) == ["quick0", "quick1", "quick2"], handled
+        # The copies came (or, told it is worked on, the server sent none).
+        assert (redelivered() - before == 0) if signals else (redelivered() - before >= 2)
+        stop.set()
+        await asyncio.wait_for(serving, 15)
+    finally:
+        await nc.close()
+
+
+def structlog_like():
+    import structlog
+
+    return structlog.get_logger()
