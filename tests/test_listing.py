@@ -345,3 +345,42 @@ async def test_a_job_just_written_is_found_by_id_and_name_where_a_replica_lags(n
             await gateway.resolve("alice", "j00000000009a")
     finally:
         await nc.close()
+
+
+async def test_past_its_limit_of_questions_at_once_the_gateway_answers_busy_at_once(nats_url, monkeypatch):
+    """Each question was taken off the subscription as it came, so the server's pending limits
+    never applied: one asker flooding a costly question grew the gateway's work without bound,
+    for every user. Past MAX_ANSWERING at once, a question is answered "busy" straight away."""
+    from muster.services.gateway import service as gateway_service
+    from muster.services.gateway.service import Gateway
+
+    nc = await bus.connect("test", nats_url)
+    try:
+        js, buckets = await bus.ensure_jetstream(nc)
+        gateway = Gateway(nc, js, buckets)
+        release = asyncio.Event()
+
+        async def slow_ping(self, who, request):  # type: ignore[no-untyped-def]
+            await release.wait()
+            return {"user": who}
+
+        monkeypatch.setattr(gateway_service, "MAX_ANSWERING", 2)
+        monkeypatch.setitem(Gateway.VERBS, "ping", slow_ping)
+        await nc.subscribe(subjects.api("*", "*"), cb=gateway._take)
+        asks = [
+            asyncio.create_task(nc.request(subjects.api("alice", "ping"), b"{}", timeout=10))
+            for _ in range(5)
+        ]
+        busy = []
+        while len(busy) < 3:  # the three past the limit are answered while two are in hand
+            done, _ = await asyncio.wait(asks, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+            assert done, "no busy answer came"
+            for task in done:
+                asks.remove(task)
+                busy.append(json.loads(task.result().data))
+        assert all("busy" in b["error"] for b in busy), busy
+        release.set()
+        answers = [json.loads((await t).data) for t in asks]
+        assert answers == [{"user": "alice"}] * 2, answers
+    finally:
+        await nc.close()

@@ -102,6 +102,9 @@ UNSENT = Counter(
 )
 BAD_QUEUE = Counter("muster_gateway_bad_queue_orders_total", "Queue orders skipped: they do not decode")
 MAX_REPLY = 512 * 1024
+# Questions answered at once; past it one is answered "busy" at once. The server's limits on a
+# subscription's pending messages do not apply: each is taken off the subscription as it comes.
+MAX_ANSWERING = settings.number("MUSTER_GATEWAY_MAX_ANSWERING", 256, int, low=1)
 JOBS_PAGE, JOBS_PAGE_MAX = 100, 1000  # jobs in a page: by default, at most
 NODES_PAGE, NODES_PAGE_MAX = 100, 1000  # nodes in a page: by default, at most
 QUEUE_STALE = 60.0  # seconds after which the last queue order heard is not believed (no leader)
@@ -225,6 +228,14 @@ class Gateway:
             await asyncio.sleep(ALLOCATION_SAMPLE)
 
     async def _take(self, msg: Msg) -> None:
+        if len(self.running) >= MAX_ANSWERING:  # a flood of questions (one asker's, maybe)
+            verb = msg.subject.rsplit(".", 1)[-1]
+            verb = verb if verb in self.VERBS else "?"
+            REQUESTS.labels(verb, "busy").inc()
+            if msg.reply:
+                busy = f"the gateway is busy ({len(self.running)} questions in hand); ask again shortly"
+                await self._respond(msg, verb, {"error": busy, "code": 1})
+            return
         task = asyncio.create_task(self._answer(msg))
         self.running.add(task)
         task.add_done_callback(self.running.discard)
