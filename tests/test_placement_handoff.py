@@ -258,3 +258,24 @@ async def test_a_task_an_elastic_role_added_is_taken_up_while_the_mirror_still_l
     await supervisor.apply_events(grown.key, [report("n2")])
     stored = await b.record(subjects.ATTEMPTS_BUCKET, grown.key, AttemptRecord)
     assert [t.state for t in stored.tasks] == [TaskState.PLACED, TaskState.PLACED, TaskState.RUNNING]
+
+
+async def test_an_attempt_that_ended_while_its_job_was_never_settled_is_settled_later(
+    alone: tuple[Supervisor, Bus],
+):
+    """Every delivery of the event that ended jh10.1 failed to settle its job (the bus away past
+    the retries): the mirror drops an attempt once it and its tasks ended, so nothing looked at
+    it again and the job stayed running for ever. The supervisor's minute check settles it."""
+    supervisor, b = alone
+    running = job("jh10", state=JobState.RUNNING, attempt=1, settled=0)
+    await b.put(subjects.JOBS_BUCKET, "jh10", running)
+    attempt = placed("jh10", 1)
+    done = [t.model_copy(update={"state": TaskState.SUCCEEDED, "exit_code": 0}) for t in attempt.tasks]
+    ended = attempt.model_copy(
+        update={"tasks": done, "ended_at": now(), "outcome": JobState.SUCCEEDED, "rule": "all tasks ended"}
+    )
+    await b.put(subjects.ATTEMPTS_BUCKET, ended.key, ended)
+    supervisor.view_jobs["jh10"] = running  # as mirrored; the attempt is not (ended: dropped)
+    await supervisor.settle_missed()
+    record = await b.record(subjects.JOBS_BUCKET, "jh10", JobRecord)
+    assert (record.state, record.settled) == (JobState.SUCCEEDED, 1), record

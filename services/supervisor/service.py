@@ -543,6 +543,7 @@ class Supervisor:
                 await self.check_deadlines()
                 if loop.time() >= prune_at:
                     prune_at = loop.time() + 60
+                    await self.settle_missed()
                     await self.prune()
             except Exception as exc:
                 log.warning("supervisor.check_failed", error=str(exc) or type(exc).__name__)
@@ -706,6 +707,22 @@ class Supervisor:
         log.warning(
             "supervisor.task_declared_ended", attempt=attempt.key, task=task.key, cause=cause, reason=reason
         )
+
+    async def settle_missed(self) -> None:
+        """Attempts that ended while their job was never settled for them: every delivery of
+        the event that ended one failed to settle it (the bus away longer than its retries).
+        The mirror drops an attempt once it and its tasks have ended, so nothing else would look
+        again and the job would stay running for ever. One read per such job, none otherwise."""
+        for job in list(self.view_jobs.values()):
+            if not isinstance(job, JobRecord) or job.state.final or job.attempt <= job.settled:
+                continue
+            key = attempt_key(job.job_id, job.attempt)
+            if key in self.view_attempts:
+                continue  # still watched: its end is applied as it comes
+            attempt = await self.attempts.get(key, confirm=True)
+            if attempt is not None and attempt.ended:
+                log.warning("supervisor.settling_missed", attempt=key)
+                await self.end_attempt(attempt)
 
     async def prune(self) -> None:
         """Delete finished jobs' records after their retention, and nodes long gone."""
