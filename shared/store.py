@@ -13,6 +13,7 @@ import contextlib
 import heapq
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from datetime import UTC, datetime
 from typing import Any, Generic, TypeVar
 
 import structlog
@@ -397,6 +398,32 @@ async def keys(kv: KeyValue) -> list[str]:
             if await empty(kv):
                 return []
     return []
+
+
+PURGE_WATCH_IDLE = 5.0
+
+
+async def purge_deletes(kv: KeyValue, older_than: float) -> int:
+    """Drop the bucket's delete markers (each key deleted or purged leaves one), keeping those
+    written less than `older_than` seconds ago (a watcher that missed the deletion still sees
+    it); returns how many were found. nats-py's `KeyValue.purge_deletes` does the same but never
+    stops its watcher: each call left a subscription and a consumer fed every later write of
+    the bucket, for good (an hourly call on four buckets: a supervisor out of memory in days).
+    Only the entries' headers come here (meta_only), not every record's value."""
+    # Its consumer goes from the server once nobody has listened for PURGE_WATCH_IDLE seconds.
+    watcher = await kv.watchall(meta_only=True, inactive_threshold=PURGE_WATCH_IDLE)
+    markers = []
+    try:
+        while (entry := await watcher.updates(timeout=30)) is not None:
+            if entry.operation in (KV_DEL, KV_PURGE):
+                markers.append(entry)
+    finally:
+        await watcher.stop()
+    at = datetime.now(UTC)
+    for entry in markers:
+        keep = 1 if entry.created is not None and (at - entry.created).total_seconds() < older_than else 0
+        await kv._js.purge_stream(kv._stream, subject=f"{kv._pre}{entry.key}", keep=keep)
+    return len(markers)
 
 
 T = TypeVar("T")

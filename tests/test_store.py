@@ -497,3 +497,32 @@ def test_bad_records_are_named_once_each_and_what_is_remembered_of_them_is_bound
     for i in range(store_module.NAMED_KEPT + 100):
         store.decode("j.1", AttemptRecord(job_id=f"j{i}", attempt=1, tasks=[]).to_bytes())
     assert len(store_module._named) == store_module.NAMED_KEPT
+
+
+async def test_purging_delete_markers_keeps_the_recent_ones_and_leaves_no_watcher_behind(nats_url):
+    """nats-py's `KeyValue.purge_deletes` never stopped its watcher: each hourly call left a
+    subscription and a consumer that every later write of the bucket was sent to, for good."""
+    from muster.shared.store import purge_deletes
+
+    nc = await bus.connect("test", nats_url)
+    try:
+        js = nc.jetstream()
+        kv = await js.create_key_value(bucket="markers", history=1)
+        for key in ("a", "b", "c"):
+            await kv.put(key, b"x")
+        await kv.delete("a")
+        await kv.purge("b")
+        subscriptions = len(nc._subs)
+        for _ in range(3):
+            assert await purge_deletes(kv, older_than=3600) == 2
+        assert len(nc._subs) == subscriptions
+        assert (await js.stream_info("KV_markers")).state.messages == 3  # the recent markers, and c
+        deadline = asyncio.get_running_loop().time() + 60
+        while (await js.stream_info("KV_markers")).state.consumer_count:  # gone once idle
+            assert asyncio.get_running_loop().time() < deadline, "the watchers' consumers stayed"
+            await asyncio.sleep(0.5)
+        assert await purge_deletes(kv, older_than=0) == 2
+        assert (await js.stream_info("KV_markers")).state.messages == 1  # c alone
+        assert (await kv.get("c")).value == b"x"
+    finally:
+        await nc.close()

@@ -55,7 +55,7 @@ from muster.shared.messages import (
     node_refusal,
     now,
 )
-from muster.shared.store import GroupCommit, Store
+from muster.shared.store import GroupCommit, Store, purge_deletes
 
 log = structlog.get_logger(service="supervisor")
 RECENT_RECORDS = 16384  # job and attempt records kept as bytes, each (see Supervisor.jobs)
@@ -737,9 +737,16 @@ class Supervisor:
         self.declared = {m for m in self.declared if m.split("/")[0] in self.view_attempts}
         self.prunes += 1
         if self.prunes % 60 == 0:  # hourly: drop the delete markers the deletions left behind
-            for store in (self.jobs, self.attempts, self.nodes):
-                await store.kv.purge_deletes(olderthan=3600)
-            await self.rendezvous.purge_deletes(olderthan=3600)
+            buckets = (
+                self.jobs.kv,
+                self.attempts.kv,
+                self.nodes.kv,
+                self.rendezvous,
+                self.names,
+                self.secrets,
+            )
+            for kv in buckets:
+                await purge_deletes(kv, older_than=3600)
 
     async def forget_job(self, job: JobRecord | Finished) -> None:
         # One beyond the attempt it names: one placed as it was killed, ended by `adopt`.
