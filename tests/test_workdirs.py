@@ -125,6 +125,25 @@ async def test_the_sweep_finds_what_a_crashed_agent_left(tmp_path: Path):
     await again.close()
 
 
+async def test_the_sweep_forgets_the_orders_kept_of_attempts_ended_past_the_retention(tmp_path: Path):
+    """The orders an agent keeps (to adopt its tasks after a restart) were pruned only when it
+    started: a node kept one per attempt it ever ran, each its job's config with its secret
+    values, for as long as its agent ran."""
+    import os
+
+    orders = tmp_path / workdirs.ORDERS
+    orders.mkdir()
+    old = time.time() - 7200
+    for name in ("done.1.json", "done.2.tmp", "live.1.json", "recent.1.json", "not-an-order"):
+        (orders / name).write_text("{}")
+        if name != "recent.1.json":
+            os.utime(orders / name, (old, old))
+    dirs = Workdirs(tmp_path, lambda: {("live", 1)}, retention=3600)
+    await dirs.sweep()
+    assert sorted(p.name for p in orders.iterdir()) == ["live.1.json", "not-an-order", "recent.1.json"]
+    await dirs.close()
+
+
 # ---------------------------------------------------------------- codeSync: one fetch per job here
 
 

@@ -52,7 +52,8 @@ SWEEP_EVERY = float(os.environ.get("MUSTER_WORKDIR_SWEEP", "") or "600")  # the 
 CODE = "git"  # codeSync's fetch, in the job's directory
 TRASH = ".trash"
 ENDED = ".ended"  # <attempt>.ended, in the job's directory
-AGENT_FILES = {"outbox", "assignments", "tasks"}  # the agent's own directories at the work root
+ORDERS = "assignments"  # the orders taken (services/agent/reconcile.py, `Assignments`)
+AGENT_FILES = {"outbox", ORDERS, "tasks"}  # the agent's own directories at the work root
 _ATTEMPT = re.compile(r"[0-9]{1,9}")
 FUTURE_SLACK = 60.0  # seconds a mark may lie ahead of the clock before it is not believed
 
@@ -229,7 +230,22 @@ class Workdirs:
         trash = await asyncio.to_thread(_listdir, self.root / TRASH)
         if trash:
             self._delete(trash)
+        await asyncio.to_thread(_forget_orders, self.root / ORDERS, live, now - self.retention)
         return self.removed - before
+
+
+def _forget_orders(orders: Path, live: set[tuple[str, int]], before: float) -> None:
+    """Remove the kept orders of attempts with no task live here, last written before `before`:
+    only startup pruned them, so a node kept one per attempt it ever ran (its config, secret
+    values included) for as long as its agent ran."""
+    for path in _listdir(orders):
+        stem, suffix = os.path.splitext(path.name)  # <job>.<attempt>.json, or .tmp half-written
+        job_id, _, attempt = stem.rpartition(".")
+        if suffix not in (".json", ".tmp") or not attempt.isdigit() or (job_id, int(attempt)) in live:
+            continue
+        with contextlib.suppress(OSError):
+            if path.stat().st_mtime < before:
+                path.unlink()
 
 
 def _write_mark(path: Path, at: float) -> None:
