@@ -272,6 +272,7 @@ async def test_finished_jobs_and_gone_nodes_are_pruned_after_their_retention(clu
     gone.send_signal(signal.SIGTERM)
     gone.wait(20)
     js = nc.jetstream()
+    await js.publish(subjects.kill("gone"), b"an order it will never read")
     jobs = await js.key_value(subjects.JOBS_BUCKET)
     attempts = await js.key_value(subjects.ATTEMPTS_BUCKET)
     nodes = await js.key_value(subjects.NODES_BUCKET)
@@ -290,6 +291,8 @@ async def test_finished_jobs_and_gone_nodes_are_pruned_after_their_retention(clu
     assert await missing(rendezvous, subjects.endpoint_key(record.job_id, 1, "w.0"))
     await _until(lambda: missing(nodes, "gone"), 120, "the gone node was never pruned")
     assert not await missing(nodes, "keep")
+    left = await js.stream_info(subjects.COMMANDS_STREAM, subjects_filter=subjects.node_commands("gone"))
+    assert not left.state.subjects, left.state.subjects  # its unread orders went with it
     counts = []
     for _ in range(3):
         info = await js.stream_info(f"KV_{subjects.NODES_BUCKET}")

@@ -774,6 +774,8 @@ class Supervisor:
         self.quiet.discard(node.node)
         with contextlib.suppress(NotFoundError):
             await self.js.delete_consumer(subjects.COMMANDS_STREAM, subjects.agent_consumer(node.node))
+        # Orders it never read stay in the work queue without its consumer (secret values in them)
+        await self.js.purge_stream(subjects.COMMANDS_STREAM, subject=subjects.node_commands(node.node))
         PRUNED.labels("node").inc()
         log.info("supervisor.node_pruned", node=node.node, last_heartbeat=node.heartbeat_at.isoformat())
 
