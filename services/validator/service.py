@@ -306,7 +306,8 @@ class Validator:
         try:
             return await self._admit(record, hidden, data, job_warnings(raw))
         finally:
-            self.live.update(job_id, self.view.get(job_id) or self._admitted.pop(job_id, None))
+            admitted = self._admitted.pop(job_id, None)  # popped whatever the view holds
+            self.live.update(job_id, self.view.get(job_id) or admitted)
 
     async def _admit(
         self, record: JobRecord, hidden: dict[str, Any], data: bytes, warnings: list[FieldError]
