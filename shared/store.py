@@ -413,12 +413,12 @@ async def purge_deletes(kv: KeyValue, older_than: float) -> int:
     # Its consumer goes from the server once nobody has listened for PURGE_WATCH_IDLE seconds.
     watcher = await kv.watchall(meta_only=True, inactive_threshold=PURGE_WATCH_IDLE)
     markers = []
-    try:
-        while (entry := await watcher.updates(timeout=30)) is not None:
+    try:  # nats-py leaves KeyWatcher's methods unannotated
+        while (entry := await watcher.updates(timeout=30)) is not None:  # type: ignore[no-untyped-call]
             if entry.operation in (KV_DEL, KV_PURGE):
                 markers.append(entry)
     finally:
-        await watcher.stop()
+        await watcher.stop()  # type: ignore[no-untyped-call]
     at = datetime.now(UTC)
     for entry in markers:
         keep = 1 if entry.created is not None and (at - entry.created).total_seconds() < older_than else 0
