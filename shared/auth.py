@@ -319,15 +319,18 @@ def _agent(own_inbox: str, node: str, consumer: str) -> dict[str, Any]:
         subjects.task_logs("*", "*", "*", "*", node),
         subjects.task_metrics("*", "*", "*", "*", node),
         *_lookup_all(),
-        f"{api}.DIRECT.GET.{kv(nodes_kv)}.$KV.{nodes_kv}.{node}",
-        # Attempt records (placements and states, no job specs) to recover after a restart.
-        *_read(kv(attempts_kv)),
+        # Attempt records (placements and states, no job specs) to recover after a restart: read
+        # by key or listed through a consumer of its own, never another's deleted. Nothing an
+        # agent wrote itself may be read back through a direct get (its node record, its
+        # endpoint reports): the server sends a direct get's bytes to whatever reply subject the
+        # asker names, unchecked, so an agent could publish any bytes it wrote anywhere, a
+        # JetStream API request included (docs/security.md).
+        *(r for r in _read(kv(attempts_kv)) if ".CONSUMER.DELETE." not in r and ".DURABLE." not in r),
         # Datasets (operators' records) a job mounts, read at launch by name.
         f"{api}.DIRECT.GET.{kv(subjects.DATASETS_BUCKET)}.$KV.{subjects.DATASETS_BUCKET}.*",
         f"{api}.STREAM.INFO.{kv(subjects.DATASETS_BUCKET)}",
-        # Cluster specs (peers' addresses), and this node's own endpoint reports.
+        # Cluster specs (peers' addresses: the registry's words).
         f"{api}.DIRECT.GET.{events}.{subjects.cluster_spec('*', '*')}",
-        f"{api}.DIRECT.GET.{events}.{subjects.task_event('*', '*', '*', '*', 'endpoint', node)}",
         # Its own orders, through its own durable consumer only.
         f"{api}.CONSUMER.CREATE.{cmd}.{consumer}.{subjects.node_commands(node)}",
         f"{api}.CONSUMER.INFO.{cmd}.{consumer}",

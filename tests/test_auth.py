@@ -217,18 +217,32 @@ async def test_a_client_without_credentials_gets_nothing(secured):
 
 
 async def test_an_agent_cannot_act_for_another_node(secured):
+    root = await connect(secured, "root")
     nc = await connect(secured, auth.agent_name("n1"))
     js = nc.jetstream(timeout=1)
     try:
-        # Its own record: allowed. Another node's: refused by the server.
-        nodes = await js.key_value(subjects.NODES_BUCKET)
-        for _ in range(300):  # the agent, started with the module's fixture, registers soon
+        # Its own record: written by it (the agent started with the module's fixture registers
+        # soon), never read back through a direct get, whose bytes the server would send to any
+        # reply subject the agent named (a JetStream API request, another user's submission).
+        # Another node's: refused by the server.
+        by_root = await root.jetstream().key_value(subjects.NODES_BUCKET)
+        for _ in range(300):
             with contextlib.suppress(nats.js.errors.KeyNotFoundError):
-                entry = await nodes.get("n1")
+                entry = await by_root.get("n1")
                 break
             await asyncio.sleep(0.1)
         assert NodeInfo.from_bytes(entry.value).node == "n1"
+        nodes = await js.key_value(subjects.NODES_BUCKET)
+        await refused(nc, lambda: nodes.get("n1"), "DIRECT.GET.KV_muster_nodes")
         await refused(nc, lambda: nodes.put("n2", entry.value), "muster_nodes.n2")
+        endpoint = subjects.task_event("jx", 1, "w", 0, "endpoint", "n1")
+        await refused(
+            nc, lambda: js.get_last_msg(subjects.EVENTS_STREAM, endpoint, direct=True), "endpoint.n1"
+        )
+        # Attempt records: listed through a consumer of its own, never another's deleted.
+        await refused(
+            nc, lambda: js.delete_consumer(f"KV_{subjects.ATTEMPTS_BUCKET}", "any"), "CONSUMER.DELETE"
+        )
         ev = TaskEvent(job_id="jx", attempt=1, role="w", index=0, node="n2", kind=TaskEventKind.EXITED)
         await refused(
             nc, lambda: js.publish(subjects.task_event("jx", 1, "w", 0, "exited", "n2"), ev.to_bytes()), "n2"
@@ -261,6 +275,7 @@ async def test_an_agent_cannot_act_for_another_node(secured):
         await refused(nc, lambda: js.publish(subjects.cluster_spec("jx", 1), b"{}"), "spec")
     finally:
         await nc.close()
+        await root.close()
 
 
 # ---------------------------------------------------------------- users
@@ -533,6 +548,11 @@ def test_each_identity_gets_its_own_subjects_only():
         "muster_nodes.n2" in p or p == "$KV.muster_nodes.>" for p in pub
     )
     assert all(not p.startswith(("muster.node.", "$KV.muster_jobs", "$KV.muster_leases")) for p in pub)
+    # Nothing it wrote read back through a direct get (its bytes to any reply subject it names)
+    assert not any(
+        ".DIRECT.GET.KV_muster_nodes" in p or ("endpoint" in p and ".DIRECT.GET." in p) for p in pub
+    )
+    assert not any((".CONSUMER.DELETE." in p or ".DURABLE." in p) and "KV_muster_attempts" in p for p in pub)
     assert not any(p in (">", "$JS.API.>") for p in pub)
     user = auth.permissions(auth.Identity("alice", "user", "UX"))
     assert sorted(user["publish"]["allow"]) == sorted(
@@ -681,6 +701,27 @@ async def test_credentials_in_a_code_sync_url_reach_the_node_and_nothing_else(se
         for path in secured.log_dir.glob("*.log"):
             shown.append(path.read_bytes())
         assert all(PASSWORD.encode() not in data for data in shown)
+    finally:
+        await alice.close()
+        await root.close()
+
+
+async def test_the_gateway_answers_only_to_an_inbox(secured):
+    """The server lets a responder publish its answer on whatever reply subject the asker named:
+    alice's ping answered to `$KV.muster_jobs.<bob's job>` overwrote bob's job record, and to
+    `muster.node.n2.drain` put a message in n2's orders."""
+    alice, root = await connect(secured, "alice"), await connect(secured, "root")
+    try:
+        for reply in (f"$KV.{subjects.JOBS_BUCKET}.jvictim", subjects.drain("n2")):
+            await alice.publish(subjects.api("alice", "ping"), b"{}", reply=reply)
+        # Taken in order: once a later question is answered, the two before it were judged.
+        assert await client.ask(alice, "ping") == {"user": "alice", "admin": False}
+        js = root.jetstream()
+        jobs = await js.key_value(subjects.JOBS_BUCKET)
+        with pytest.raises(nats.js.errors.KeyNotFoundError):
+            await jobs.get("jvictim")
+        info = await js.stream_info(subjects.COMMANDS_STREAM, subjects_filter=subjects.drain("n2"))
+        assert not info.state.subjects, info.state.subjects
     finally:
         await alice.close()
         await root.close()

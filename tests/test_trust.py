@@ -207,7 +207,8 @@ async def test_an_order_for_an_attempt_with_no_record_runs_nothing(cluster, nc, 
     """The scheduler writes an attempt's record before its orders. An order with no record is
     forged, or outlived its attempt: a node away past the job retention found its old orders
     still queued, and ran the finished job's tasks again (the record it checked them against was
-    pruned, so nothing said the attempt had ended). It is refused and counted; work goes on."""
+    pruned, so nothing said the attempt had ended). It is refused and counted; work goes on. So is
+    an order for another node (an agent can have its own orders delivered on any subject)."""
     from muster.shared.jobconfig import JobConfig
     from muster.shared.messages import Assignment, TaskSpec
 
@@ -223,11 +224,17 @@ async def test_an_order_for_an_attempt_with_no_record_runs_nothing(cluster, nc, 
         gang=[TaskSpec(role="w", role_no=0, index=0, node="n1")],
     )  # fmt: skip
     await nc.jetstream().publish(subjects.assign("n1"), order.to_bytes())
+    # Another node's order on this node's subject (redirected): its tasks are not this node's.
+    elsewhere = order.model_copy(
+        update={"job_id": "jother", "node": "n2", "gang": [TaskSpec(role="w", role_no=0, index=0, node="n2")]}
+    )
+    await nc.jetstream().publish(subjects.assign("n1"), elsewhere.to_bytes())
     record = await run_job(nc, {"jobName": "after", "image": "img", "taskRoles": [role("w", 1, "true")]})
     assert record.state == JobState.SUCCEEDED
 
     async def refused() -> bool:
-        return "agent.order_refused" in cluster.logs()
+        logs = cluster.logs()
+        return "agent.order_refused" in logs and "an order for node n2" in logs
 
     await _until(refused, 30, "the order was not refused")
     assert not ran.exists() and agent.poll() is None

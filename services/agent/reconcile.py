@@ -15,7 +15,6 @@ from pathlib import Path
 
 import structlog
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 
 from muster.services.agent.runtime import (
     LABEL_ATTEMPT,
@@ -197,15 +196,11 @@ class Reconciler:
         kept = self.assignments.load(job_id, attempt)
         if kept is not None and kept.solo:
             return True
-        try:
-            await self.js.get_last_msg(
-                subjects.EVENTS_STREAM,
-                subjects.task_event(job_id, attempt, role, index, "endpoint", self.node),
-                direct=True,
-            )
-            return True
-        except NotFoundError:
-            return False
+        # Whether it is there, not what it says: the stream's subject count (a direct get of one's
+        # own report would hand its bytes to any reply subject the asker names: docs/security.md).
+        subject = subjects.task_event(job_id, attempt, role, index, "endpoint", self.node)
+        info = await self.js.stream_info(subjects.EVENTS_STREAM, subjects_filter=subject)
+        return bool(info.state.subjects)
 
     async def adopt(self, key: TaskKey, found: FoundTask, t: TaskStatus | None) -> None:
         """Watch a found task until it ends, from the order kept on this node; `t`: its status

@@ -441,6 +441,10 @@ class Agent:
     # ------------------------------------------------------------ orders
 
     async def assign(self, a: Assignment) -> None:
+        if a.node != self.opts.node:  # one node's order published on another's subject
+            consume.REFUSED.labels("assignment").inc()
+            self.log.warning("agent.order_refused", attempt=a.key, why=f"an order for node {a.node}")
+            return
         placement = await self.attempts.placement(a.key)
         if placement is None:
             stored = await Store.get(self.attempts, a.key, confirm=True)  # not the shared read

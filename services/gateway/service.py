@@ -105,6 +105,7 @@ MAX_REPLY = 512 * 1024
 # Questions answered at once; past it one is answered "busy" at once. The server's limits on a
 # subscription's pending messages do not apply: each is taken off the subscription as it comes.
 MAX_ANSWERING = settings.number("MUSTER_GATEWAY_MAX_ANSWERING", 256, int, low=1)
+INBOXES = "_INBOX."  # where answers may go: every client's replies come there (shared/auth.py)
 JOBS_PAGE, JOBS_PAGE_MAX = 100, 1000  # jobs in a page: by default, at most
 NODES_PAGE, NODES_PAGE_MAX = 100, 1000  # nodes in a page: by default, at most
 QUEUE_STALE = 60.0  # seconds after which the last queue order heard is not believed (no leader)
@@ -173,6 +174,7 @@ class Gateway:
         self.nodes_synced, self.held_synced = asyncio.Event(), asyncio.Event()
         self.queue = Queue()  # the scheduler's last queue order
         self.running: set[asyncio.Task[None]] = set()
+        self._misdirected = 0  # questions whose reply subject was not an inbox
 
     @classmethod
     async def build(cls, nc: NATS) -> Gateway:
@@ -228,6 +230,15 @@ class Gateway:
             await asyncio.sleep(ALLOCATION_SAMPLE)
 
     async def _take(self, msg: Msg) -> None:
+        if msg.reply and not msg.reply.startswith(INBOXES):
+            # An answer goes only to an inbox: the server lets a responder publish its answer on
+            # whatever reply subject the asker named, so `$KV.muster_jobs.<id>` or another node's
+            # orders subject would have been overwritten with it (docs/security.md).
+            REQUESTS.labels("?", "refused").inc()
+            self._misdirected += 1
+            if self._misdirected & (self._misdirected - 1) == 0:  # the 1st, 2nd, 4th...: no flood
+                log.warning("gateway.reply_refused", subject=msg.subject[:200], reply=msg.reply[:200])
+            return
         if len(self.running) >= MAX_ANSWERING:  # a flood of questions (one asker's, maybe)
             verb = msg.subject.rsplit(".", 1)[-1]
             verb = verb if verb in self.VERBS else "?"
