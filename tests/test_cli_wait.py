@@ -19,7 +19,9 @@ def test_submit_wait_ends_on_an_unschedulable_job_and_after_its_timeout(cluster,
 
     # Never fits: more GPUs than any node has. The scheduler says so; --wait ends with its reason.
     path = write(tmp_path, "big.json", json.dumps(_job("too-big", gpuNumber=4)))
-    r = cluster.cli("submit", path, "--wait", timeout=90)
+    # The services were started a moment ago: the first command waits for them to answer (2 s
+    # by default, which a loaded CI machine's gateway start passed once).
+    r = cluster.cli("submit", path, "--wait", "--connect-timeout", "60", timeout=90)
     assert r.returncode == 2, r.stdout + r.stderr + cluster.logs()
     last = r.stderr.strip().splitlines()[-1]
     assert "is unschedulable: can never run" in last and "GPU" in last, r.stderr
