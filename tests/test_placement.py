@@ -494,3 +494,30 @@ def test_release_raises_on_what_is_not_in_use_and_skips_departed_nodes() -> None
         release(view, j1.config, [TaskSpec(role="w", role_no=0, index=0, node="a", gpus=[0])])
     release(view, j1.config, [TaskSpec(role="w", role_no=0, index=0, node="gone", gpus=[0])])
     assert view["a"].used_gpus == set()
+
+
+def test_a_huge_job_past_the_nodes_totals_is_judged_from_its_roles_alone(monkeypatch):
+    """A job of 640,000 tasks (one accepted before the task limits) was made into one object
+    per task on every plan: seconds of the leader's loop, past its 4 s lease on a loaded
+    machine. Past HUGE_JOB tasks it is first held against what the nodes have in all."""
+    from muster.services.scheduler import placement
+
+    def no_demand(config):  # type: ignore[no-untyped-def]
+        raise AssertionError("one object per task was made")
+
+    nodes = [node("a", cpus=64, gpus="8xV100"), node("b", cpus=64, gpus="8xV100")]
+    monkeypatch.setattr(placement, "_demand", no_demand)
+    huge = job("huge", [(f"w{r}", 10_000, 1, 100, 0) for r in range(64)])
+    result = plan(nodes, [huge])
+    assert "huge" in result.unschedulable
+    assert result.pending["huge"] == (
+        "can never run on the current nodes: "
+        "its 640000 tasks need 640000 CPUs in all; the cluster has 128 CPUs"
+    )
+    gpus = job("gpus", [("w", 10_000, 1, 100, 1), ("v", 10_000, 1, 100, 1)], gpuType="V100")
+    assert "need 20000 V100 in all; the cluster has 16 V100" in plan(nodes, [gpus]).pending["gpus"]
+    # Within the totals, the usual checks decide.
+    big = [node("a", cpus=8000, mem=2_000_000), node("b", cpus=8000, mem=2_000_000)]
+    assert placement.Capacity(big).beyond(huge.config) is not None  # 640,000 CPUs: still too many
+    wide = job("wide", [("w", 10_000, 1, 100, 0), ("v", 1, 1, 100, 0)])
+    assert placement.Capacity(big).beyond(wide.config) is None

@@ -66,6 +66,7 @@ from muster.shared.jobconfig import WHOLE_GPU, JobConfig, TaskRole
 from muster.shared.messages import GpuDevice, NodeInfo, TaskSpec
 
 NEVER = "can never run on the current nodes: "
+HUGE_JOB = 10_000  # tasks: past it a job is first held against the nodes' totals (Capacity.beyond)
 # A free GPU left with fewer CPUs than this beside it is one almost no task can use: 99 % of the
 # GPU tasks of the Alibaba GPU 2023 trace ask at least 4 CPUs per GPU. Best fit avoids leaving
 # GPUs so starved when a node with the CPUs to spare can take the task instead: on that trace it
@@ -1060,6 +1061,11 @@ class Cluster:
                     if seen[3]:
                         result.unschedulable.add(job.job_id)
                     continue
+                never = capacity.beyond(job.config, avoid)  # a huge job: before one object a task
+                if never is not None:
+                    result.pending[job.job_id] = never
+                    result.unschedulable.add(job.job_id)
+                    continue
                 groups = _demand(job.config)
                 if window is not None and result.head is not None and tried_behind >= window:
                     never = capacity.never(job.config, groups, avoid)
@@ -1308,6 +1314,48 @@ class Capacity:
             nodes = self.cluster.nodes.items()
             self._empty[key] = [n.copy(empty=True) for name, n in nodes if name not in avoid]
         return self._empty[key]
+
+    def beyond(self, config: JobConfig, avoid: Set[str] = frozenset()) -> str | None:
+        """For a job of more than HUGE_JOB tasks, why it asks more in all than the schedulable
+        nodes have (it can never run), worked out from its roles before one object per task is
+        made: a job of 640,000 tasks (one accepted before the task limits) took seconds of the
+        leader's loop each plan, past its lease on a loaded machine. None: the usual checks
+        decide."""
+        if config.total_tasks <= HUGE_JOB:
+            return None
+        key = ("beyond", _shape_key(config), tuple(sorted(avoid)))
+        if key not in self._answers:
+            nodes = [node for name, node in self.cluster.nodes.items() if name not in avoid]
+            model = config.gpuType.lower() if config.gpuType else None
+            roles = config.taskRoles
+            rows: list[tuple[int, int, Callable[[int], str]]] = [
+                (
+                    sum(r.gpu_devices * r.taskNumber for r in roles if r.gpuNumber),
+                    sum(len(node.free_gpus(model)) for node in nodes),
+                    lambda k: _gpus(k, config.gpuType),
+                ),
+                (
+                    sum(r.cpuNumber * r.taskNumber for r in roles),
+                    sum(n.cpus for n in nodes),
+                    lambda k: f"{k} CPUs",
+                ),
+                (
+                    sum(r.memoryMB * r.taskNumber for r in roles),
+                    sum(n.memory_mb for n in nodes),
+                    lambda k: f"{k} MB",
+                ),
+            ]
+            n = config.total_tasks
+            why = next(
+                (
+                    f"its {n} tasks need {show(need)} in all; the cluster has {show(have)}"
+                    for need, have, show in rows
+                    if need > have
+                ),
+                None,
+            )
+            self._answers[key] = NEVER + why if why else None
+        return self._answers[key]
 
     def never(self, config: JobConfig, groups: Groups, avoid: Set[str] = frozenset()) -> str | None:
         """Why the job can never run on the current schedulable nodes; None if it can."""
