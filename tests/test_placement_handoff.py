@@ -10,6 +10,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from datetime import timedelta
 
 import pytest
 
@@ -271,11 +272,17 @@ async def test_an_attempt_that_ended_while_its_job_was_never_settled_is_settled_
     await b.put(subjects.JOBS_BUCKET, "jh10", running)
     attempt = placed("jh10", 1)
     done = [t.model_copy(update={"state": TaskState.SUCCEEDED, "exit_code": 0}) for t in attempt.tasks]
-    ended = attempt.model_copy(
-        update={"tasks": done, "ended_at": now(), "outcome": JobState.SUCCEEDED, "rule": "all tasks ended"}
-    )
-    await b.put(subjects.ATTEMPTS_BUCKET, ended.key, ended)
+    update = {"tasks": done, "outcome": JobState.SUCCEEDED, "rule": "all tasks ended"}
     supervisor.view_jobs["jh10"] = running  # as mirrored; the attempt is not (ended: dropped)
+    # Ended just now: its event's handler is settling it (the check leaves it alone)...
+    await b.put(
+        subjects.ATTEMPTS_BUCKET, attempt.key, attempt.model_copy(update={**update, "ended_at": now()})
+    )
+    await supervisor.settle_missed()
+    assert (await b.record(subjects.JOBS_BUCKET, "jh10", JobRecord)).settled == 0
+    # ... ended minutes ago and still not settled: missed, settled now.
+    ended = attempt.model_copy(update={**update, "ended_at": now() - timedelta(minutes=3)})
+    await b.put(subjects.ATTEMPTS_BUCKET, ended.key, ended)
     await supervisor.settle_missed()
     record = await b.record(subjects.JOBS_BUCKET, "jh10", JobRecord)
     assert (record.state, record.settled) == (JobState.SUCCEEDED, 1), record

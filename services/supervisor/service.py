@@ -86,6 +86,7 @@ TO_RUNNING = Histogram(
 
 DAY = 24 * 3600.0
 ALIVE_WAIT = 1.0  # seconds a quiet node's agent has to answer whether it is there
+SETTLE_GRACE = 120.0  # seconds after its end an attempt whose job is not settled counts as missed
 IN_FLIGHT = 2048  # task events handled at once: a gang this big is recorded in one write
 WRITE_SPACING = 0.00025  # seconds between writes of an attempt record, per task of it
 MAX_SPACING = 1.0
@@ -720,7 +721,10 @@ class Supervisor:
             if key in self.view_attempts:
                 continue  # still watched: its end is applied as it comes
             attempt = await self.attempts.get(key, confirm=True)
-            if attempt is not None and attempt.ended:
+            # Ended a while ago: one that ended just now is being settled by its event's handler
+            # (its retries last under a minute), which a second settling would only repeat.
+            settled_by = now() - timedelta(seconds=SETTLE_GRACE)
+            if attempt is not None and attempt.ended_at is not None and attempt.ended_at < settled_by:
                 log.warning("supervisor.settling_missed", attempt=key)
                 await self.end_attempt(attempt)
 
