@@ -713,7 +713,10 @@ class Supervisor:
         """Attempts that ended while their job was never settled for them: every delivery of
         the event that ended one failed to settle it (the bus away longer than its retries).
         The mirror drops an attempt once it and its tasks have ended, so nothing else would look
-        again and the job would stay running for ever. One read per such job, none otherwise."""
+        again and the job would stay running for ever. One read per such job, none otherwise.
+        Only one that ended SETTLE_GRACE ago or more: one that ended just now is being settled
+        by its event's handler (its retries last under a minute), which this would only repeat."""
+        ended_by = now() - timedelta(seconds=SETTLE_GRACE)
         for job in list(self.view_jobs.values()):
             if not isinstance(job, JobRecord) or job.state.final or job.attempt <= job.settled:
                 continue
@@ -721,10 +724,7 @@ class Supervisor:
             if key in self.view_attempts:
                 continue  # still watched: its end is applied as it comes
             attempt = await self.attempts.get(key, confirm=True)
-            # Ended a while ago: one that ended just now is being settled by its event's handler
-            # (its retries last under a minute), which a second settling would only repeat.
-            settled_by = now() - timedelta(seconds=SETTLE_GRACE)
-            if attempt is not None and attempt.ended_at is not None and attempt.ended_at < settled_by:
+            if attempt is not None and attempt.ended_at is not None and attempt.ended_at < ended_by:
                 log.warning("supervisor.settling_missed", attempt=key)
                 await self.end_attempt(attempt)
 
