@@ -21,9 +21,8 @@ import nats.errors
 import nats.js.errors
 import pytest
 from nats.aio.client import Client as NATS
-from nats.js.errors import NoKeysError
 
-from muster.shared import auth, bus, client, subjects
+from muster.shared import auth, bus, client, store, subjects
 from muster.shared.messages import (
     Assignment,
     AttemptRecord,
@@ -122,7 +121,7 @@ def secured(tmp_path_factory) -> Iterator[Secured]:
                 for _ in range(600):
                     with contextlib.suppress(Exception):
                         await client.ask(nc, "ping", timeout=2)
-                        if {"n1", "n2"} <= set(await nodes.keys()):
+                        if {"n1", "n2"} <= set(await store.keys(nodes)):
                             return
                     await asyncio.sleep(0.1)
                 raise AssertionError(f"the secured mesh did not come up:\n{c.logs()}")
@@ -445,10 +444,9 @@ async def test_forged_exits_endpoints_and_specs_change_nothing(secured):
         # The forged endpoint is stored nowhere (a one-task job has no rendezvous of its own:
         # its agent builds its spec alone, so anything stored for it would be the forger's).
         rendezvous = await root.jetstream().key_value(subjects.RENDEZVOUS_BUCKET)
-        with contextlib.suppress(NoKeysError):
-            for key in await rendezvous.keys():
-                if key.startswith(job.job_id):
-                    assert b"6.6.6.6" not in (await rendezvous.get(key)).value, key
+        for key in await store.keys(rendezvous):
+            if key.startswith(job.job_id):
+                assert b"6.6.6.6" not in (await rendezvous.get(key)).value, key
         page = await client.ask(alice, "metrics", {"job_id": job.job_id, "attempt": 1})
         assert page["batches"] == [] and page["last"] > 0, page  # read, and not believed
         await alice.jetstream().publish(

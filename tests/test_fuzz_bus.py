@@ -30,7 +30,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from muster.shared import auth, bus, client, proto, subjects
+from muster.shared import auth, bus, client, proto, store, subjects
 from muster.shared.jobconfig import check_job
 from muster.shared.messages import (
     Assignment,
@@ -467,7 +467,7 @@ async def test_fuzzing_every_subject_stops_nothing_and_a_canary_completes(mesh: 
         nodes = await ncs[ADMIN].jetstream(timeout=5).key_value(subjects.NODES_BUCKET)
 
         async def registered() -> bool:
-            return {NODE, PEER} <= set(await nodes.keys())
+            return {NODE, PEER} <= set(await store.keys(nodes))
 
         await until(registered, 90, "the agents never registered", mesh.logs)
         # A job accepted and running before: nothing the fuzz sends may end it.

@@ -13,7 +13,7 @@ import pytest
 from nats.js.errors import KeyNotFoundError
 
 from muster.services.validator.service import Validator
-from muster.shared import bus, client, subjects
+from muster.shared import bus, client, store, subjects
 from muster.shared.messages import JobEvent, JobRecord, JobState, job_id_for, now
 from muster.shared.service import run_service
 from muster.shared.subjects import Headers
@@ -196,7 +196,7 @@ async def test_redelivered_submission_converges_on_one_job(nats_url, nc):
     first = await v.judge("dup1", "bob", config("twice"), received)
     second = await v.judge("dup1", "bob", config("twice"), received)
     assert first.accepted and second.accepted and first.job_id == second.job_id
-    assert len(await buckets[subjects.JOBS_BUCKET].keys()) == 1
+    assert len(await store.keys(buckets[subjects.JOBS_BUCKET])) == 1
     assert [e.kind for e in await history(nc, first.job_id)] == ["accepted"]
 
 
@@ -248,7 +248,7 @@ async def test_killing_a_validator_replica_mid_stream_loses_no_submission(nats_u
         except KeyNotFoundError:
             pytest.fail(f"submission {i} has a verdict but no job record")
         assert record.job_name == f"job-{i}"
-    assert len(await kv.keys()) == n
+    assert len(await store.keys(kv)) == n
 
 
 async def count_verdicts(nc) -> int:

@@ -8,7 +8,7 @@ import pytest
 from nats.js.errors import KeyNotFoundError
 
 from muster.services.validator.service import Validator
-from muster.shared import bus, subjects
+from muster.shared import bus, store, subjects
 from muster.shared.messages import Verdict, now
 from muster.shared.subjects import Headers
 from tests.test_validator import config, validator
@@ -31,7 +31,7 @@ async def test_a_reused_submission_id_with_another_config_is_rejected_naming_the
         (Headers.SUBMISSION_ID, f"already used by job {first.job_id} with a different config")
     ]
     assert second.job_id is None and second.job_name == "two"
-    assert await buckets[subjects.JOBS_BUCKET].keys() == [first.job_id]
+    assert await store.keys(buckets[subjects.JOBS_BUCKET]) == [first.job_id]
     # The rejected config claimed nothing: its name is free for a submission of its own.
     try:
         await buckets[subjects.JOB_NAMES_BUCKET].get("two")
@@ -53,7 +53,7 @@ async def test_the_same_config_under_the_same_id_is_one_job_whatever_its_bytes(n
     verdicts = [await v.judge("again", "bob", p, now()) for p in (original, original, reformatted, as_yaml)]
     assert all(x.accepted for x in verdicts), verdicts
     assert {x.job_id for x in verdicts} == {verdicts[0].job_id}
-    assert len(await buckets[subjects.JOBS_BUCKET].keys()) == 1
+    assert len(await store.keys(buckets[subjects.JOBS_BUCKET])) == 1
 
 
 async def test_two_configs_published_under_one_id_get_two_verdicts_from_the_live_validator(nats_url, nc):
