@@ -4,6 +4,7 @@ says, a lost node's gang retried elsewhere, kill, and agents that restart under 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -11,10 +12,11 @@ import subprocess
 import time
 
 import docker
+import nats.errors
 import pytest
 
 from muster.shared import client, subjects
-from muster.shared.messages import FailureKind, JobRecord, JobState, TaskState
+from muster.shared.messages import FailureKind, JobRecord, JobState, TaskCause, TaskState
 from tests.test_jobs import attempt, nc, role, run_job, wait_final  # noqa: F401 - nc is a fixture
 
 
@@ -97,6 +99,58 @@ async def test_a_lost_node_fails_its_gang_as_platform_and_it_succeeds_elsewhere(
     pgrep = subprocess.run(["pgrep", "-f", "sleep 600"], capture_output=True, text=True)  # noqa: ASYNC221
     leftover = pgrep.stdout.split()
     assert not [p for p in leftover if _task_of(p, record.job_id)]
+
+
+async def test_a_task_that_ended_before_its_node_was_lost_is_recorded_as_it_ended(cluster, nc, tmp_path):  # noqa: F811
+    """A supervisor replica that took a task's exit report and died before its ack holds the report
+    for the ack wait (30 s); the node, gone meanwhile, is found lost sooner by another replica. The
+    task ended as its node said (exit 3: the job failed), not lost with the node (a platform
+    fault, retried). Seen in a chaos run; here the test takes the report off the supervisors'
+    consumer itself and never acks it, as the dead replica did."""
+    os.environ["MUSTER_NODE_TIMEOUT"] = "3"  # read by the supervisors started below
+    try:
+        cluster.core()
+        (first_supervisor,) = [p for p in cluster.procs if "supervisor" in p.log_path.name]
+        doomed = cluster.agent("doomed", "--address", "127.0.0.1", "--cpus", "2", "--heartbeat", "0.5")
+        go = tmp_path / "go"
+        command = f"while [ ! -e {go} ]; do sleep 0.1; done; exit 3"
+        config = {
+            "jobName": "as-said",
+            "image": "img",
+            "retryCount": 0,
+            "taskRoles": [role("main", 1, command)],
+        }
+        _, verdict = await client.submit(nc, json.dumps(config).encode())
+        assert verdict and verdict.accepted
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(Exception):
+                if (await attempt(nc, verdict.job_id, 1)).tasks[0].state == TaskState.RUNNING:
+                    break
+            assert time.monotonic() < deadline, cluster.logs()
+            await asyncio.sleep(0.2)
+        first_supervisor.kill()
+        first_supervisor.wait(10)
+        js = nc.jetstream()
+        taken = await js.pull_subscribe_bind(
+            durable=subjects.SUPERVISOR_CONSUMER, stream=subjects.EVENTS_STREAM
+        )
+        go.touch()
+        held: list[str] = []
+        deadline = time.monotonic() + 30
+        while not any(s.endswith(".exited.doomed") for s in held):
+            assert time.monotonic() < deadline, f"no exit report: {held}\n{cluster.logs()}"
+            with contextlib.suppress(nats.errors.TimeoutError):
+                held += [m.subject for m in await taken.fetch(10, timeout=1)]  # never acked
+        doomed.kill()
+        doomed.wait(10)
+        cluster.start("muster.services.supervisor")
+    finally:
+        del os.environ["MUSTER_NODE_TIMEOUT"]
+    record = await wait_final(nc, verdict.job_id, timeout=25)  # within the 30 s ack wait
+    (task,) = (await attempt(nc, verdict.job_id, 1)).tasks
+    assert (task.cause, task.exit_code) == (TaskCause.EXITED, 3), (task, cluster.logs())
+    assert (record.state, record.attempt, record.platform_retries) == (JobState.FAILED, 1, 0), record
 
 
 async def _until_gone(nc, job_id: str, n: int, timeout: float = 20) -> None:  # noqa: F811
