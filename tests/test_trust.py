@@ -240,6 +240,37 @@ async def test_an_order_for_an_attempt_with_no_record_runs_nothing(cluster, nc, 
     assert not ran.exists() and agent.poll() is None
 
 
+async def test_a_running_task_whose_attempt_record_is_gone_is_stopped(cluster, nc, tmp_path):  # noqa: F811
+    """An order runs only once its attempt's record exists; a record gone later was pruned with
+    its finished job (a node away past the retention comes back with the task still running, or
+    its restarted agent adopts it). Nothing else would ever stop it: the agent's own check of its
+    live tasks does (it took a missing record for a live one)."""
+    cluster.core()
+    agent = cluster.agent("n1", "--address", "127.0.0.1", "--cpus", "2")
+    alive = tmp_path / "alive"
+    command = f"while true; do date > {alive}; sleep 0.2; done"
+    _, verdict = await client.submit(
+        nc, json.dumps({"jobName": "orphan", "image": "img", "taskRoles": [role("w", 1, command)]}).encode()
+    )
+    assert verdict and verdict.accepted
+
+    async def ran() -> bool:
+        return alive.exists()
+
+    await _until(ran, 60, "the task never ran")
+    js = nc.jetstream()
+    await (await js.key_value(subjects.ATTEMPTS_BUCKET)).purge(f"{verdict.job_id}.1")
+    await (await js.key_value(subjects.JOBS_BUCKET)).purge(verdict.job_id)
+
+    async def stopped() -> bool:
+        before = alive.stat().st_mtime
+        await asyncio.sleep(1)
+        return alive.stat().st_mtime == before
+
+    await _until(stopped, 60, "the orphan task still runs")
+    assert "agent.obsolete_task" in agent.log_path.read_text() and agent.poll() is None
+
+
 async def test_garbage_records_in_kv_are_skipped_not_fatal(cluster, nc):  # noqa: F811
     """Defect 14: one garbage entry in the nodes, jobs or attempts bucket stops nothing."""
     cluster.core()  # the services declare the buckets

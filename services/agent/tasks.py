@@ -63,7 +63,7 @@ from muster.shared.messages import (
     dataset_refusal,
 )
 from muster.shared.secrets import Masker
-from muster.shared.store import Store
+from muster.shared.store import Store, confirmed
 
 log = structlog.get_logger(service="agent")
 
@@ -349,14 +349,20 @@ class Tasks:
             self.workdirs.ended(a.job_id, a.attempt)
 
     async def obsolete(self, keys: Iterable[TaskKey]) -> set[TaskKey]:
-        """Those of `keys` the bus no longer counts as live: their attempt or they ended. One
-        read of each attempt (shared by concurrent checks), each task found by its key."""
+        """Those of `keys` the bus no longer counts as live: their attempt or they ended, or their
+        attempt has no record at all (asked of the bucket's leader too: a replica may lag). An
+        order runs only once its record exists, so a record gone was pruned with its finished
+        job (a node away past the retention, back with its tasks, or adopting them after a
+        restart): nothing would ever stop them. One read of each attempt (shared by concurrent
+        checks), each task found by its key; a record that does not decode says nothing."""
         by_attempt: dict[str, list[TaskKey]] = {}
         for key in keys:
             by_attempt.setdefault(attempt_key(key[0], key[1]), []).append(key)
         placements = await asyncio.gather(*(self.attempts.placement(k) for k in by_attempt))
         out = set()
-        for found, tasks in zip(placements, by_attempt.values(), strict=True):
+        for name, found, tasks in zip(by_attempt, placements, by_attempt.values(), strict=True):
+            if found is None and await confirmed(self.attempts.kv, name) is None:
+                out.update(tasks)
             for key in tasks if found is not None else ():
                 assert found is not None
                 task = found.by_key.get(f"{key[2]}.{key[3]}")
