@@ -37,6 +37,7 @@ from muster.shared.messages import (
     TaskCause,
     TaskEvent,
     TaskEventKind,
+    TaskSpec,
     TaskState,
     TaskStatus,
     now,
@@ -298,6 +299,45 @@ def test_applying_events_changes_no_task_it_was_given():
     assert copy.outcome == JobState.FAILED
     assert [t.state for t in copy.tasks] == [TaskState.FAILED] * 2 + [TaskState.RUNNING] * 2
     assert all(a is not b for a, b in zip(held.tasks, copy.tasks, strict=True))
+
+
+async def test_a_task_stopped_before_its_runner_began_is_reported_killed(nats_url, tmp_path):
+    """A kill that comes in the same turn of the loop as the order, before the task's runner has
+    taken its first step: cancelled then, the runner's own handler never runs. The task was
+    left live for ever, its ports held and its end never reported; now `stop` says it."""
+    from muster.services.agent.tasks import LocalTask
+
+    nc = await bus.connect("test", nats_url)
+    try:
+        js, buckets = await bus.setup(nc)
+        options = AgentOptions(
+            node="here",
+            address="127.0.0.1",
+            cpus=4,
+            memory_mb=4096,
+            gpus=[],
+            work_root=str(tmp_path / "work"),
+            output_root=str(tmp_path / "output"),
+        )
+        agent = Agent(nc, js, buckets, options, SimRuntime())
+        agent.reporter.start()
+        order = Assignment(
+            job_id="jearly", attempt=1, user="u", config=config(1), node="here",
+            gang=[TaskSpec(role="worker", role_no=0, index=0, node="here")],
+        )  # fmt: skip
+        ended = await nc.subscribe(subjects.task_event("jearly", 1, "worker", 0, "exited", "here"))
+        key = ("jearly", 1, "worker", 0)
+        ports = agent.tasks.ports.take(1)
+        endpoint = Endpoint(role="worker", role_no=0, index=0, node="here", host="127.0.0.1", port=ports[0])
+        task = LocalTask(order, order.gang[0], endpoint, ports)
+        agent.tasks.take(key, task)  # its runner is made, not yet run
+        await agent.tasks.stop(task, "its attempt ended", 0)
+        assert key not in agent.tasks.live and agent.tasks.known(key)
+        event = TaskEvent.from_bytes((await ended.next_msg(timeout=10)).data)
+        assert (event.cause, event.reason) == (TaskCause.KILLED, "killed before start: its attempt ended")
+        await agent.reporter.close()
+    finally:
+        await nc.close()
 
 
 async def test_an_agents_check_of_its_tasks_reads_each_attempt_once_not_once_per_task(nats_url, tmp_path):

@@ -442,6 +442,13 @@ class Tasks:
         if task.runner is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task.runner
+            a, spec = task.assignment, task.spec
+            key = (a.job_id, a.attempt, spec.role, spec.index)
+            if task.runner.cancelled() and not self.detaching and self.live.get(key) is task:
+                # Cancelled before its first step, so its own handler never ran: said here, or
+                # it would stay live, its ports held and its end never reported.
+                why = f"killed before start: {task.kill_reason}"
+                await self._finish(key, task, TaskCause.KILLED, NOT_STARTED, why)
 
     async def hung(self, key: TaskKey, timeout: int) -> None:
         """A running task printed nothing for `timeout` seconds (its job's noProgressTimeoutSec):
