@@ -13,6 +13,7 @@ import socket
 import time
 from collections.abc import AsyncIterator
 
+import nats.errors
 import pytest
 
 from muster.services.agent import environment
@@ -336,6 +337,58 @@ async def test_a_task_stopped_before_its_runner_began_is_reported_killed(nats_ur
         event = TaskEvent.from_bytes((await ended.next_msg(timeout=10)).data)
         assert (event.cause, event.reason) == (TaskCause.KILLED, "killed before start: its attempt ended")
         await agent.reporter.close()
+    finally:
+        await nc.close()
+
+
+async def test_an_order_whose_keeping_fails_holds_no_port_and_tells_no_endpoint(nats_url, tmp_path):
+    """The agent keeps each order on disk before taking it on. A full disk there raised after the
+    task's ports were taken and its endpoint told: the ports stayed held, and the order's next
+    delivery took other ones than the endpoint the gang had been told (deduplicated, the first
+    stands). Now the order is kept first: a failure holds and tells nothing."""
+    nc = await bus.connect("test", nats_url)
+    try:
+        js, buckets = await bus.setup(nc)
+        nodes = ["here", "there"]
+        record = AttemptRecord(
+            job_id="jfull",
+            attempt=1,
+            tasks=[TaskStatus(role="worker", role_no=0, index=i, node=n) for i, n in enumerate(nodes)],
+        )
+        await buckets[subjects.ATTEMPTS_BUCKET].put(record.key, record.to_bytes())
+        options = AgentOptions(
+            node="here",
+            address="127.0.0.1",
+            cpus=4,
+            memory_mb=4096,
+            gpus=[],
+            work_root=str(tmp_path / "work"),
+            output_root=str(tmp_path / "output"),
+        )
+        agent = Agent(nc, js, buckets, options, SimRuntime())
+        order = Assignment(
+            job_id="jfull", attempt=1, user="u", node="here",
+            config=config(2).model_copy(update={"extras": {"sim": {"seconds": 600}}}),
+            gang=[t.spec() for t in record.tasks],
+        )  # fmt: skip
+        told = await nc.subscribe(subjects.task_event("jfull", 1, "worker", 0, "endpoint", "here"))
+        save = agent.assignments.save
+
+        def full(a: Assignment) -> None:
+            raise OSError(28, "No space left on device")
+
+        agent.assignments.save = full  # type: ignore[method-assign]  # a full disk: no test can fill one on demand
+        with pytest.raises(OSError):
+            await agent.assign(order)
+        assert agent.tasks.ports.taken == set() and not agent.tasks.live
+        with pytest.raises(nats.errors.TimeoutError):
+            await told.next_msg(timeout=0.5)
+        agent.assignments.save = save  # type: ignore[method-assign]
+        await agent.assign(order)  # delivered again
+        (task,) = agent.tasks.live.values()
+        reported = EndpointReported.from_bytes((await told.next_msg(timeout=10)).data)
+        assert reported.endpoint.port == task.endpoint.port and agent.tasks.ports.taken == set(task.ports)
+        await agent.tasks.stop(task, "done", 0)
     finally:
         await nc.close()
 

@@ -459,6 +459,7 @@ class Agent:
                 return
             placement = Placement.of(stored)
         record = placement.record
+        kept = False
         for spec in a.mine:
             key = (a.job_id, a.attempt, spec.role, spec.index)
             if self.tasks.known(key):
@@ -478,6 +479,13 @@ class Agent:
                 )
                 self.tasks.remember(key)
                 continue
+            if not kept:
+                # Kept before anything is held or told for it: a save that fails (a full disk)
+                # leaks no port, and the order comes again to the same state. Kept after the
+                # endpoint went out, a failure took other ports on the order's next delivery
+                # than the endpoint the gang was told (deduplicated: the first one stands).
+                self.assignments.save(a)
+                kept = True
             role = a.config.role(spec.role)
             try:
                 ports = self._reserve_ports(role.portList)
@@ -508,7 +516,6 @@ class Agent:
                 await self.tasks.specs.forget(a.job_id, a.attempt)
                 raise  # the order is redelivered
             task = LocalTask(assignment=a, spec=spec, endpoint=endpoint, ports=ports, cluster=cluster)
-            self.assignments.save(a)
             self.tasks.take(key, task)
         self.log.info("agent.assigned", job_id=a.job_id, attempt=a.attempt, tasks=[t.key for t in a.mine])
 
