@@ -393,6 +393,68 @@ async def test_an_order_whose_keeping_fails_holds_no_port_and_tells_no_endpoint(
         await nc.close()
 
 
+async def test_an_auth_file_read_that_hangs_leaves_the_agent_answering(nats_url, tmp_path, monkeypatch):
+    """An authFile on a hung network filesystem is given AUTH_TIMEOUT (5 s) to be read; that wait
+    held the agent's event loop (its heartbeats, every other task's start and end, the bus) for
+    as long, once per task started. Now the read waits in a thread."""
+    from muster.services.agent import launch
+
+    nc = await bus.connect("test", nats_url)
+    try:
+        js, buckets = await bus.setup(nc)
+        record = AttemptRecord(
+            job_id="jauth", attempt=1, tasks=[TaskStatus(role="worker", role_no=0, index=0, node="here")]
+        )
+        await buckets[subjects.ATTEMPTS_BUCKET].put(record.key, record.to_bytes())
+        auth = tmp_path / "users" / "u" / "auth"
+        auth.parent.mkdir(parents=True)
+        auth.write_text("docker.io\nu\npw\n")
+        read = launch._read_bounded
+
+        def hung(*args: object) -> bytes:
+            time.sleep(3)  # a read on a hung filesystem: no test can hang one on demand
+            return read(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(launch, "_read_bounded", hung)
+        options = AgentOptions(
+            node="here",
+            address="127.0.0.1",
+            cpus=4,
+            memory_mb=4096,
+            gpus=[],
+            work_root=str(tmp_path / "work"),
+            output_root=str(tmp_path / "output"),
+            data_roots=[str(tmp_path / "users" / "{user}")],
+        )
+        agent = Agent(nc, js, buckets, options, SimRuntime())
+        cfg = config(1).model_copy(update={"authFile": str(auth), "extras": {"sim": {"seconds": 600}}})
+        order = Assignment(
+            job_id="jauth", attempt=1, user="u", node="here", config=cfg, gang=[record.tasks[0].spec()]
+        )
+        gaps, stop = [0.0], asyncio.Event()
+
+        async def tick() -> None:
+            last = time.monotonic()
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+
+        ticking = asyncio.create_task(tick())
+        await agent.assign(order)
+        (task,) = agent.tasks.live.values()
+        deadline = time.monotonic() + 30
+        while task.handle is None:
+            assert time.monotonic() < deadline and task.runner is not None and not task.runner.done()
+            await asyncio.sleep(0.05)
+        stop.set()
+        await ticking
+        assert max(gaps) < 2, max(gaps)  # ~3 s on main: the read's whole wait
+        await agent.tasks.stop(task, "done", 0)
+    finally:
+        await nc.close()
+
+
 async def test_an_agents_check_of_its_tasks_reads_each_attempt_once_not_once_per_task(nats_url, tmp_path):
     """A node running 8 tasks of a 2,000-task attempt (its record ~250 KB): the routine check
     that its tasks are still live reads the record once for all of them, and finds each by its

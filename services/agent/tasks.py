@@ -245,7 +245,12 @@ class Tasks:
             await self._use_mps(task)
         # Not kept while the task runs (a local here only): its environment lists the whole gang,
         # O(N) bytes per task, ~200 MB for a sim process holding a 2,000-task gang.
-        launch = build_launch(a, task.spec, task.ports, cluster, self.where, prepared)
+        if a.config.authFile:  # read within AUTH_TIMEOUT, which a hung filesystem takes whole: off the loop
+            launch = await asyncio.to_thread(
+                build_launch, a, task.spec, task.ports, cluster, self.where, prepared
+            )
+        else:
+            launch = build_launch(a, task.spec, task.ports, cluster, self.where, prepared)
         task.version = cluster.version
         task.cluster = cluster
         if self.rsh is not None and self._is_mpi_launcher(task):
