@@ -633,6 +633,7 @@ class Supervisor:
                     if (
                         task.node == name
                         and not task.state.ended
+                        and f"{attempt.key}/{task.key}" not in self.declared  # once is enough
                         and not await self.reported_exit(attempt, task)
                     ):
                         await self.declare_ended(attempt, task, TaskCause.NODE_LOST, why, "lost")
@@ -658,11 +659,15 @@ class Supervisor:
             return False
         try:
             event = TaskEvent.from_bytes(stored.data or b"")
+            why = policy.event_refusal(event, subject, task.node, attempt)
         except ValueError as exc:
+            why = str(exc)[:200]
+        if why is not None:  # garbage, or not the report it is filed as: the node is lost with it
             consume.REFUSED.labels("task_event").inc()
-            log.warning("supervisor.exit_report_unreadable", subject=subject[:200], error=str(exc)[:200])
+            log.warning("supervisor.exit_report_refused", subject=subject[:200], why=why)
             return False
         await self.on_task_event(consume.Sent(task.node, subject, event))
+        self.declared.add(f"{attempt.key}/{task.key}")  # not read again while the mirror catches up
         log.info("supervisor.exit_report_applied", attempt=attempt.key, task=task.key)
         return True
 
