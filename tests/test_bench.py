@@ -18,10 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 MESH = {"validator", "scheduler", "registry", "supervisor", "sim", "nats-server"}
 
 
-def bench(name: str, *args: str, timeout: float = 300) -> tuple[dict[str, Any], str]:
+def bench(name: str, *args: str, timeout: float = 100) -> tuple[dict[str, Any], str]:
     """Run `python -m bench.NAME ARGS`; its JSON line and the text before it. A run that fails or
     outlasts `timeout` fails the test with its output's tail and, given `--workdir`, the tails of
-    the logs its services left there (what was stuck, not only that something was)."""
+    the logs its services left there (what was stuck, not only that something was). The default
+    is inside pytest's own 120 s, which would end the test with none of that."""
     try:
         proc = subprocess.run(
             [sys.executable, "-m", f"bench.{name}", *args],

@@ -95,7 +95,9 @@ def test_an_unreachable_nats_fails_fast_naming_the_url():
     took = time.monotonic() - started
     line = _one_line(r.stderr)
     assert r.returncode == 1 and url in line, r.stderr
-    assert took < 5, f"took {took:.1f}s to give up"
+    # The default 2 s of trying, plus the CLI's own start (~0.5 s idle, several on a loaded
+    # machine): not the minutes nats-py's own reconnect loop would take.
+    assert took < 15, f"took {took:.1f}s to give up"
 
 
 def test_a_server_list_whose_first_server_is_down_works_for_the_cli_and_up(nats_url, tmp_path):

@@ -16,7 +16,15 @@ import nats.errors
 import pytest
 
 from muster.shared import client, subjects
-from muster.shared.messages import FailureKind, JobRecord, JobState, TaskCause, TaskState
+from muster.shared.messages import (
+    FailureKind,
+    JobEvent,
+    JobEventKind,
+    JobRecord,
+    JobState,
+    TaskCause,
+    TaskState,
+)
 from tests.test_jobs import attempt, nc, role, run_job, wait_final  # noqa: F401 - nc is a fixture
 
 
@@ -244,7 +252,15 @@ async def test_muster_kill_stops_a_4_task_docker_job_within_the_grace_and_frees_
     r = cluster.cli("kill", "docker-kill", "--grace", "3")
     took = time.monotonic() - started
     assert r.returncode == 0, r.stderr + cluster.logs()
-    assert took < 3 + 8, took  # the grace, plus the CLI's own start and the report
+    assert took < 3 + 30, took  # the grace, plus the CLI's own start (seconds on a loaded machine)
+    # The 3 s grace held, not the default 10 s: from the kill's taking to the tasks' ends.
+    stored = await nc.jetstream().get_last_msg(
+        subjects.EVENTS_STREAM, subjects.job_event(verdict.job_id, JobEventKind.KILLED)
+    )
+    killed_at = JobEvent.from_bytes(stored.data).at
+    a = await attempt(nc, verdict.job_id)
+    ends = [(t.ended_at - killed_at).total_seconds() for t in a.tasks if t.ended_at is not None]
+    assert len(ends) == 4 and max(ends) < 3 + 5, ends
     engine = docker.from_env()
     try:
         running = engine.containers.list(filters={"label": f"muster.job={verdict.job_id}"})
@@ -258,7 +274,16 @@ async def test_muster_kill_stops_a_4_task_docker_job_within_the_grace_and_frees_
 
 
 @pytest.mark.docker
-async def test_an_agent_killed_and_restarted_adopts_its_running_containers(base_image, cluster, nc, tmp_path):  # noqa: F811
+async def test_an_agent_killed_and_restarted_adopts_its_running_containers(
+    base_image,
+    cluster,
+    nc,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    # The crash is not a lost node here: a restart slower than the 5 s node timeout (a loaded
+    # machine) would fail the attempt, and this test is about adopting, not about that.
+    monkeypatch.setenv("MUSTER_NODE_TIMEOUT", "60")
     cluster.core()
     args = ("--runtime", "docker", "--cpus", "4", "--overcommit", "--address", "127.0.0.1")
     agent = cluster.agent("box", *args)

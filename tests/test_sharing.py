@@ -71,8 +71,12 @@ class Bench:
             await asyncio.sleep(0.2)
 
     async def running(self, job_id: str, n: int = 1) -> bool:
+        """Its attempt `n` runs every task, and its job record says so (written just after)."""
         a = await self.attempt(job_id, n)
-        return a is not None and not a.ended and all(t.state == TaskState.RUNNING for t in a.tasks)
+        if a is None or a.ended or not all(t.state == TaskState.RUNNING for t in a.tasks):
+            return False
+        job = await self.job(job_id)
+        return job.state == JobState.RUNNING and job.attempt == n
 
     async def kill(self, job_id: str, user: str = "alice") -> None:
         await self.js.publish(
@@ -182,7 +186,13 @@ async def test_a_vc_borrows_idle_gpus_and_another_reclaims_them(bench):
     a2 = await bench.submit("a2", gpus=2, virtualCluster="a")  # beyond a's quota, on idle GPUs
     await bench.until("a2 runs on borrowed GPUs", lambda: bench.running(a2))
     assert not (await bench.attempt(a1, 1)).borrowed and (await bench.attempt(a2, 1)).borrowed
-    # What `muster vc` shows, from the gateway.
+
+    # What `muster vc` shows, from the gateway (its copy of the records follows them closely).
+    async def shown_running() -> bool:
+        rows = {r["name"]: r for r in (await client.ask(bench.nc, "vcs"))["vcs"]}
+        return rows.get("a", {}).get("running") == 2
+
+    await bench.until("the gateway shows a's two jobs running", shown_running)
     rows = {r["name"]: r for r in (await client.ask(bench.nc, "vcs"))["vcs"]}
     assert list(rows) == ["default", "a", "b"]
     assert rows["a"]["quota"].startswith("2 v100") and rows["a"]["used"].startswith("4 v100")

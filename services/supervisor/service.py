@@ -811,13 +811,14 @@ class Supervisor:
         log.info("supervisor.job_pruned", job_id=job.job_id, ended=job.updated_at.isoformat())
 
     async def forget_node(self, node: NodeInfo) -> None:
-        await self.nodes.delete(node.node)
-        self.beats.forget(node.node)
-        self.quiet.discard(node.node)
+        # Its record goes last: a sweep that fails before it finds the node again next time.
         with contextlib.suppress(NotFoundError):
             await self.js.delete_consumer(subjects.COMMANDS_STREAM, subjects.agent_consumer(node.node))
         # Orders it never read stay in the work queue without its consumer (secret values in them)
         await self.js.purge_stream(subjects.COMMANDS_STREAM, subject=subjects.node_commands(node.node))
+        await self.nodes.delete(node.node)
+        self.beats.forget(node.node)
+        self.quiet.discard(node.node)
         PRUNED.labels("node").inc()
         log.info("supervisor.node_pruned", node=node.node, last_heartbeat=node.heartbeat_at.isoformat())
 
