@@ -504,10 +504,11 @@ async def test_a_heartbeat_from_the_future_or_beyond_belief_gets_no_work(secured
         await asyncio.sleep(3)
         record = await job_as(alice, verdict.job_id)
         assert record.state == JobState.WAITING and record.attempt == 0, record
-        # The same node believable: the job is placed there.
-        await nodes.put("n3", future.model_copy(update={"heartbeat_at": now()}).to_bytes())
 
+        # The same node believable: the job is placed there. Written again each time, as its
+        # agent would beat: once only, a loaded scheduler could find it silent past the timeout.
         async def placed():
+            await nodes.put("n3", future.model_copy(update={"heartbeat_at": now()}).to_bytes())
             return (await job_as(alice, verdict.job_id)).attempt == 1
 
         await wait_for(placed, 20)

@@ -580,7 +580,7 @@ async def test_a_lone_surrogate_in_a_submission_gets_its_verdict_at_once(procs, 
         assert verdict is not None and not verdict.accepted
         assert [(e.path, "Unicode" in e.reason) for e in verdict.errors] == [("jobName", True)], verdict
         # Judged on its first delivery (no retries: those wait a second each).
-        assert time.monotonic() - started < 30
+        assert time.monotonic() - started < 60  # a validator starting on a loaded machine included
         assert "validator.retry" not in procs.procs[0].log_path.read_text()
     finally:
         await nc.close()

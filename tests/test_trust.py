@@ -161,7 +161,7 @@ async def test_a_configuration_error_fails_the_job_at_once(cluster, nc, tmp_path
     assert "configuration error" in record.reason and "missing-auth" in record.reason, record.reason
     a = await attempt(nc, record.job_id)
     assert a.failure is not None and a.failure.kind == FailureKind.CONFIG
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 60  # services starting on a loaded machine included
 
 
 async def test_garbage_on_every_consumer_is_terminated_and_stalls_nothing(cluster, nc):  # noqa: F811
@@ -184,7 +184,7 @@ async def test_garbage_on_every_consumer_is_terminated_and_stalls_nothing(cluste
         nc, {"jobName": "after-garbage", "image": "img", "taskRoles": [role("w", 1, "true")]}
     )
     assert record.state == JobState.SUCCEEDED
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 60  # services starting on a loaded machine included
 
     async def settled():
         for stream, consumer in (
