@@ -415,7 +415,10 @@ async def purge_deletes(kv: KeyValue, older_than: float) -> int:
     markers = []
     try:  # nats-py leaves KeyWatcher's methods unannotated
         while True:
-            entry = await watcher.updates(timeout=30)  # type: ignore[no-untyped-call]
+            try:
+                entry = await watcher.updates(timeout=10)  # type: ignore[no-untyped-call]
+            except TimeoutError:  # what was last when it began went meanwhile (another purge)
+                break
             if entry is None:
                 # nats-py's "no more for now" may come before the entries (the race `keys` works
                 # around): believed from a bucket that holds nothing only.

@@ -17,6 +17,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from dataclasses import field as dc_field
 from pathlib import Path
+from typing import Literal
 
 from muster.services.agent import environment, gpushare, rsh, workdirs
 from muster.services.agent.prepare import Prepared
@@ -146,8 +147,11 @@ def build_launch(
     cluster: ClusterSpec,
     where: Where,
     prepared: Prepared | None = None,
+    auth: RegistryAuth | Literal["read"] | None = "read",
 ) -> TaskLaunch:
-    """`prepared`: the job's datasets and synced code (services/agent/prepare.py), if any."""
+    """`prepared`: the job's datasets and synced code (services/agent/prepare.py), if any.
+    `auth`: the registry credentials from its authFile (`task_auth`), when the caller has read
+    them already (the agent does, off its event loop); "read": read them here."""
     config, role = a.config, a.config.role(spec.role)
     image = config.image_for(spec.role)  # the role's own image, else the job's
     attempt_dir = attempt_path(where, a)
@@ -193,7 +197,7 @@ def build_launch(
         gpus=spec.gpus if where.gpu_devices else [],
         mounts=mounts,
         workdir=workdir,
-        auth=read_auth_file(config.authFile, list(where.data_roots), a.user, image, config.images),
+        auth=task_auth(a, spec, where) if auth == "read" else auth,
         labels={
             LABEL_JOB: a.job_id,
             LABEL_ATTEMPT: str(a.attempt),
@@ -206,6 +210,15 @@ def build_launch(
         extras=config.extras,
         # MPS clients in containers share the host's IPC namespace with the MPS server.
         ipc_host=mps_pipe is not None,
+    )
+
+
+def task_auth(a: Assignment, spec: TaskSpec, where: Where) -> RegistryAuth | None:
+    """The registry credentials the task's image is pulled with, from its job's authFile (if any).
+    Blocks up to AUTH_TIMEOUT (a hung network filesystem): the agent calls it in a thread."""
+    config = a.config
+    return read_auth_file(
+        config.authFile, list(where.data_roots), a.user, config.image_for(spec.role), config.images
     )
 
 

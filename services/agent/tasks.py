@@ -29,6 +29,7 @@ from muster.services.agent.launch import (
     build_launch,
     gpu_share,
     resize_signal,
+    task_auth,
     task_env,
     task_name,
 )
@@ -91,6 +92,7 @@ class LocalTask:
     kill_cause: TaskCause | None = None  # how a stop is reported when not KILLED (a hang: PLATFORM)
     kill_grace: float = 0.0
     starting: bool = False  # the runtime is starting it: it must not be cancelled then
+    cancelled: bool = False  # its runner was cancelled by a stop (never twice)
     masker: Masker | None = None  # its job's secret values, cut out of its output
     version: int = 0  # the spec version its environment describes (elastic attempts have many)
     # the spec it was started with (None: adopted, or not read yet); a solo task's from the start
@@ -245,12 +247,10 @@ class Tasks:
             await self._use_mps(task)
         # Not kept while the task runs (a local here only): its environment lists the whole gang,
         # O(N) bytes per task, ~200 MB for a sim process holding a 2,000-task gang.
-        if a.config.authFile:  # read within AUTH_TIMEOUT, which a hung filesystem takes whole: off the loop
-            launch = await asyncio.to_thread(
-                build_launch, a, task.spec, task.ports, cluster, self.where, prepared
-            )
-        else:
-            launch = build_launch(a, task.spec, task.ports, cluster, self.where, prepared)
+        # The authFile's read is given AUTH_TIMEOUT, which a hung filesystem takes whole: in a
+        # thread. Only the read: the launch writes files its attempt's tasks share (the hostfile).
+        auth = await asyncio.to_thread(task_auth, a, task.spec, self.where) if a.config.authFile else None
+        launch = build_launch(a, task.spec, task.ports, cluster, self.where, prepared, auth)
         task.version = cluster.version
         task.cluster = cluster
         if self.rsh is not None and self._is_mpi_launcher(task):
@@ -440,8 +440,11 @@ class Tasks:
         task.kill_grace = grace
         if task.handle is not None:
             await task.handle.stop(grace)
-        elif task.runner is not None and not task.starting:
-            task.runner.cancel()  # still waiting for the cluster spec: it never starts
+        elif task.runner is not None and not task.starting and not task.cancelled:
+            # Still waiting for the cluster spec: it never starts. Once: a second cancel would
+            # cut short the end the first one is reporting (and it would be reported again).
+            task.cancelled = True
+            task.runner.cancel()
         # While the runtime is starting it, cancelling could orphan the new process or
         # container: `_run` sees kill_reason once start returns and stops it.
         if task.runner is not None:

@@ -624,39 +624,51 @@ class Supervisor:
         for name, since in self.absent.items():
             if (at - since).total_seconds() > self.node_timeout:
                 lost[name] = f"node {name} lost (no believable node record for {self.node_timeout:g}s)"
+        ending = []
         for name, why in lost.items():
             for key, positions in list(self.tasks_on.get(name, {}).items()):
                 attempt = self.view_attempts.get(key)
                 for i in positions if attempt is not None else ():
                     assert attempt is not None
                     task = attempt.tasks[i]
-                    if (
-                        task.node == name
-                        and not task.state.ended
-                        and f"{attempt.key}/{task.key}" not in self.declared  # once is enough
-                        and not await self.reported_exit(attempt, task)
-                    ):
-                        await self.declare_ended(attempt, task, TaskCause.NODE_LOST, why, "lost")
+                    mark = f"{attempt.key}/{task.key}"
+                    if task.node == name and not task.state.ended and mark not in self.declared:
+                        ending.append((attempt, task, why))
+        # A task that reported its own end before its node was lost ends as it said.
+        reports = await asyncio.gather(*(self.exit_report(a, t) for a, t, _ in ending))
+        told = [(a, t, r) for (a, t, _), r in zip(ending, reports, strict=True) if r is not None]
+        # Applied together: the group commit writes an attempt's in one batch, not one each.
+        applied = await asyncio.gather(*(self.on_task_event(r) for _, _, r in told), return_exceptions=True)
+        for (attempt, task, _), result in zip(told, applied, strict=True):
+            if isinstance(result, BaseException):  # looked up and applied again next check
+                error = str(result)[:200] or type(result).__name__
+                log.warning(
+                    "supervisor.exit_report_unapplied", attempt=attempt.key, task=task.key, error=error
+                )
+            else:
+                self.declared.add(f"{attempt.key}/{task.key}")  # not again while the mirror catches up
+                log.info("supervisor.exit_report_applied", attempt=attempt.key, task=task.key)
+        for (attempt, task, why), report in zip(ending, reports, strict=True):
+            if report is None:
+                await self.declare_ended(attempt, task, TaskCause.NODE_LOST, why, "lost")
 
-    async def reported_exit(self, attempt: AttemptRecord, task: TaskStatus) -> bool:
-        """Apply the task's own exit report, if its node sent one before it was lost; whether it
-        had. The report's delivery may be held by a replica that took it and died before its ack
-        (it comes again only after the ack wait, 30 s), while the node, gone too, is declared
-        lost sooner: the task would be recorded as lost with the node when it had ended as it said
-        (seen in a chaos run: two tasks that exited 3 recorded node_lost). One direct read per
-        task of a lost node, none otherwise."""
+    async def exit_report(self, attempt: AttemptRecord, task: TaskStatus) -> consume.Sent[TaskEvent] | None:
+        """The task's own exit report, if its node sent one before it was lost. Its delivery may
+        be held by a replica that took it and died before its ack (it comes again only after the
+        ack wait, 30 s), while the node, gone too, is found lost sooner: the task was recorded as
+        lost with the node when it had ended as it said (a chaos run: two tasks that exited 3
+        recorded node_lost). One direct read per task of a lost node, once; none otherwise."""
         subject = subjects.task_event(
             attempt.job_id, attempt.attempt, task.role, task.index, TaskEventKind.EXITED, task.node
         )
         try:
             stored = await self.js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)
         except NotFoundError:
-            return False
+            return None
         except Exception as exc:  # the bus away: declared lost as before
-            log.warning(
-                "supervisor.exit_report_unread", attempt=attempt.key, task=task.key, error=str(exc)[:200]
-            )
-            return False
+            error = str(exc)[:200] or type(exc).__name__
+            log.warning("supervisor.exit_report_unread", attempt=attempt.key, task=task.key, error=error)
+            return None
         try:
             event = TaskEvent.from_bytes(stored.data or b"")
             why = policy.event_refusal(event, subject, task.node, attempt)
@@ -665,11 +677,8 @@ class Supervisor:
         if why is not None:  # garbage, or not the report it is filed as: the node is lost with it
             consume.REFUSED.labels("task_event").inc()
             log.warning("supervisor.exit_report_refused", subject=subject[:200], why=why)
-            return False
-        await self.on_task_event(consume.Sent(task.node, subject, event))
-        self.declared.add(f"{attempt.key}/{task.key}")  # not read again while the mirror catches up
-        log.info("supervisor.exit_report_applied", attempt=attempt.key, task=task.key)
-        return True
+            return None
+        return consume.Sent(task.node, subject, event)
 
     async def ask_alive(self, node: str) -> bool | None:
         """Whether the node's agent answers (True), is gone from the bus (False: no responders),
