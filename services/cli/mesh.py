@@ -46,6 +46,17 @@ log = structlog.get_logger(service="mesh")
 Builder = Callable[[NATS], Awaitable[Service]]
 
 
+PORT_TRIES = 3  # starts of the embedded nats-server when a port it was given is taken meanwhile
+
+
+def _port_taken(log_file: Path) -> bool:
+    """Whether nats-server's log says it could not bind a port (its last lines)."""
+    try:
+        return "address already in use" in log_file.read_text(errors="replace")[-2000:]
+    except OSError:
+        return False
+
+
 def builders() -> dict[str, Builder]:
     """Every service of the mesh (auth.SERVICES), imported only here: the CLI reads this module's
     notes (`local_identity`) on every command, and must not pay for the services' imports."""
@@ -391,31 +402,37 @@ async def up(
                 creds["agent"] = keys.ensure(auth.agent_name(node), "agent", node)
             admin = keys.ensure(local_user(), "admin")
         cert, key = os.environ.get("MUSTER_TLS_SERVER_CERT"), os.environ.get("MUSTER_TLS_SERVER_KEY")
-        server = NatsServer(
-            data_dir / "nats",
-            port=port or free_port(4222),
-            auth_config=None if open_bus else keys.server_config,
-            tls={"cert_file": cert, "key_file": key} if cert and key else None,
-            monitor_port=free_port(8222),
-        )
-        url = server.url
-        # Noted before the server starts: the CLI beside us waits for this mesh from now on.
-        notes = Notes(
-            data_dir,
-            {
-                "url": url,
-                "state": "starting",
-                "credentials": str(keys.creds(admin.name)) if admin else None,
-                "auth_dir": None if open_bus else str(keys.path),
-            },
-        )
-        notes.write()
-        try:
-            server.start()  # from the main thread: the server dies with us (see NatsServer)
-        except BaseException:
-            notes.remove()
-            raise
-        assert server.proc is not None
+        for tries_left in reversed(range(PORT_TRIES)):
+            server = NatsServer(
+                data_dir / "nats",
+                port=port or free_port(4222),
+                auth_config=None if open_bus else keys.server_config,
+                tls={"cert_file": cert, "key_file": key} if cert and key else None,
+                monitor_port=free_port(8222),
+            )
+            url = server.url
+            # Noted before the server starts: the CLI beside us waits for this mesh from now on.
+            notes = Notes(
+                data_dir,
+                {
+                    "url": url,
+                    "state": "starting",
+                    "credentials": str(keys.creds(admin.name)) if admin else None,
+                    "auth_dir": None if open_bus else str(keys.path),
+                },
+            )
+            notes.write()
+            try:
+                server.start()  # from the main thread: the server dies with us (see NatsServer)
+                break
+            except BaseException as exc:
+                notes.remove()
+                # A port found free was taken before the server bound it (another `muster up`
+                # starting beside this one): free ones are looked for again.
+                if tries_left and isinstance(exc, RuntimeError) and _port_taken(server.log_file):
+                    continue
+                raise
+        assert server is not None and server.proc is not None and url is not None
         notes.write(pid=server.proc.pid)  # `muster admin user` signals it to reload
         announce(f"NATS: {url} (JetStream data in {server.data_dir})")
         if port is None and server.port != 4222:
