@@ -513,6 +513,7 @@ def muster(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.
     )
 
 
+@pytest.mark.timeout(300)  # two submits waited for, each given 120 s: a slow one fails with its output
 def test_muster_up_runtime_sim_on_the_authenticated_bus(tmp_path):
     """`muster up --runtime sim --sim-nodes N`: the embedded, authenticated bus; the sim nodes
     connect as the one sim identity. A job of 1 s succeeds; exit code 3 fails after its retry.

@@ -10,6 +10,8 @@ import json
 import time
 import urllib.request
 
+import pytest
+
 from muster.shared import client, subjects
 from muster.shared.messages import FailureKind, JobState, TaskCause, TaskState
 from muster.shared.natsserver import free_port
@@ -128,6 +130,7 @@ async def test_a_task_silent_past_its_no_progress_timeout_restarts_its_gang(clus
     assert "[platform failure]" in status and "(retry not charged)" in status
 
 
+@pytest.mark.timeout(240)  # its waits are 120 s and more: they, not pytest, say what was missing
 async def test_a_task_printing_fast_costs_at_most_a_batch_a_second(cluster, nc):  # noqa: F811
     cluster.core()
     port = free_port()
