@@ -113,6 +113,21 @@ async def lagging(js: Any, *buckets: str) -> dict[str, Any]:
     return handles
 
 
+async def stored(js: Any, subject: str, stream: str = "MUSTER_EVENTS", wait: float = 10.0) -> list[Any]:
+    """Every message `stream` holds on `subject` (a filter) now, in order: as many as the stream
+    says it holds, each given `wait` seconds. Not "until none comes for a moment": a loaded
+    machine's first delivery can take longer than any such gap (an empty history, a failed test)."""
+    info = await js.stream_info(stream, subjects_filter=subject)
+    count = sum((info.state.subjects or {}).values())
+    if not count:
+        return []
+    sub = await js.subscribe(subject, ordered_consumer=True)
+    try:
+        return [await sub.next_msg(timeout=wait) for _ in range(count)]
+    finally:
+        await sub.unsubscribe()
+
+
 @pytest.fixture
 def procs(nats_url: str, tmp_path: Path) -> Iterator[Procs]:
     p = Procs(nats_url, tmp_path)

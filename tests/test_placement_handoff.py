@@ -27,6 +27,7 @@ from muster.shared.messages import (
     TaskStatus,
     now,
 )
+from tests.conftest import stored
 
 CONFIG = JobConfig.model_validate(
     {
@@ -181,17 +182,7 @@ async def alone(nats_url) -> AsyncIterator[tuple[Supervisor, Bus]]:  # type: ign
 
 async def history(b: Bus, job_id: str, kinds: tuple[str, ...]) -> list[str]:
     """The kinds of the job's events published so far, in order (its stream)."""
-    js = b.nc.jetstream()
-    sub = await js.subscribe(subjects.job_events(job_id), ordered_consumer=True)
-    out = []
-    try:
-        while True:
-            msg = await sub.next_msg(timeout=1)
-            out.append(json.loads(msg.data)["kind"])
-    except Exception:
-        pass
-    finally:
-        await sub.unsubscribe()
+    out = [json.loads(m.data)["kind"] for m in await stored(b.nc.jetstream(), subjects.job_events(job_id))]
     return [k for k in out if k in kinds]
 
 

@@ -18,6 +18,7 @@ import pytest
 from muster.shared import bus, client, subjects
 from muster.shared.messages import AttemptRecord, JobEventKind, JobRecord, JobState, KillRequest, TaskState
 from muster.shared.natsserver import NatsServer
+from tests.conftest import stored
 from tests.test_jobs import role
 from tests.test_sim import SimCluster, wait_nodes
 
@@ -84,16 +85,7 @@ class Bench:
         )
 
     async def events(self, job_id: str) -> list[str]:
-        sub = await self.js.subscribe(subjects.job_events(job_id), ordered_consumer=True)
-        kinds = []
-        try:
-            while True:
-                msg = await sub.next_msg(timeout=1)
-                kinds.append(json.loads(msg.data)["kind"])
-        except Exception:
-            return kinds
-        finally:
-            await sub.unsubscribe()
+        return [json.loads(m.data)["kind"] for m in await stored(self.js, subjects.job_events(job_id))]
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from muster.shared import bus, client, store, subjects
 from muster.shared.messages import JobEvent, JobRecord, JobState, job_id_for, now
 from muster.shared.service import run_service
 from muster.shared.subjects import Headers
+from tests.conftest import stored
 from tests.test_loader import SMALL_BOMB
 
 
@@ -132,13 +133,7 @@ async def test_raw_publish_without_headers_is_judged_and_recorded_in_events(nats
 
 
 async def history(nc, job_id: str) -> list[JobEvent]:
-    sub = await nc.jetstream().subscribe(subjects.job_events(job_id), ordered_consumer=True)
-    out = []
-    with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
-        while True:
-            out.append(JobEvent.from_bytes((await sub.next_msg(timeout=0.5)).data))
-    await sub.unsubscribe()
-    return out
+    return [JobEvent.from_bytes(m.data) for m in await stored(nc.jetstream(), subjects.job_events(job_id))]
 
 
 def _nested(depth: int) -> object:
