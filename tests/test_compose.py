@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from nats.js.errors import KeyNotFoundError
 
 from muster.shared import auth, bus, client, liveness, subjects
 from muster.shared.messages import JobRecord, JobState, KillRequest, NodeInfo, Verdict
@@ -253,11 +254,14 @@ async def waiting_for_nodes(nc, job_id: str, stack: Stack) -> JobRecord:
     just up on a loaded machine may take a while to elect and sync its scheduler: 60 s."""
     kv = await nc.jetstream(timeout=10).key_value(subjects.JOBS_BUCKET)
     deadline = asyncio.get_running_loop().time() + 60
+    record = None
     while True:
-        record = JobRecord.from_bytes((await kv.get(job_id)).value)
-        if "no nodes" in record.reason or asyncio.get_running_loop().time() > deadline:
+        with contextlib.suppress(KeyNotFoundError):  # a replica that has not the write yet
+            record = JobRecord.from_bytes((await kv.get(job_id)).value)
+        if (record and "no nodes" in record.reason) or asyncio.get_running_loop().time() > deadline:
             break
         await asyncio.sleep(0.3)
+    assert record is not None, f"no record of {job_id}\n{stack.logs()}"
     assert record.state == JobState.WAITING, record
     assert "no nodes" in record.reason, f"{record.reason!r}\n{stack.logs()}"
     return record

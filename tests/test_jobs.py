@@ -309,7 +309,11 @@ async def test_killing_the_active_scheduler_mid_stream_standby_takes_over(cluste
         jobs.append(verdict.job_id)
         if i == 3:  # kill whichever scheduler holds the lease, with work in flight
             holder = await _lease_holder(nc)
-            leader = next(p for p in schedulers if holder in p.log_path.read_text())
+            deadline = time.monotonic() + 30  # the lease is taken a moment before it is logged
+            while not (leaders := [p for p in schedulers if holder in p.log_path.read_text()]):
+                assert time.monotonic() < deadline, f"no scheduler logged lease {holder}"
+                await asyncio.sleep(0.1)
+            leader = leaders[0]
             leader.send_signal(signal.SIGKILL)
             leader.wait(5)
             standby = next(p for p in schedulers if p is not leader)
