@@ -393,6 +393,63 @@ async def test_an_order_whose_keeping_fails_holds_no_port_and_tells_no_endpoint(
         await nc.close()
 
 
+async def test_an_endpoint_report_that_timed_out_but_was_stored_keeps_its_ports(
+    nats_url, tmp_path, monkeypatch
+):
+    """A gang task's endpoint report whose publish timed out may still have been stored; the
+    order comes again and its report, under the same message id, is deduplicated: the first one
+    stands. The task took other ports on that delivery and listened where the gang was not told.
+    Now it keeps the ports the first report named."""
+    nc = await bus.connect("test", nats_url)
+    try:
+        js, buckets = await bus.setup(nc)
+        nodes = ["here", "there"]
+        record = AttemptRecord(
+            job_id="jtold",
+            attempt=1,
+            tasks=[TaskStatus(role="worker", role_no=0, index=i, node=n) for i, n in enumerate(nodes)],
+        )
+        await buckets[subjects.ATTEMPTS_BUCKET].put(record.key, record.to_bytes())
+        options = AgentOptions(
+            node="here",
+            address="127.0.0.1",
+            cpus=4,
+            memory_mb=4096,
+            gpus=[],
+            work_root=str(tmp_path / "work"),
+            output_root=str(tmp_path / "output"),
+        )
+        agent = Agent(nc, js, buckets, options, SimRuntime())
+        order = Assignment(
+            job_id="jtold", attempt=1, user="u", node="here",
+            config=config(2).model_copy(update={"extras": {"sim": {"seconds": 600}}}),
+            gang=[t.spec() for t in record.tasks],
+        )  # fmt: skip
+        told = await nc.subscribe(subjects.task_event("jtold", 1, "worker", 0, "endpoint", "here"))
+        publish_once, failed = bus.publish_once, []
+
+        async def stored_then_timed_out(*args, **kwargs):
+            ack = await publish_once(*args, **kwargs)
+            if not failed and ".endpoint." in args[1]:
+                failed.append(args[1])
+                raise nats.errors.TimeoutError  # its answer lost: the report is stored all the same
+            return ack
+
+        monkeypatch.setattr(
+            bus, "publish_once", stored_then_timed_out
+        )  # a lost answer: no test can lose one on demand
+        with pytest.raises(nats.errors.TimeoutError):
+            await agent.assign(order)
+        first = EndpointReported.from_bytes((await told.next_msg(timeout=10)).data).endpoint
+        await agent.assign(order)  # delivered again
+        (task,) = agent.tasks.live.values()
+        assert task.endpoint.port == first.port and task.ports == [first.port], (task.ports, first)
+        assert agent.tasks.ports.taken == set(task.ports)
+        await agent.tasks.stop(task, "done", 0)
+    finally:
+        await nc.close()
+
+
 async def test_an_auth_file_read_that_hangs_leaves_the_agent_answering(nats_url, tmp_path, monkeypatch):
     """An authFile on a hung network filesystem is given AUTH_TIMEOUT (5 s) to be read; that wait
     held the agent's event loop (its heartbeats, every other task's start and end, the bus) for

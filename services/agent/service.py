@@ -19,6 +19,7 @@ adopt, so there the agent stops its tasks and reports them first."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import math
 import os
@@ -72,6 +73,7 @@ HEARTBEATS_MISSED = Counter(
 # Seconds between rewrites of a node record that has not changed (see shared/liveness.py): its
 # heartbeat_at is never older than that, for a service that has not heard a beat yet.
 REFRESH = settings.seconds("MUSTER_NODE_REFRESH", 60.0, low=0.1)
+TOLD_KEPT = 256  # see Agent._told
 OBSOLETE_EVERY = 10.0  # seconds between checks that the live tasks' attempts have not ended
 
 log = structlog.get_logger(service="agent")
@@ -237,6 +239,10 @@ class Agent:
             subjects.agent_consumer(options.node), _order, self._on_order, self.log, key=lambda o: o.key
         )
         self._last_beat = 0.0  # loop time of the last beat sent
+        # Ports of a gang task whose endpoint report failed (the order comes again): a report
+        # that timed out may have been stored, and its copy is deduplicated, so the task must
+        # listen where that one said. The newest TOLD_KEPT; an order never seen again leaks none.
+        self._told: collections.OrderedDict[tuple[str, int, str, int], list[int]] = collections.OrderedDict()
         self._written = (-math.inf, -1)  # loop time and reconnect count of the last record written
         self._failing = False  # the last beat failed (logged once per outage)
         self._checked = 0.0  # loop time of the last check for obsolete tasks
@@ -465,6 +471,10 @@ class Agent:
             if self.tasks.known(key):
                 continue  # a redelivered or repeated order
             status = placement.by_key.get(spec.key)
+            if key in self._told and (
+                record.ended or self.drained or (status is not None and status.state.ended)
+            ):
+                self.tasks.ports.release(self._told.pop(key))
             if record.ended or (status is not None and status.state.ended):
                 # Its attempt ended before the order was read: never start it, but say so.
                 if status is not None and not status.state.ended:
@@ -488,7 +498,7 @@ class Agent:
                 kept = True
             role = a.config.role(spec.role)
             try:
-                ports = self._reserve_ports(role.portList)
+                ports = self._told.pop(key, None) or self._reserve_ports(role.portList)
             except RuntimeError as exc:
                 self.tasks.report_ended(a, spec, TaskCause.PLATFORM, NOT_STARTED, str(exc))
                 self.tasks.remember(key)
@@ -512,7 +522,9 @@ class Agent:
                         f"endpoint:{a.job_id}.{a.attempt}.{spec.key}",
                     )
             except Exception:
-                self.tasks.ports.release(ports)
+                self._told[key] = ports  # for its next delivery (see _told)
+                while len(self._told) > TOLD_KEPT:
+                    self.tasks.ports.release(self._told.popitem(last=False)[1])
                 await self.tasks.specs.forget(a.job_id, a.attempt)
                 raise  # the order is redelivered
             task = LocalTask(assignment=a, spec=spec, endpoint=endpoint, ports=ports, cluster=cluster)
