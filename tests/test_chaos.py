@@ -113,7 +113,7 @@ async def test_chaos_on_docker_every_job_ends_right_while_services_are_killed(ba
     finally:  # what fences of agents killed at the end have not removed yet
         engine = docker.from_env()
         try:
-            for c in engine.containers.list(all=True, filters={"label": "muster.job"}):
+            for c in engine.containers.list(all=True, filters={"label": "muster.job"}, ignore_removed=True):
                 if c.labels.get("muster.home", "").startswith(str(tmp_path)):
                     c.remove(force=True)
         finally:

@@ -60,7 +60,7 @@ async def test_pytorch_gloo_allreduce_in_docker_containers(base_image, cluster, 
         deadline = asyncio.get_running_loop().time() + 60
         while True:
             left = engine.containers.list(
-                all=True, sparse=True, filters={"label": f"muster.job={record.job_id}"}
+                all=True, sparse=True, filters={"label": f"muster.job={record.job_id}"}, ignore_removed=True
             )
             if not left or asyncio.get_running_loop().time() > deadline:
                 break

@@ -267,7 +267,9 @@ async def test_muster_kill_stops_a_4_task_docker_job_within_the_grace_and_frees_
     assert len(ends) == 4 and max(ends) < 3 + 5, ends
     engine = docker.from_env()
     try:
-        running = engine.containers.list(filters={"label": f"muster.job={verdict.job_id}"})
+        running = engine.containers.list(
+            filters={"label": f"muster.job={verdict.job_id}"}, ignore_removed=True
+        )
         assert running == []
     finally:
         engine.close()
@@ -358,7 +360,9 @@ async def test_an_agent_restarted_for_30s_mid_job_loses_nothing(base_image, clus
     assert agent.wait(30) == 0, cluster.logs()
     engine = docker.from_env()
     try:
-        running = engine.containers.list(filters={"label": f"muster.job={verdict.job_id}"})
+        running = engine.containers.list(
+            filters={"label": f"muster.job={verdict.job_id}"}, ignore_removed=True
+        )
         assert len(running) == 2  # left running for the next agent
     finally:
         engine.close()
@@ -431,7 +435,9 @@ async def test_containers_of_an_agent_that_died_and_stays_away_are_removed(base_
     engine = docker.from_env()
     try:
         deadline = time.monotonic() + 30
-        while engine.containers.list(all=True, filters={"label": f"muster.job={verdict.job_id}"}):
+        while engine.containers.list(
+            all=True, filters={"label": f"muster.job={verdict.job_id}"}, ignore_removed=True
+        ):
             assert time.monotonic() < deadline, "the dead agent's container still runs"
             await asyncio.sleep(0.5)
     finally:

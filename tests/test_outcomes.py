@@ -195,7 +195,9 @@ async def test_docker_tasks_that_exit_as_their_agent_is_killed_are_not_run_again
     def ended(job_id: str) -> bool:  # the workers' containers have exited; ps still runs
         engine = docker.from_env()
         try:
-            found = engine.containers.list(all=True, filters={"label": f"muster.job={job_id}"})
+            found = engine.containers.list(
+                all=True, filters={"label": f"muster.job={job_id}"}, ignore_removed=True
+            )
             workers = [c for c in found if c.labels.get("muster.role") == "w"]
             return len(workers) == 2 and all(c.status == "exited" for c in workers)
         finally:
@@ -261,7 +263,9 @@ async def test_docker_tasks_that_exit_while_their_dead_agents_fence_waits_are_re
     def ps_left() -> list[str]:
         engine = docker.from_env()
         try:
-            found = engine.containers.list(all=True, filters={"label": f"muster.job={job_id}"})
+            found = engine.containers.list(
+                all=True, filters={"label": f"muster.job={job_id}"}, ignore_removed=True
+            )
             return [c.name for c in found if c.labels.get("muster.role") == "ps"]
         finally:
             engine.close()

@@ -116,7 +116,8 @@ def _fence_processes(state_dir: Path, agent: int) -> tuple[list[TaskEvent], list
 def _containers(client: Any, home: str, before: float) -> list[Any]:
     """The task containers of the agent whose work root is `home` (label muster.home) created
     before `before`: never one a newer agent has started since."""
-    found = client.containers.list(all=True, filters={"label": f"muster.home={home}"})
+    # ignore_removed: one removed between the listing and its inspection is not an error
+    found = client.containers.list(all=True, filters={"label": f"muster.home={home}"}, ignore_removed=True)
     return [c for c in found if _created(c.attrs) < before]
 
 
