@@ -302,6 +302,30 @@ def test_applying_events_changes_no_task_it_was_given():
     assert all(a is not b for a, b in zip(held.tasks, copy.tasks, strict=True))
 
 
+def _here(nc, js, buckets, tmp_path, **options: object) -> Agent:
+    """An agent of node "here" (4 CPUs, sim runtime) in this process, not started."""
+    defaults: dict[str, object] = {
+        "node": "here",
+        "address": "127.0.0.1",
+        "cpus": 4,
+        "memory_mb": 4096,
+        "gpus": [],
+        "work_root": str(tmp_path / "work"),
+        "output_root": str(tmp_path / "output"),
+    }
+    return Agent(nc, js, buckets, AgentOptions(**{**defaults, **options}), SimRuntime())  # type: ignore[arg-type]
+
+
+def _here_and_there(job_id: str) -> AttemptRecord:
+    """Attempt 1 of a two-task gang: worker 0 on "here", worker 1 on "there"."""
+    nodes = ["here", "there"]
+    return AttemptRecord(
+        job_id=job_id,
+        attempt=1,
+        tasks=[TaskStatus(role="worker", role_no=0, index=i, node=n) for i, n in enumerate(nodes)],
+    )
+
+
 async def test_a_task_stopped_before_its_runner_began_is_reported_killed(nats_url, tmp_path):
     """A kill that comes in the same turn of the loop as the order, before the task's runner has
     taken its first step: cancelled then, the runner's own handler never runs. The task was
@@ -311,16 +335,7 @@ async def test_a_task_stopped_before_its_runner_began_is_reported_killed(nats_ur
     nc = await bus.connect("test", nats_url)
     try:
         js, buckets = await bus.setup(nc)
-        options = AgentOptions(
-            node="here",
-            address="127.0.0.1",
-            cpus=4,
-            memory_mb=4096,
-            gpus=[],
-            work_root=str(tmp_path / "work"),
-            output_root=str(tmp_path / "output"),
-        )
-        agent = Agent(nc, js, buckets, options, SimRuntime())
+        agent = _here(nc, js, buckets, tmp_path)
         agent.reporter.start()
         order = Assignment(
             job_id="jearly", attempt=1, user="u", config=config(1), node="here",
@@ -349,23 +364,9 @@ async def test_an_order_whose_keeping_fails_holds_no_port_and_tells_no_endpoint(
     nc = await bus.connect("test", nats_url)
     try:
         js, buckets = await bus.setup(nc)
-        nodes = ["here", "there"]
-        record = AttemptRecord(
-            job_id="jfull",
-            attempt=1,
-            tasks=[TaskStatus(role="worker", role_no=0, index=i, node=n) for i, n in enumerate(nodes)],
-        )
+        record = _here_and_there("jfull")
         await buckets[subjects.ATTEMPTS_BUCKET].put(record.key, record.to_bytes())
-        options = AgentOptions(
-            node="here",
-            address="127.0.0.1",
-            cpus=4,
-            memory_mb=4096,
-            gpus=[],
-            work_root=str(tmp_path / "work"),
-            output_root=str(tmp_path / "output"),
-        )
-        agent = Agent(nc, js, buckets, options, SimRuntime())
+        agent = _here(nc, js, buckets, tmp_path)
         order = Assignment(
             job_id="jfull", attempt=1, user="u", node="here",
             config=config(2).model_copy(update={"extras": {"sim": {"seconds": 600}}}),
@@ -403,23 +404,9 @@ async def test_an_endpoint_report_that_timed_out_but_was_stored_keeps_its_ports(
     nc = await bus.connect("test", nats_url)
     try:
         js, buckets = await bus.setup(nc)
-        nodes = ["here", "there"]
-        record = AttemptRecord(
-            job_id="jtold",
-            attempt=1,
-            tasks=[TaskStatus(role="worker", role_no=0, index=i, node=n) for i, n in enumerate(nodes)],
-        )
+        record = _here_and_there("jtold")
         await buckets[subjects.ATTEMPTS_BUCKET].put(record.key, record.to_bytes())
-        options = AgentOptions(
-            node="here",
-            address="127.0.0.1",
-            cpus=4,
-            memory_mb=4096,
-            gpus=[],
-            work_root=str(tmp_path / "work"),
-            output_root=str(tmp_path / "output"),
-        )
-        agent = Agent(nc, js, buckets, options, SimRuntime())
+        agent = _here(nc, js, buckets, tmp_path)
         order = Assignment(
             job_id="jtold", attempt=1, user="u", node="here",
             config=config(2).model_copy(update={"extras": {"sim": {"seconds": 600}}}),
@@ -473,17 +460,7 @@ async def test_an_auth_file_read_that_hangs_leaves_the_agent_answering(nats_url,
             return read(*args)  # type: ignore[arg-type]
 
         monkeypatch.setattr(launch, "_read_bounded", hung)
-        options = AgentOptions(
-            node="here",
-            address="127.0.0.1",
-            cpus=4,
-            memory_mb=4096,
-            gpus=[],
-            work_root=str(tmp_path / "work"),
-            output_root=str(tmp_path / "output"),
-            data_roots=[str(tmp_path / "users" / "{user}")],
-        )
-        agent = Agent(nc, js, buckets, options, SimRuntime())
+        agent = _here(nc, js, buckets, tmp_path, data_roots=[str(tmp_path / "users" / "{user}")])
         cfg = config(1).model_copy(update={"authFile": str(auth), "extras": {"sim": {"seconds": 600}}})
         order = Assignment(
             job_id="jauth", attempt=1, user="u", node="here", config=cfg, gang=[record.tasks[0].spec()]
