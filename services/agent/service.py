@@ -471,11 +471,8 @@ class Agent:
             if self.tasks.known(key):
                 continue  # a redelivered or repeated order
             status = placement.by_key.get(spec.key)
-            if key in self._told and (
-                record.ended or self.drained or (status is not None and status.state.ended)
-            ):
-                self.tasks.ports.release(self._told.pop(key))
             if record.ended or (status is not None and status.state.ended):
+                self.tasks.ports.release(self._told.pop(key, []))  # see _told
                 # Its attempt ended before the order was read: never start it, but say so.
                 if status is not None and not status.state.ended:
                     self.tasks.report_ended(
@@ -484,6 +481,7 @@ class Agent:
                 self.tasks.remember(key)
                 continue
             if self.drained:  # placed before the drain was known: it runs elsewhere
+                self.tasks.ports.release(self._told.pop(key, []))  # see _told
                 self.tasks.report_ended(
                     a, spec, TaskCause.PLATFORM, NOT_STARTED, f"node {self.opts.node} is drained"
                 )
