@@ -11,6 +11,7 @@ within milliseconds of the last exit; one case leaves it running and races its o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -20,10 +21,12 @@ from pathlib import Path
 import docker
 import pytest
 
+from muster.services.agent import fence
 from muster.services.agent.process_runtime import ProcessRuntime, task_pids
 from muster.services.agent.reporting import OUTBOX, keep
 from muster.services.agent.runtime import (
     LABEL_ATTEMPT,
+    LABEL_HOME,
     LABEL_INDEX,
     LABEL_JOB,
     LABEL_NODE,
@@ -383,3 +386,79 @@ async def test_the_fence_of_a_dead_agent_reports_what_ended_and_kills_what_runs(
         assert not list((home / OUTBOX).glob("*.json"))
     finally:
         await conn.close()
+
+
+class _Restarting:
+    """The way to a Docker engine that is being restarted (the fence's seam to the engine): the
+    first connection fails, then the first two listings, then each container's first removal;
+    everything else is the real engine's."""
+
+    def __init__(self) -> None:
+        self.connects, self.lists, self.removals = 0, 0, set()
+        self.clients: list[docker.DockerClient] = []
+
+    def __call__(self) -> _Restarting:
+        self.connects += 1
+        if self.connects == 1:
+            raise docker.errors.DockerException("Error while fetching server API version: connection refused")
+        self.clients.append(docker.from_env())
+        return self
+
+    @property
+    def containers(self) -> _Restarting:
+        return self
+
+    def list(self, **kw: object) -> list[object]:
+        self.lists += 1
+        if self.lists <= 2:
+            raise docker.errors.APIError("500 Server Error: engine restarting")
+        return [_RemovedOnSecondTry(c, self.removals) for c in self.clients[-1].containers.list(**kw)]
+
+    def close(self) -> None:
+        self.clients[-1].close()
+
+
+class _RemovedOnSecondTry:
+    def __init__(self, real: object, failed: set[str]) -> None:
+        self._real, self._failed = real, failed
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._real, name)
+
+    def remove(self, **kw: object) -> None:
+        if self._real.name not in self._failed:
+            self._failed.add(self._real.name)
+            raise docker.errors.APIError("500 Server Error: engine restarting")
+        self._real.remove(**kw)
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(120)
+async def test_the_docker_fence_outlasts_an_engine_that_fails_its_looks(base_image, tmp_path, capsys):
+    """The dead agent's container still runs; the engine fails the fence's first connection,
+    its first two looks and the container's first removal. The fence looks again each time
+    (each failure logged) and removes the container. The container it killed, still there at
+    the second try with SIGKILL's exit code, is not reported as a task that exited by itself.
+    On main the fence ended at the first error and the task ran on beside whatever came next."""
+    home = str(tmp_path / "work")
+    labels = {LABEL_HOME: home, LABEL_JOB: "jf", LABEL_ATTEMPT: "1", LABEL_ROLE: "w", LABEL_INDEX: "0"}
+    labels[LABEL_NODE] = "n1"
+    engine = docker.from_env()
+    name = f"muster-test-fence-{os.getpid()}-{time.monotonic_ns()}"
+    container = engine.containers.run(base_image, ["sleep", "600"], detach=True, name=name, labels=labels)
+    try:
+        await asyncio.sleep(0.05)
+        restarting = _Restarting()
+        died, nobody = time.time(), tmp_path / "no-agent.pid"
+        fenced = asyncio.to_thread(fence._fence_docker, home, nobody, 1.0, 999_999_999, died, 2.0, restarting)
+        await asyncio.wait_for(fenced, 60)
+        with pytest.raises(docker.errors.NotFound):
+            engine.containers.get(container.id)
+        said = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+        assert [s["event"] for s in said].count("fence.look_failed") == 4, said
+        assert said[-1]["event"] == "fence.removed_containers" and said[-1]["reported"] == 0, said
+        assert not list((Path(home) / OUTBOX).glob("*.json")), "the container it killed was told as an exit"
+    finally:
+        with contextlib.suppress(docker.errors.NotFound):
+            container.remove(force=True)
+        engine.close()

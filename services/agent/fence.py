@@ -34,6 +34,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,7 @@ from muster.shared.secrets import Masker
 
 REASON = "ended as its agent died"
 POLL = 0.5  # seconds between the Docker fence's looks for containers that ended while it waits
+GIVE_UP = 600.0  # seconds after its agent died that the Docker fence stops asking a failing engine
 
 
 def _new_agent(pidfile: Path, old: int) -> bool:
@@ -143,18 +145,29 @@ def _exited_containers(client: Any, home: str, before: float) -> dict[str, TaskE
     return events
 
 
-def _remove_containers(client: Any, home: str, before: float, told: set[str]) -> list[TaskEvent]:
+def _remove_containers(
+    client: Any, home: str, before: float, told: set[str], killed: set[str]
+) -> list[TaskEvent]:
     """No agent came back: the dead agent's containers that still run are killed and all are
     removed; the reports of those that ended by themselves meanwhile (not `told` yet) are kept
-    in the outbox before the containers, which held them, are gone."""
+    in the outbox before the containers, which held them, are gone. `killed`: the containers a
+    try that failed may have killed (kept across tries: one killed then shows SIGKILL's exit
+    code, which is not an exit of its own)."""
     import docker
 
     from muster.services.agent.docker_runtime import settle_container  # Docker nodes only (see above)
 
-    settled = []
+    settled: list[tuple[Any, int | None]] = []
     for c in _containers(client, home, before):
+        if c.name in killed:
+            settled.append((c, None))
+            continue
+        killed.add(c.name)  # until it is known to have ended by itself
         with contextlib.suppress(docker.errors.NotFound):
-            settled.append((c, settle_container(c)))
+            code = settle_container(c)
+            if code is not None:
+                killed.discard(c.name)
+            settled.append((c, code))
     events = [
         event
         for c, code in settled
@@ -162,7 +175,7 @@ def _remove_containers(client: Any, home: str, before: float, told: set[str]) ->
     ]
     _write(Path(home), events)
     for c, _ in settled:
-        with contextlib.suppress(docker.errors.DockerException):
+        with contextlib.suppress(docker.errors.NotFound):
             c.remove(force=True)
     return events
 
@@ -220,33 +233,68 @@ def report(home: Path, events: list[TaskEvent], timeout: float) -> bool:
     return asyncio.run(_send(home, timeout))
 
 
-def _fence_docker(home: str, pidfile: Path, wait: float, agent: int, died: float, timeout: float) -> None:
+def _fence_docker(
+    home: str,
+    pidfile: Path,
+    wait: float,
+    agent: int,
+    died: float,
+    timeout: float,
+    engine: Callable[[], Any] | None = None,
+) -> None:
     """Report the dead agent's containers that had ended at once, and those that end while it
     waits as they end; then, if no new agent has come within `wait` seconds, stop and remove
     them all. A new agent writes its pid file before
-    it adopts or starts anything: once there is one, everything is its to do."""
+    it adopts or starts anything: once there is one, everything is its to do.
+
+    A look the engine fails (it restarts, it times out, it is not up yet) is logged and made
+    again `POLL` seconds later, the removal too, until `GIVE_UP` seconds after the agent died:
+    a fence that ended at the first error left the dead agent's tasks running beside whatever
+    the node ran next. `engine`: how to reach it (the tests' seam)."""
     import docker
 
-    client = docker.from_env(timeout=10)
+    connect = engine or (lambda: docker.from_env(timeout=10))
+    client: Any = None
+    told: dict[str, TaskEvent] = {}
+    killed: set[str] = set()
+    failures = 0
     try:
-        # What ends while the fence waits is reported as it ends (every POLL seconds), not once
-        # the wait is over: the node may be declared lost soon after the wait, and a report that
-        # comes after that changes nothing.
-        told: dict[str, TaskEvent] = {}
         while not _new_agent(pidfile, agent):
-            new = {k: e for k, e in _exited_containers(client, home, died).items() if k not in told}
-            if new:
-                report(Path(home), list(new.values()), timeout)
-                _say("fence.reported", agent=agent, tasks=sorted(new))
-                told |= new
             left = died + wait - time.time()
-            if left <= 0:
-                removed = _remove_containers(client, home, died, set(told))
-                _say("fence.removed_containers", agent=agent, waited=wait, reported=len(removed))
-                break
-            time.sleep(min(POLL, left))
+            try:
+                client = client or connect()
+                # What ends while the fence waits is reported as it ends (every POLL seconds),
+                # not once the wait is over: the node may be declared lost soon after the wait,
+                # and a report that comes after that changes nothing.
+                found = _exited_containers(client, home, died)
+                new = {k: e for k, e in found.items() if k not in told and k not in killed}
+                if new:
+                    report(Path(home), list(new.values()), timeout)
+                    _say("fence.reported", agent=agent, tasks=sorted(new))
+                    told |= new
+                if left <= 0:
+                    removed = _remove_containers(client, home, died, set(told), killed)
+                    _say("fence.removed_containers", agent=agent, waited=wait, reported=len(removed))
+                    return
+            except Exception as exc:  # whatever the engine said, look again
+                failures += 1
+                error = f"{type(exc).__name__}: {exc}"
+                _say("fence.look_failed", agent=agent, failures=failures, error=error)
+                if time.time() - died > GIVE_UP:
+                    _say("fence.gave_up", agent=agent, after_s=round(time.time() - died))
+                    return
+                _close(client)
+                client = None
+            time.sleep(POLL if left <= 0 else min(POLL, left))
     finally:
-        client.close()
+        _close(client)
+
+
+def _close(client: Any) -> None:
+    """Let a Docker client go (a failed one is made again at the next look)."""
+    if client is not None:
+        with contextlib.suppress(Exception):
+            client.close()
 
 
 def _say(event: str, **fields: Any) -> None:
