@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from muster.services.agent.config import make_runtime
-from muster.services.agent.docker_runtime import DockerRuntime, DockerTask, missed
+from muster.services.agent.docker_runtime import GONE_EXIT_CODE, DockerRuntime, DockerTask, missed
 from muster.services.agent.runtime import (
     LABEL_INDEX,
     LABEL_JOB,
@@ -252,6 +252,19 @@ async def test_stop_kills_after_grace_and_is_idempotent(runtime: DockerRuntime, 
     await task.remove()
     await task.remove()
     await task.stop(grace=1)  # the container is gone: still fine
+
+
+async def test_a_container_removed_under_its_task_ends_it(
+    runtime: DockerRuntime, launch: Callable, engine: docker.DockerClient
+) -> None:
+    """`docker rm -f` of a running task's container: the task ends, with the exit code of a
+    vanished container, and a stop of it returns. Docker's NotFound is also a requests error,
+    which the wait took for a slice that timed out: it asked again every second for ever, the
+    task was never reported ended and its GPUs stayed held."""
+    task = await runtime.start(launch("sleep 600"), lambda _: None)
+    engine.api.remove_container(task.name, force=True)
+    assert await asyncio.wait_for(task.wait(), 30) == GONE_EXIT_CODE
+    await asyncio.wait_for(task.stop(1), 30)
 
 
 async def test_stop_lets_a_trapping_task_exit_gracefully(runtime: DockerRuntime, launch: Callable) -> None:

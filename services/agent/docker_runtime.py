@@ -209,6 +209,8 @@ class DockerTask:
                 try:
                     result = await asyncio.to_thread(self._container.wait, timeout=WAIT_SLICE)
                     break
+                except docker.errors.NotFound:  # a RequestException too: gone, not slow
+                    raise
                 except requests.exceptions.RequestException:
                     # A slice that timed out: wait on. One refused at once (the engine restarting)
                     # is tried again a second later, not in a loop of a thousand calls a second.
