@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ from pathlib import Path
 import docker
 import pytest
 
-from muster.services.agent import fence
+from muster.services.agent import fence, process_runtime
 from muster.services.agent.process_runtime import ProcessRuntime, task_pids
 from muster.services.agent.reporting import OUTBOX, keep
 from muster.services.agent.runtime import (
@@ -314,6 +315,29 @@ async def test_a_process_task_records_its_own_exit_and_a_stop_is_never_taken_for
     await done.remove()  # reported: forgotten
     assert [f.name for f in await runtime.find({LABEL_JOB: "j1"})] == ["muster-j1-1-w-1"]
     assert await runtime.reap(found["muster-j1-1-w-1"]) is None
+
+
+async def test_a_process_task_is_stopped_and_settled_on_a_full_disk(tmp_path, monkeypatch):
+    """A full disk: the kill cannot be recorded in the task's exit file. The stop sent no signal
+    (the claim raised first) and failed again at every later stop; a dead agent's fence, which
+    settles every task the same way, killed none. Now both kill it all the same."""
+    runtime = ProcessRuntime(tmp_path / "tasks")
+    stopped = await runtime.start(_launch("muster-j4-1-w-0", "sleep 600"), lambda _: None)
+    settled = await runtime.start(_launch("muster-j4-1-w-1", "sleep 600"), lambda _: None)
+
+    def full(path: Path, text: str) -> bool:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(process_runtime, "claim", full)  # no test can fill a disk on demand
+    try:
+        await asyncio.wait_for(stopped.stop(1), 15)
+        assert await asyncio.wait_for(stopped.wait(), 5) in (143, 137)
+        assert process_runtime.settle(tmp_path / "tasks" / "muster-j4-1-w-1.json") is None
+        assert await asyncio.wait_for(settled.wait(), 15) == 137
+        assert not task_pids("muster-j4-1-w-0") and not task_pids("muster-j4-1-w-1")
+    finally:
+        process_runtime.kill_task("muster-j4-1-w-0")
+        process_runtime.kill_task("muster-j4-1-w-1")
 
 
 async def test_a_process_task_ends_with_its_main_process_whatever_it_left_running(tmp_path):

@@ -151,7 +151,10 @@ class ProcessTask:
         if self.proc.returncode is not None:
             return
         if self._record is not None:  # stopped, not ended by itself, should this agent die now
-            claim(exit_file(self._record), KILLED)
+            try:
+                claim(exit_file(self._record), KILLED)
+            except OSError as e:  # a full disk: stopped all the same (only a fence reads the claim)
+                log.warning("process.kill_not_recorded", task=self.name, error=str(e))
         self._signal(signal.SIGTERM)
         try:
             await asyncio.wait_for(self.proc.wait(), grace)
@@ -357,7 +360,10 @@ def settle(record: Path) -> int | None:
     """Stop the task of `record` for good: its exit code when it had ended by itself (anything
     left of it is killed all the same), else None once it is recorded as KILLED and killed."""
     name = record.stem
-    ended_by_itself = not claim(exit_file(record), KILLED)
+    try:
+        ended_by_itself = not claim(exit_file(record), KILLED)
+    except OSError:  # the kill cannot be recorded (a full disk): killed all the same, its end unknown
+        ended_by_itself = False
     code = recorded_exit(exit_file(record)) if ended_by_itself else None
     kill_task(name)
     return code
