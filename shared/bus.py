@@ -583,6 +583,19 @@ async def durable(
     return sub
 
 
+def renewing(nc: NATS, make: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:
+    """A consumer's `renew` for `consume`: a fetch that keeps failing while connected means the
+    consumer (or its stream) is gone, the bus lost its state; JetStream is looked up (set up, on
+    an open bus) again, then the consumer made again by `make`. Until an admin has declared the
+    streams again (`muster admin init`), the renewal fails and is tried again."""
+
+    async def renew() -> Any:
+        await setup(nc, wait=0)
+        return await make()
+
+    return renew
+
+
 PULL_EXPIRES = 5.0  # seconds an open pull request lives on the server before it is renewed
 STATUS = "Status"  # a JetStream status message's header
 
@@ -724,10 +737,11 @@ async def consume(
                     logger.warning("consumer.fetch_failed", error=str(exc) or type(exc).__name__)
                 await asyncio.sleep(0.5)
                 if renew is not None and failures % 4 == 0 and puller.sub._nc.is_connected:
-                    with contextlib.suppress(Exception):
+                    with contextlib.suppress(Exception):  # not set up again yet: tried again
                         fresh = Puller(await renew(), batch)
                         await puller.close()
                         puller = fresh
+                        logger.warning("consumer.renewed", after_failures=failures)
                 continue
             if failures:
                 logger.info("consumer.fetch_restored")

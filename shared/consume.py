@@ -190,12 +190,19 @@ def sent(model: Any) -> Callable[[Msg], Sent[Any]]:
     return lambda msg: Sent(subjects.sender(msg.subject), msg.subject, model.from_bytes(msg.data))
 
 
-async def serve(sub: Any, handling: Handling[Any], stop: asyncio.Event, batch: int = 64) -> None:
+async def serve(
+    sub: Any,
+    handling: Handling[Any],
+    stop: asyncio.Event,
+    batch: int = 64,
+    renew: Callable[[], Awaitable[Any]] | None = None,
+) -> None:
     """`consume` with typed, concurrent handling (see `Handling`); waits for the handlers in
-    flight before returning. Meanwhile the consumer's lag is polled (`watch_lag`)."""
+    flight before returning. Meanwhile the consumer's lag is polled (`watch_lag`). `renew`: how
+    to make the consumer again when it is gone (`bus.renewing`)."""
     lag = asyncio.create_task(watch_lag(sub, handling.consumer, stop))
     try:
-        await consume(sub, handling.take, stop, handling.log, batch)
+        await consume(sub, handling.take, stop, handling.log, batch, renew=renew)
     finally:
         lag.cancel()
         await handling.drain()

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from nats.js.errors import NotFoundError
 
+from muster.services.registry.service import MEMBERS_CONSUMER
 from muster.shared import bus, client, subjects
-from muster.shared.messages import AttemptRecord, ClusterSpec, JobRecord, JobState, TaskState
+from muster.shared.messages import AttemptRecord, ClusterSpec, JobRecord, JobState, KillRequest, TaskState
 from muster.shared.store import Store
 from tests.conftest import ROOT
 
@@ -232,6 +233,49 @@ async def test_a_one_task_job_starts_without_a_rendezvous_and_sees_itself_as_its
     ):
         with pytest.raises(NotFoundError):
             await js.get_last_msg(subjects.EVENTS_STREAM, subject)
+
+
+async def test_services_whose_consumers_are_gone_make_them_again(cluster, nc):
+    """The bus lost the services' consumers (a server rebuilt without its volume and set up
+    again has none of them): their fetches failed for ever while their health said connected,
+    and nothing was judged, rendezvoused, recorded or killed again. Each service now makes its
+    consumers again: a two-task gang runs to its end, and a kill stops a job."""
+    cluster.core()
+    cluster.agent("n1", "--address", "127.0.0.1", "--cpus", "4")
+    gang = {"image": "img", "taskRoles": [role("w", 2, "true")]}
+    assert (await run_job(nc, {"jobName": "before", **gang})).state == JobState.SUCCEEDED, cluster.logs()
+    js = nc.jetstream()
+    for stream, consumer in (
+        (subjects.SUBMISSIONS_STREAM, subjects.VALIDATOR_CONSUMER),
+        (subjects.SUBMISSIONS_STREAM, subjects.SUPERVISOR_KILL_CONSUMER),
+        (subjects.EVENTS_STREAM, subjects.SUPERVISOR_CONSUMER),
+        (subjects.EVENTS_STREAM, subjects.REGISTRY_CONSUMER),
+        (subjects.EVENTS_STREAM, MEMBERS_CONSUMER),
+    ):
+        await js.delete_consumer(stream, consumer)
+    assert (await run_job(nc, {"jobName": "after", **gang})).state == JobState.SUCCEEDED, cluster.logs()
+    _, verdict = await client.submit(
+        nc, json.dumps({"jobName": "long", "image": "img", "taskRoles": [role("w", 1, "sleep 600")]}).encode()
+    )
+    assert verdict is not None and verdict.accepted and verdict.job_id, verdict
+    await all_running(nc, verdict.job_id)
+    user = client.submitter(nc)
+    kill = KillRequest(job_id=verdict.job_id, user=user, grace=0)
+    await js.publish(subjects.kill_request(user), kill.to_bytes())
+    assert (await wait_final(nc, verdict.job_id, 60)).state == JobState.STOPPED, cluster.logs()
+
+
+async def all_running(nc, job_id: str, timeout: float = 60) -> None:
+    """Until attempt 1 of `job_id` shows every task running."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if all(t.state == TaskState.RUNNING for t in (await attempt(nc, job_id)).tasks):
+                return
+        except Exception:
+            pass
+        assert time.monotonic() < deadline, f"{job_id} never ran"
+        await asyncio.sleep(0.2)
 
 
 async def test_pytorch_gloo_allreduce_on_the_process_runtime(cluster, nc, tmp_path):

@@ -115,6 +115,19 @@ async def test_bad_payloads_get_a_clear_rejection_and_the_validator_keeps_going(
     assert after is not None and after.accepted
 
 
+async def test_a_validator_whose_consumer_is_gone_makes_it_again(nats_url, nc):
+    """The bus lost its state (a server rebuilt without its volume and set up again has none of
+    the services' consumers; here the validator's is deleted): its fetches failed for ever while
+    its health said connected, and no submission was judged again. The agents made theirs
+    again; now the services do too."""
+    async with validator(nats_url):
+        _, before = await client.submit(nc, config("before"), timeout=10)
+        assert before is not None and before.accepted, before
+        await nc.jetstream().delete_consumer(subjects.SUBMISSIONS_STREAM, subjects.VALIDATOR_CONSUMER)
+        _, after = await client.submit(nc, config("after"), timeout=30)
+    assert after is not None and after.accepted, after
+
+
 async def test_raw_publish_without_headers_is_judged_and_recorded_in_events(nats_url, nc):
     """A plain `nats pub muster.job.submit` (no Muster headers) still gets a verdict."""
     await bus.ensure_jetstream(nc)

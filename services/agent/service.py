@@ -596,11 +596,7 @@ async def pull_orders(
     stream) is gone: the bus lost its state, so JetStream is set up again and the consumer made
     again."""
 
-    async def renew() -> Any:
-        await bus.setup(nc, wait=0)
-        return await subscribe()
-
-    await bus.consume(await subscribe(), take, stop, logger, batch, renew=renew)
+    await bus.consume(await subscribe(), take, stop, logger, batch, renew=bus.renewing(nc, subscribe))
 
 
 async def check_declaration(options: AgentOptions, runtime: Runtime) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -111,13 +112,15 @@ class Registry:
         return cls(nc, js, buckets)
 
     async def run(self, stop: asyncio.Event) -> None:
-        sub = await bus.durable(
+        endpoints = functools.partial(
+            bus.durable,
             self.js,
             subjects.ENDPOINTS,
             subjects.REGISTRY_CONSUMER,
             subjects.EVENTS_STREAM,
             max_ack_pending=IN_FLIGHT,  # the server's default (1,000) is less than a big gang
         )
+        sub = await endpoints()
         # No order per attempt: the endpoints of one attempt are handled together (`on_endpoint`),
         # as many in flight as a big gang has, so each write of its rendezvous takes them all.
         handling = consume.Handling(
@@ -127,12 +130,14 @@ class Registry:
             log,
             parallel=IN_FLIGHT,
         )
-        changes = await bus.durable(
-            self.js, subjects.attempt_members("*", "*"), MEMBERS_CONSUMER, subjects.EVENTS_STREAM
+        members = functools.partial(
+            bus.durable, self.js, subjects.attempt_members("*", "*"), MEMBERS_CONSUMER, subjects.EVENTS_STREAM
         )
+        changes = await members()
         on_change = consume.Handling(MEMBERS_CONSUMER, _named_attempt, self.on_members, log, key=lambda k: k)
         await asyncio.gather(
-            consume.serve(sub, handling, stop, FETCH), consume.serve(changes, on_change, stop)
+            consume.serve(sub, handling, stop, FETCH, bus.renewing(self.nc, endpoints)),
+            consume.serve(changes, on_change, stop, renew=bus.renewing(self.nc, members)),
         )
 
     async def on_members(self, key: str) -> None:

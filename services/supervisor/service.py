@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 from collections.abc import Coroutine, Iterable
 from datetime import datetime, timedelta
@@ -187,7 +188,8 @@ class Supervisor:
         return cls(nc, js, buckets)
 
     async def run(self, stop: asyncio.Event) -> None:
-        events = await bus.durable(
+        events_consumer = functools.partial(
+            bus.durable,
             self.js,
             "",
             subjects.SUPERVISOR_CONSUMER,
@@ -195,9 +197,14 @@ class Supervisor:
             filter_subjects=subjects.TASK_STATES,
             max_ack_pending=IN_FLIGHT,  # the server's default (1,000) would cut a big gang's batch
         )
-        kills = await bus.durable(
-            self.js, subjects.KILL, subjects.SUPERVISOR_KILL_CONSUMER, subjects.SUBMISSIONS_STREAM
+        kills_consumer = functools.partial(
+            bus.durable,
+            self.js,
+            subjects.KILL,
+            subjects.SUPERVISOR_KILL_CONSUMER,
+            subjects.SUBMISSIONS_STREAM,
         )
+        events, kills = await events_consumer(), await kills_consumer()
         # No order per key here: `on_task_event` keeps each attempt's events in order itself,
         # and handles as many at once as a big gang sends.
         on_event = consume.Handling(
@@ -223,8 +230,8 @@ class Supervisor:
         service.ROUTES["/sd/agents"] = lambda: json.dumps(agent_targets(self.view_nodes.values())).encode()
         try:
             await asyncio.gather(
-                consume.serve(events, on_event, stop, FETCH),
-                consume.serve(kills, on_kill, stop, 16),
+                consume.serve(events, on_event, stop, FETCH, bus.renewing(self.nc, events_consumer)),
+                consume.serve(kills, on_kill, stop, 16, bus.renewing(self.nc, kills_consumer)),
                 self.watch(stop),
             )
         finally:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -148,19 +149,22 @@ class Validator:
             await asyncio.wait((ready, stopped), return_when=asyncio.FIRST_COMPLETED)
             ready.cancel()
             stopped.cancel()
-            sub = await bus.durable(
+            submissions = functools.partial(
+                bus.durable,
                 self.js,
                 subjects.SUBMIT,
                 subjects.VALIDATOR_CONSUMER,
                 subjects.SUBMISSIONS_STREAM,
                 max_ack_pending=1000,
             )
+            sub = await submissions()
             # Submissions are judged concurrently: their KV writes and publishes overlap. A
             # user's limits stay exact (each acceptance is counted before its first await) and
             # a job name is claimed atomically, so order between them does not matter.
             lag = asyncio.create_task(consume.watch_lag(sub, subjects.VALIDATOR_CONSUMER, stop))
             try:
-                await bus.consume(sub, self.handle, stop, log, self.batch, parallel=PARALLEL)
+                renew = bus.renewing(self.nc, submissions)
+                await bus.consume(sub, self.handle, stop, log, self.batch, parallel=PARALLEL, renew=renew)
             finally:
                 lag.cancel()
         finally:
