@@ -54,6 +54,7 @@ REDELIVERING = Gauge(
 )
 LAG_EVERY = settings.seconds("MUSTER_LAG_EVERY", 10.0, low=0.1)
 LAG_WAIT = 3.0  # seconds one consumer-info request may take
+CANCEL_WAIT = 5.0  # seconds a drain waits for the handlers it cancelled to end
 # Seconds between "still working" signals for a message whose handling runs long (a kill waiting
 # out its grace): below the consumers' ack wait (30 s), so the server does not deliver it again.
 WORKING_EVERY = 10.0
@@ -163,9 +164,16 @@ class Handling(Generic[M]):
                     with contextlib.suppress(Exception):
                         await msg.in_progress()
 
-    async def drain(self) -> None:
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait for the handlers in flight; those still running after `timeout` seconds are
+        cancelled (their messages, neither acked nor nak'd, come again after the ack wait)."""
         if self.running:
-            await asyncio.wait(list(self.running))
+            _, late = await asyncio.wait(list(self.running), timeout=timeout)
+            if late:
+                self.log.warning("consumer.drain_cut", consumer=self.consumer, cut=len(late), wait=timeout)
+                for task in late:
+                    task.cancel()
+                await asyncio.wait(late, timeout=CANCEL_WAIT)
         if self._working is not None:
             self._working.cancel()
 

@@ -711,3 +711,59 @@ async def test_a_gangs_trickling_task_events_rewrite_its_record_at_a_bounded_pac
         assert 1 <= len(writes) <= elapsed / 0.1 + 2, (len(writes), elapsed)
     finally:
         await nc.close()
+
+
+async def test_a_stopping_agent_does_not_wait_out_a_kill_grace(nats_url, tmp_path):
+    """The agent is told to stop while a kill order waits out its grace (60 s, for a task that
+    ignores SIGTERM). It waited for the order before stopping, past any stop timeout (compose's
+    15 s), and was killed before it had stopped or left its tasks. Now the orders it is handling
+    get DRAIN_WAIT seconds; the kill's order, cut, comes again to the next agent."""
+    from muster.services.agent.process_runtime import ProcessRuntime, task_pids
+    from muster.services.agent.service import DRAIN_WAIT
+    from muster.shared.messages import KillOrder
+
+    nc = await bus.connect("test", nats_url)
+    stop = asyncio.Event()
+    name = ""
+    try:
+        js, buckets = await bus.setup(nc)
+        spec = TaskSpec(role="worker", role_no=0, index=0, node="here")
+        record = AttemptRecord(job_id="jtrap", attempt=1, tasks=[TaskStatus(**spec.model_dump())])
+        await buckets[subjects.ATTEMPTS_BUCKET].put(record.key, record.to_bytes())
+        options = AgentOptions(
+            node="here", address="127.0.0.1", cpus=4, memory_mb=4096, gpus=[], stop_grace=1,
+            work_root=str(tmp_path / "work"), output_root=str(tmp_path / "output"),
+        )  # fmt: skip
+        agent = Agent(nc, js, buckets, options, ProcessRuntime(tmp_path / "work" / "tasks"))
+        run = asyncio.create_task(agent.run(stop))
+        trapping = config(1, command="trap '' TERM; sleep 600")
+        order = Assignment(job_id="jtrap", attempt=1, user="u", config=trapping, node="here", gang=[spec])
+        await js.publish(subjects.assign("here"), order.to_bytes())
+
+        async def started() -> bool:
+            return any(t.handle is not None for t in agent.tasks.live.values())
+
+        await until(started)
+        (task,) = agent.tasks.live.values()
+        name = task.name
+        kill = KillOrder(job_id="jtrap", attempt=1, reason="preempted", grace=60)
+        await js.publish(subjects.kill("here"), kill.to_bytes())
+
+        async def killing() -> bool:
+            return task.kill_reason is not None
+
+        await until(killing)
+        await asyncio.sleep(0.5)  # the task has had its SIGTERM, and ignores it
+        began = time.monotonic()
+        stop.set()
+        await asyncio.wait_for(run, 45)
+        took = time.monotonic() - began
+        assert took < DRAIN_WAIT + 10, f"the agent took {took:.1f} s to stop"
+        assert not task_pids(name), "the agent stopped and left its task running"
+    finally:
+        stop.set()
+        if name:
+            from muster.services.agent.process_runtime import kill_task
+
+            kill_task(name)
+        await nc.close()

@@ -143,6 +143,11 @@ class ProcessTask:
     async def stop(self, grace: float) -> None:
         if self._stopping is None:
             self._stopping = asyncio.ensure_future(self._stop(grace))
+        else:  # stopping already, maybe with a longer grace (a kill's): this one's holds too
+            try:
+                await asyncio.wait_for(asyncio.shield(self._stopping), grace)
+            except TimeoutError:
+                self._signal(signal.SIGKILL)
         await asyncio.shield(self._stopping)
 
     async def _stop(self, grace: float) -> None:

@@ -74,6 +74,7 @@ HEARTBEATS_MISSED = Counter(
 # heartbeat_at is never older than that, for a service that has not heard a beat yet.
 REFRESH = settings.seconds("MUSTER_NODE_REFRESH", 60.0, low=0.1)
 TOLD_KEPT = 256  # see Agent._told
+DRAIN_WAIT = 3.0  # seconds a stopping agent gives the orders it is handling (Agent.finish)
 OBSOLETE_EVERY = 10.0  # seconds between checks that the live tasks' attempts have not ended
 
 log = structlog.get_logger(service="agent")
@@ -344,10 +345,16 @@ class Agent:
 
     async def finish(self) -> None:
         """Stop: leave the tasks for the next agent when the runtime can adopt them, else stop
-        them and report how they ended."""
+        them and report how they ended. The orders still being handled get `DRAIN_WAIT` seconds,
+        after the tasks were left to the next agent where it adopts them: a kill waiting out a
+        long grace, or an image pull, held the stop past its timeout (compose's, systemd's),
+        and the agent was killed before it had detached. What was cut comes again, to the next
+        agent."""
         if self.runtime.can_adopt:
             await self._detach()
+            await self.handling.drain(DRAIN_WAIT)
         else:
+            await self.handling.drain(DRAIN_WAIT)
             await self.tasks.stop_all("agent shutting down", self.opts.stop_grace)
             await self.reporter.flush(10)
             if self.tasks.mps is not None:  # its tasks are gone: so are their MPS daemons
@@ -431,10 +438,7 @@ class Agent:
         )
 
     async def _consume(self, stop: asyncio.Event) -> None:
-        try:
-            await pull_orders(self._subscribe, self.handling.take, stop, self.nc, self.log)
-        finally:
-            await self.handling.drain()
+        await pull_orders(self._subscribe, self.handling.take, stop, self.nc, self.log)
 
     async def _on_order(self, order: Assignment | KillOrder | DrainOrder) -> None:
         if isinstance(order, Assignment):

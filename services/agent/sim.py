@@ -220,7 +220,6 @@ class SimFleet:
             finally:
                 beats.cancel()
         finally:
-            await asyncio.gather(*(a.handling.drain() for a in started))
             await asyncio.gather(*(a.finish() for a in started), return_exceptions=True)
             NODES.set(0)
             log.info("sim.stopped", nodes=len(started))
