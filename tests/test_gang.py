@@ -9,9 +9,11 @@ import asyncio
 import contextlib
 import gc
 import random
+import signal
 import socket
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import nats.errors
 import pytest
@@ -766,4 +768,69 @@ async def test_a_stopping_agent_does_not_wait_out_a_kill_grace(nats_url, tmp_pat
             from muster.services.agent.process_runtime import kill_task
 
             kill_task(name)
+        await nc.close()
+
+
+async def test_an_adopted_elastic_task_follows_its_gang_from_the_version_it_was_told(nats_url, tmp_path):
+    """An elastic task adopted after its agent restarted: adoption did not follow its attempt, so
+    the task never heard of a gang change again; and a follow heard only versions published after
+    it began, so one published while no agent ran (or while a task's image was pulled) was lost.
+    Now an adopted task follows from the version its env file says it was told: one it was told
+    is not signalled again, one it missed is written and signalled once, and so is the next."""
+    from muster.services.agent.launch import task_env
+    from muster.services.agent.sim_runtime import SimPlan, SimTask
+    from muster.services.agent.tasks import LocalTask
+
+    nc = await bus.connect("test", nats_url)
+    try:
+        js, buckets = await bus.setup(nc)
+        agent = _here(nc, js, buckets, tmp_path)
+        elastic = config(1, minTaskNumber=1, maxTaskNumber=3).model_copy(
+            update={"extras": {"elastic": {"signal": "SIGUSR1"}}}
+        )
+
+        def spec(job_id: str, version: int, n: int) -> ClusterSpec:
+            eps = [
+                Endpoint(role="worker", role_no=0, index=i, node="here", host="127.0.0.1", port=7000 + i)
+                for i in range(n)
+            ]
+            return ClusterSpec(job_id=job_id, attempt=1, endpoints=eps, version=version)
+
+        async def adopted(job_id: str, stored: int) -> tuple[list[str], Path]:
+            """A task of `job_id` told version 1 by the agent before; `stored`: the version on
+            the bus as the agent adopts it."""
+            me = TaskSpec(role="worker", role_no=0, index=0, node="here")
+            a = Assignment(job_id=job_id, attempt=1, user="u", config=elastic, node="here", gang=[me])
+            task_env(a, me, spec(job_id, 1, 1), agent.tasks.where)
+            for v in range(1, stored + 1):
+                await js.publish(subjects.cluster_spec(job_id, 1), spec(job_id, v, v).to_bytes())
+            lines: list[str] = []
+            endpoint = Endpoint.of(me, "127.0.0.1", [], [])
+            task = LocalTask(assignment=a, spec=me, endpoint=endpoint, ports=[])
+            task.handle = SimTask(f"muster-{job_id}-1-worker-0", SimPlan(600.0), lines.append)
+            agent.tasks.watch((job_id, 1, "worker", 0), task)
+            return lines, Path(tmp_path / "work" / job_id / "1" / "worker-0" / "env")
+
+        def told(env: Path) -> int:
+            return int(env.read_text().split("export MUSTER_SPEC_VERSION=")[1].split()[0])
+
+        signalled = f"sim: signal {int(signal.SIGUSR1)}"
+        kept, kept_env = await adopted("jtold", stored=1)
+        missed, missed_env = await adopted("jmissed", stored=2)
+
+        async def caught_up() -> bool:
+            return told(missed_env) == 2
+
+        await until(caught_up, 15)
+        assert missed.count(signalled) == 1, missed
+        await js.publish(subjects.cluster_spec("jtold", 1), spec("jtold", 2, 2).to_bytes())
+
+        async def followed() -> bool:
+            return told(kept_env) == 2
+
+        await until(followed, 15)
+        assert kept.count(signalled) == 1, kept  # for version 2 only: it had been told version 1
+        for task in list(agent.tasks.live.values()):
+            await agent.tasks.stop(task, "done", 0)
+    finally:
         await nc.close()

@@ -126,6 +126,19 @@ def task_env(a: Assignment, spec: TaskSpec, cluster: ClusterSpec, where: Where) 
     return env
 
 
+def spec_version(a: Assignment, spec: TaskSpec, where: Where) -> int:
+    """The spec version an elastic task's env file describes (0: none written, or unreadable):
+    what an agent that adopts the task knows it was told."""
+    path = workdirs.task_dir(where.work_root, a.job_id, a.attempt, spec.role, spec.index) / "env"
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith("export MUSTER_SPEC_VERSION="):
+                return int(line.partition("=")[2])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def resize_signal(extras: dict[str, object]) -> int | None:
     """The signal an elastic job asked for on each change of its gang (`extras.elastic.signal`),
     or None (the default: frameworks that rendezvous by themselves need none)."""

@@ -29,6 +29,7 @@ from muster.services.agent.launch import (
     build_launch,
     gpu_share,
     resize_signal,
+    spec_version,
     task_auth,
     task_env,
     task_name,
@@ -74,6 +75,7 @@ LAST_LINES = 30
 # Exit code reported for a task that never started (launch failure, killed before the barrier).
 NOT_STARTED = -1
 DATASET_WAIT = 10.0  # seconds to read a dataset's record
+SPEC_READ_WAIT = 5.0  # seconds to read an attempt's stored spec
 REMEMBERED = 10_000  # ended tasks remembered against late orders
 HUNG_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for a task stopped as hung
 TaskKey = tuple[str, int, str, int]  # job id, attempt, role, index
@@ -179,6 +181,9 @@ class Tasks:
         if not self._hosts_ranks_only(task):
             self.progress.track(key, task.assignment.config)
         task.runner = asyncio.create_task(self._watch(key, task))
+        if task.assignment.config.elastic:  # its gang changes on: from the version it was told
+            task.version = spec_version(task.assignment, task.spec, self.where)
+            self._follow(task.assignment.job_id, task.assignment.attempt)
         if self._is_mpi_launcher(task):  # its mpirun may start more daemons: listen again
             serving = asyncio.create_task(self._serve_adopted(task))
             self._serving.add(serving)
@@ -401,9 +406,17 @@ class Tasks:
     async def _refresh(self, job_id: str, attempt: int) -> None:
         """Each new spec version: every running task here that is still in the gang gets its env
         file rewritten for it, then the job's resize signal if it asked for one
-        (`extras.elastic.signal`). A task's own environment cannot change; the file can."""
-        sub = await self.nc.subscribe(subjects.cluster_spec(job_id, attempt))
+        (`extras.elastic.signal`). A task's own environment cannot change; the file can. The
+        version stored last comes first: one published before this began (while a task's image
+        was pulled, while no agent ran here) was heard by no one."""
+        subject = subjects.cluster_spec(job_id, attempt)
+        sub = await self.nc.subscribe(subject)
         try:
+            with contextlib.suppress(Exception):  # none yet, garbage, or no answer: the next one
+                stored = await asyncio.wait_for(
+                    self.js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True), SPEC_READ_WAIT
+                )
+                await self._gang_changed(job_id, attempt, ClusterSpec.from_bytes(stored.data))
             while self.of_attempt(job_id, attempt):
                 try:
                     msg = await sub.next_msg(timeout=2)
@@ -413,24 +426,28 @@ class Tasks:
                 except ValueError as exc:  # not a spec: the registry would never send it
                     self.log.warning("agent.bad_spec", job_id=job_id, attempt=attempt, error=str(exc)[:200])
                     continue
-                for task in self.of_attempt(job_id, attempt):
-                    if task.handle is None or spec.version <= task.version or not spec.has(task.spec.key):
-                        continue
-                    try:
-                        task_env(task.assignment, task.spec, spec, self.where)
-                    except Exception as exc:
-                        self.log.warning("agent.env_refresh_failed", task=task.name, error=str(exc)[:200])
-                        continue
-                    task.version = spec.version
-                    sig = resize_signal(task.assignment.config.extras)
-                    if sig is not None:
-                        with contextlib.suppress(Exception):
-                            await task.handle.signal(sig)
-                    self.log.info("agent.gang_changed", task=task.name, version=spec.version, signal=sig)
+                await self._gang_changed(job_id, attempt, spec)
         finally:
             self._following.pop((job_id, attempt), None)
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    async def _gang_changed(self, job_id: str, attempt: int, spec: ClusterSpec) -> None:
+        """Spec `spec` of the attempt: each running task here it is new to and lists is told."""
+        for task in self.of_attempt(job_id, attempt):
+            if task.handle is None or spec.version <= task.version or not spec.has(task.spec.key):
+                continue
+            try:
+                task_env(task.assignment, task.spec, spec, self.where)
+            except Exception as exc:
+                self.log.warning("agent.env_refresh_failed", task=task.name, error=str(exc)[:200])
+                continue
+            task.version = spec.version
+            sig = resize_signal(task.assignment.config.extras)
+            if sig is not None:
+                with contextlib.suppress(Exception):
+                    await task.handle.signal(sig)
+            self.log.info("agent.gang_changed", task=task.name, version=spec.version, signal=sig)
 
     # ------------------------------------------------------------ stopping
 
