@@ -834,3 +834,25 @@ async def test_an_adopted_elastic_task_follows_its_gang_from_the_version_it_was_
             await agent.tasks.stop(task, "done", 0)
     finally:
         await nc.close()
+
+
+async def test_an_agent_holds_one_copy_of_an_attempt_however_often_it_reads_it(nats_url):
+    """Every read of an attempt record after the reuse window is a new record, and each kept an
+    index of its own holding it, up to 256: an agent checking one 2,000-task gang's record every
+    200 s held ~1 GB of copies of it after a day. Now it keeps the newest read's, one per attempt."""
+    from muster.services.agent.sharing import Attempts
+
+    nc = await bus.connect("test", nats_url)
+    try:
+        _, buckets = await bus.setup(nc)
+        record = gang(50, "jcopies")
+        await buckets[subjects.ATTEMPTS_BUCKET].put(record.key, record.to_bytes())
+        attempts = Attempts(buckets[subjects.ATTEMPTS_BUCKET], ttl=0)  # every read a fresh one
+        for _ in range(300):
+            found = await attempts.placement(record.key)
+            assert found is not None and found.by_key["worker.7"].node == "n7"
+        gc.collect()
+        held = [o for o in gc.get_objects() if isinstance(o, AttemptRecord) and o.job_id == "jcopies"]
+        assert len(held) <= 2, f"{len(held)} copies of the record held"  # the newest (and `record`)
+    finally:
+        await nc.close()

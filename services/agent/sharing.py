@@ -188,19 +188,24 @@ class Attempts(SharedStore[AttemptRecord]):
     """Attempt records, read as `SharedStore` reads them, each indexed (`Placement`) once per
     read however many agents and tasks look into it."""
 
-    KEPT = 256  # indexes of the newest reads
+    KEPT = 256  # attempts whose newest read's index is kept
 
     def __init__(self, kv: KeyValue, ttl: float = 1.0) -> None:
         super().__init__(kv, AttemptRecord, ttl)
-        self._indexed: dict[int, Placement] = {}  # id(record) -> its index (which holds it)
+        # attempt key -> the index of its newest read (which holds it), the least recently
+        # indexed first. By key, not by read: every read of an attempt after `ttl` is a new
+        # record, and each kept its own index, so an agent held up to KEPT whole copies of
+        # the one big record it checks (a 2,000-task gang's: ~1 GB after a day).
+        self._indexed: dict[str, Placement] = {}
 
     async def placement(self, key: str) -> Placement | None:
         record = await self.get(key)
         if record is None:
             return None
-        found = self._indexed.get(id(record))
+        found = self._indexed.get(key)
         if found is None or found.record is not record:
-            found = self._indexed[id(record)] = Placement.of(record)
+            self._indexed.pop(key, None)
+            found = self._indexed[key] = Placement.of(record)
             while len(self._indexed) > self.KEPT:
                 del self._indexed[next(iter(self._indexed))]
         return found
