@@ -31,7 +31,10 @@ class Beats:
         self.timeout = timedelta(seconds=timeout)
         self.last: dict[str, datetime] = {}  # node -> its last sign of life
         self._heap: list[tuple[datetime, str]] = []
-        self._queued: set[str] = set()  # nodes with an entry in the heap: not (yet) found quiet
+        # node -> the time of its one live entry in the heap: not (yet) found quiet. An entry
+        # that is not a node's live one was left by `forget` and is skipped.
+        self._queued: dict[str, datetime] = {}
+        self._stale = 0  # entries left by `forget`: swept out once they outnumber the live ones
 
     def saw(self, node: str, at: datetime) -> bool:
         """A sign of life of `node` at `at` (a beat, or its record's heartbeat_at); whether it
@@ -42,7 +45,7 @@ class Beats:
         self.last[node] = at
         if node in self._queued:
             return False
-        self._queued.add(node)
+        self._queued[node] = at
         heapq.heappush(self._heap, (at, node))
         return True
 
@@ -52,14 +55,16 @@ class Beats:
         cutoff = at - self.timeout
         out = []
         while self._heap and self._heap[0][0] < cutoff:
-            _, node = heapq.heappop(self._heap)
-            last = self.last.get(node)
-            if last is None:  # forgotten
-                self._queued.discard(node)
-            elif last >= cutoff:  # it beat since: look again a timeout after its last beat
+            queued, node = heapq.heappop(self._heap)
+            if self._queued.get(node) != queued:  # forgotten since it was queued
+                self._stale = max(0, self._stale - 1)
+                continue
+            last = self.last[node]
+            if last >= cutoff:  # it beat since: look again a timeout after its last beat
+                self._queued[node] = last
                 heapq.heappush(self._heap, (last, node))
             else:
-                self._queued.discard(node)
+                del self._queued[node]
                 out.append(node)
         return out
 
@@ -68,7 +73,17 @@ class Beats:
         return last is not None and last >= at - self.timeout
 
     def forget(self, node: str) -> None:
+        """`node` is gone (its record was removed): nothing of it is kept. Its heap entry is
+        left, skipped, and swept out with the others once they outnumber the live ones (an
+        owner that never asks which nodes are quiet, the gateway, kept one per node name ever
+        seen)."""
         self.last.pop(node, None)
+        if self._queued.pop(node, None) is not None:
+            self._stale += 1
+            if self._stale > len(self._queued) + 64:
+                self._heap = [e for e in self._heap if self._queued.get(e[1]) == e[0]]
+                heapq.heapify(self._heap)
+                self._stale = 0
 
 
 async def listen(nc: NATS, on_beat: Callable[[str, datetime], None]) -> None:

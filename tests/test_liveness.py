@@ -36,6 +36,22 @@ def test_quiet_nodes_come_from_a_heap_of_one_entry_per_node():
     assert not beats.saw("c", T0 + timedelta(seconds=30))  # an older sign changes nothing
 
 
+def test_forgotten_nodes_leave_nothing_behind_and_one_that_comes_back_is_quiet_once():
+    """Nodes come and go (autoscaled hosts, each a new name): a forgotten node's heap entry
+    stayed for ever where nobody asked which nodes were quiet (the gateway: one per node name
+    ever seen). A forgotten node that comes back, then goes quiet, is reported once."""
+    beats = Beats(timeout=5)
+    for i in range(1000):
+        beats.saw(f"gone-{i}", T0)
+        beats.forget(f"gone-{i}")
+    beats.saw("back", T0)
+    beats.forget("back")
+    assert beats.saw("back", T0 + timedelta(seconds=1))  # new again
+    assert len(beats._heap) <= 66 and not beats.last.keys() - {"back"}
+    assert beats.quiet(T0 + timedelta(seconds=7)) == ["back"]
+    assert beats.quiet(T0 + timedelta(seconds=30)) == [] and not beats._heap
+
+
 def test_an_agent_may_beat_and_answer_only_as_its_own_node():
     rights = auth.permissions(auth.Identity(name="agent-n1", role="agent", nkey="x", node="n1"))
     assert subjects.beat("n1") in rights["publish"]["allow"]

@@ -563,7 +563,10 @@ class Supervisor:
 
     def node_changed(self, node: str) -> None:
         info = self.view_nodes.get(node)
-        if info is not None and self.beats.saw(node, info.heartbeat_at):
+        if info is None:  # removed (pruned by this replica or another): nothing of it is kept
+            self.beats.forget(node)
+            self.quiet.discard(node)
+        elif self.beats.saw(node, info.heartbeat_at):
             self.quiet.discard(node)
 
     def attempt_changed(self, key: str) -> None:
