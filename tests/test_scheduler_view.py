@@ -326,3 +326,31 @@ def test_a_job_refreshed_from_a_later_write_is_the_job_that_write_decodes_to_who
         held.refresh(job("other").to_bytes())  # another job's record under this key
     with pytest.raises(ValueError):
         held.refresh(b'{"job_id": "jr", "state": "NOPE"}')
+
+
+def test_a_jobs_past_attempts_are_held_without_their_tasks():
+    """A job retried (or preempted, or called back) again and again: the scheduler held each of
+    its attempts whole, every task's last lines with them, until a week after the job ended. A
+    settled attempt that is not the job's newest is now held without its tasks; what each ran
+    still counts, and the newest stays whole."""
+    v = View(node_timeout=5)
+    placed = T0 - timedelta(hours=200)
+    for n in range(1, 101):
+        lines = [f"attempt {n} failed: " + "x" * 200] * 30
+        record = AttemptRecord(
+            job_id="r",
+            attempt=n,
+            placed_at=placed + timedelta(hours=n),
+            ended_at=placed + timedelta(hours=n, minutes=30),
+            tasks=[
+                TaskStatus(
+                    role="w", role_no=0, index=i, node="a", gpus=[i], state=TaskState.FAILED, last_lines=lines
+                )
+                for i in range(8)
+            ],
+        )
+        v.attempts[record.key] = record
+        v.attempt_changed(record.key)
+    assert sum(len(a.tasks) for a in v.attempts.values()) == 8  # the newest's alone: 800 before
+    assert len(v.attempts["r.100"].tasks) == 8
+    assert v.service("r", T0.timestamp()).attained == pytest.approx(100 * 8 * 1800)

@@ -264,9 +264,32 @@ class View:
         else:
             self.failed.pop(key, None)
         freed = self._hold(key, record)
+        if record is not None:
+            self._slim_past(job_id)
         # A waiting job's next attempt may go once its current one has ended with all its tasks.
         ended = record is None or record.ended or all(t.state.ended for t in record.tasks)
         return freed or (job_id in self._queued and ended)
+
+    def _slim_past(self, job_id: str) -> None:
+        """Hold a job's past attempts without their tasks: a settled attempt (ended, every task
+        ended) that is not the job's newest is read for its number alone, what it ran being in
+        `_runs` and a platform failure in `failed`. A job retried, preempted or called back again
+        and again kept each attempt whole, its tasks' last lines with them, until a week after it
+        ended (a 2,000-task gang: MBs per attempt)."""
+        keys = self._attempts_of.get(job_id, ())
+        if len(keys) < 2:
+            return
+        newest = max(a.attempt for k in keys if (a := self.attempts.get(k)) is not None)
+        for k in keys:
+            a = self.attempts.get(k)
+            if (
+                a is not None
+                and a.attempt < newest
+                and a.tasks
+                and a.ended
+                and all(t.state.ended for t in a.tasks)
+            ):
+                self.attempts[k] = a.model_copy(update={"tasks": []})
 
     def _hold(self, key: str, record: AttemptRecord | None) -> bool:
         """Bring what the attempt's live tasks hold up to date; whether a schedulable node's
