@@ -127,6 +127,16 @@ def test_a_field_path_is_found_in_yaml():
     assert views.line_of(text, "jobName") == 1
 
 
+@pytest.mark.timeout(5)
+def test_a_fields_line_is_found_in_time_linear_in_the_text():
+    """A config of 3,000 blank lines before its JSON, refused for a missing field: finding the
+    field's line took 22 s of the portal's loop (white space matched across lines: cubic)."""
+    text = "\n" * 3000 + '{"jobName": "x"}'
+    assert views.line_of(text, "image") is None
+    assert views.line_of(text, "jobName") == 3001
+    assert views.line_of(" " * 20000 + "x", "image") is None
+
+
 def test_annotate_puts_each_problem_at_its_line_and_keeps_the_rest_apart():
     problems = [
         {"path": "jobName", "reason": "taken"},
@@ -187,6 +197,16 @@ def test_a_chart_of_values_at_the_ends_of_the_float_range_draws():
         [chart] = views.metric_charts([{"task": "w.0", "points": points}])
         drawn = chart["svg"].split('points="')[1].split('"')[0]
         assert "nan" not in drawn and "inf" not in drawn, (values, drawn)
+
+
+@pytest.mark.timeout(5)
+def test_a_chart_of_values_a_rounding_apart_draws():
+    """A task printing 0.3, then 0.1 + 0.2 (0.30000000000000004): the ticks' step was below the
+    values' rounding, adding it changed nothing, and the job's page looped for ever, the
+    portal with it."""
+    for a, b in ((0.3, 0.1 + 0.2), (0.7, 0.1 * 7), (2.0**52, 2.0**52 + 1), (1e-300, 1e-300 + 1e-316)):
+        svg = views.line_chart("loss", [views.Series("w.0", [(1.0, a), (2.0, b)])], "step")
+        assert "polyline" in svg, (a, b)
 
 
 def test_a_line_of_many_points_is_thinned_and_keeps_its_last():

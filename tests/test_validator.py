@@ -128,6 +128,33 @@ async def test_a_validator_whose_consumer_is_gone_makes_it_again(nats_url, nc):
     assert after is not None and after.accepted, after
 
 
+@pytest.mark.timeout(120)
+async def test_a_big_yaml_submission_holds_up_no_other(nats_url, nc):
+    """PyYAML reads ~50 KB a second: a 500 KB YAML submission (any user's) held the validator's
+    event loop ~10 s, every other submission waiting behind it. It is read in a thread now: the
+    loop (the validator runs in this test's) never pauses for long while it is read."""
+    big = ("a: [" + ",".join(["1"] * 250_000) + "]\n").encode()
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.05)
+            gaps.append(time.monotonic() - last)
+            last = time.monotonic()
+
+    async with validator(nats_url):
+        _, warm = await client.submit(nc, config("warm"), timeout=10)
+        assert warm is not None and warm.accepted, warm
+        ticker = asyncio.ensure_future(tick())
+        try:
+            _, verdict = await client.submit(nc, big, timeout=90)
+        finally:
+            ticker.cancel()
+    assert verdict is not None and not verdict.accepted  # a list, not a job
+    assert max(gaps) < 1.5, f"the event loop paused {max(gaps):.1f} s while the YAML was read"
+
+
 async def test_raw_publish_without_headers_is_judged_and_recorded_in_events(nats_url, nc):
     """A plain `nats pub muster.job.submit` (no Muster headers) still gets a verdict."""
     await bus.ensure_jetstream(nc)
