@@ -1,6 +1,6 @@
-"""The portal's pure parts, no bus and no browser: login secrets and sealed sessions
-(shared/logins.py), and what pages compute (services/portal/views.py): errors placed at their
-lines, charts, times."""
+"""The portal's pure parts, no browser: login secrets and sealed sessions (shared/logins.py),
+the bus connections sessions hold (with a real nats-server), and what pages compute
+(services/portal/views.py): errors placed at their lines, charts, times."""
 
 from __future__ import annotations
 
@@ -59,6 +59,28 @@ def test_reissuing_a_secret_retires_the_old_one_and_services_cannot_sign_in(keys
     assert logins.key_for("alice", second)
     with pytest.raises(auth.AuthError, match="only people"):
         logins.issue(d.ensure("gateway", "gateway"))
+
+
+async def test_a_reissued_secret_ends_the_sessions_made_with_it_at_once(keys, nats_url):
+    """The portal holds a bus connection per signed-in person; after `muster admin user login
+    alice` ("the one before no longer works") the session made with the old secret went on
+    through that connection for as long as its page polled. Now its next request is refused
+    and the connection closed."""
+    from muster.services.portal.app import Connections, Unauthorized
+
+    d, logins = keys
+    alice = d.add("alice", "user")
+    session, _ = Sessions(b"k" * 32).new("alice", "user", logins.key_for("alice", logins.issue(alice)))
+    conns = Connections(nats_url, logins, None, open_bus=False)
+    try:
+        nc = await conns.get(session)
+        assert nc.is_connected and await conns.get(session) is nc
+        logins.issue(alice)  # reissued: a thief's copy of the first secret is worth nothing now
+        with pytest.raises(Unauthorized):
+            await conns.get(session)
+        assert nc.is_closed and not conns.held
+    finally:
+        await conns.close()
 
 
 def test_a_session_cookie_opens_only_with_its_portals_key_and_until_it_ends():

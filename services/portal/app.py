@@ -91,7 +91,18 @@ class Connections:
             raise Unauthorized(str(exc)) from None
 
     async def get(self, session: Session) -> NATS:
+        """The session's connection. Its login is opened at every request (a file read and an
+        unsealing, no scrypt): a secret reissued or a login removed ends the sessions made with
+        it at once, their connections closed; the held connection kept them going until it was
+        idle for `IDLE`, and a page's own polling never let it be."""
         key = (session.name, session.key or b"")
+        try:
+            creds = self.credentials(session)
+        except Unauthorized:
+            gone = self.held.pop(key, None)
+            if gone is not None:
+                await self._close(gone.nc)
+            raise
         held = self.held.get(key)
         if held is not None and held.nc.is_connected:
             held.used = time.monotonic()
@@ -103,7 +114,6 @@ class Connections:
                 return held.nc
             if held is not None:
                 await self._close(held.nc)
-            creds = self.credentials(session)
             try:
                 nc = await bus.connect(
                     f"portal-{session.name}", self.url, connect_timeout=5, quiet=True, credentials=creds
