@@ -194,4 +194,5 @@ class Sessions:
         return hmac.new(self.mac_key, session.sid.encode(), hashlib.sha256).hexdigest()[:32]
 
     def check_form_token(self, session: Session, token: str | None) -> bool:
-        return bool(token) and hmac.compare_digest(self.form_token(session), str(token))
+        # As bytes: compare_digest refuses a str with anything but ASCII (a TypeError, a 500).
+        return bool(token) and hmac.compare_digest(self.form_token(session).encode(), str(token).encode())

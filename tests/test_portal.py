@@ -494,3 +494,33 @@ def test_no_session_a_forged_one_or_a_missing_form_token_gets_nothing(mesh, brow
     # The page headers keep it to itself.
     r = httpx.get(mesh.portal + "/login")
     assert "frame-ancestors 'none'" in r.headers["content-security-policy"]
+
+
+def test_requests_the_portal_cannot_read_get_400_not_500(mesh, browser):
+    """A form that is not its charset's text, or in a charset no one knows (before signing in:
+    anyone could send it), a form token with a non-ASCII letter, a change time at the calendar's
+    start, a JSON body nested past any config: each was a 500 and an error with its traceback in
+    the log. Each is the requester's mistake: 400 (403 for the token), and the portal goes on."""
+    form = "application/x-www-form-urlencoded"
+    with httpx.Client(base_url=mesh.portal) as http:
+        for content_type, body in (
+            (f"{form}; charset=utf-8", b"name=\xff\xfe"),
+            (f"{form}; charset=bogus", b"a=b"),
+        ):
+            r = http.post("/login", content=body, headers={"Content-Type": content_type})
+            assert r.status_code == 400, (content_type, r.status_code, r.text[:200])
+    sign_in(browser, mesh, "alice")
+    with httpx.Client(base_url=mesh.portal, cookies=cookie_jar(browser)) as http:
+        token = http.get("/api/whoami").json()["form_token"]
+        r = http.post("/api/submit", json=sleeper("accented"), headers={"X-Muster-Form": "é".encode()})
+        assert r.status_code == 403, r.text[:200]
+        r = http.get("/jobs/changes", params={"changed": "0001-01-01T00:00:00+00:00"})
+        assert r.status_code == 400, r.text[:200]
+        deep = ("[" * 100_000 + "]" * 100_000).encode()
+        r = http.post(
+            "/api/jobs/jx/kill",
+            content=deep,
+            headers={"X-Muster-Form": token, "Content-Type": "application/json"},
+        )
+        assert r.status_code == 400, r.text[:200]
+        assert http.get("/api/whoami").json()["user"] == "alice"

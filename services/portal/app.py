@@ -304,10 +304,7 @@ class Portal:
 
     async def _form(self, request: web.Request) -> dict[str, Any]:
         if "form" not in request:
-            if request.content_type in ("application/x-www-form-urlencoded", "multipart/form-data"):
-                request["form"] = dict(await request.post())
-            else:
-                request["form"] = {}
+            request["form"] = await _posted(request)
         return dict(request["form"])
 
     def _form_ok(self, request: web.Request, form: dict[str, Any]) -> bool:
@@ -381,7 +378,7 @@ class Portal:
         )
 
     async def login(self, request: web.Request) -> web.StreamResponse:
-        form = await request.post()
+        form = await _posted(request)
         name, secret = str(form.get("name", "")).strip(), str(form.get("secret", ""))
         target = _next(str(form.get("next", "")))
         if not _same_origin(request):
@@ -473,14 +470,15 @@ class Portal:
             at = datetime.fromisoformat(changed)
             if at.tzinfo is None:
                 raise ValueError
-        except ValueError:
+            since = (at - timedelta(seconds=5)).isoformat()
+        except (ValueError, OverflowError):  # not a time, or one at the calendar's start
             raise web.HTTPBadRequest(
                 text="changed: an ISO time with a zone, as the last answer's `now`"
             ) from None
         # A few seconds back: records written by another machine's clock, or while we asked.
         question = {
             **self._filters(request),
-            "changed_since": (at - timedelta(seconds=5)).isoformat(),
+            "changed_since": since,
             "limit": 200,
         }
         answer = await self.ask(request, "jobs", question)
@@ -870,12 +868,23 @@ def _line_in(message: str) -> int | None:
     return int(m[1]) if m else None
 
 
+async def _posted(request: web.Request) -> dict[str, Any]:
+    """A form's fields (none when the body is not a form); 400 for one that cannot be read (not
+    its charset's text, a charset no one knows), not a failure of the portal's."""
+    if request.content_type not in ("application/x-www-form-urlencoded", "multipart/form-data"):
+        return {}
+    try:
+        return dict(await request.post())
+    except (UnicodeDecodeError, LookupError, ValueError):
+        raise web.HTTPBadRequest(text="the form cannot be read: send it as UTF-8") from None
+
+
 async def _json_body(request: web.Request) -> dict[str, Any]:
     if request.content_type != "application/json" or not request.can_read_body:
         return {}
     try:
         body = await request.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON (or not UTF-8), or nested past any config
         raise web.HTTPBadRequest(text="the body is not JSON") from None
     return body if isinstance(body, dict) else {}
 
