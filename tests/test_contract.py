@@ -465,6 +465,26 @@ async def test_a_failed_fetch_is_a_configuration_error_without_credentials(repo,
     assert str(refused.value).startswith("codeSync: cannot fetch")
 
 
+async def test_a_fetch_into_a_full_disk_is_the_nodes_failure_not_the_jobs(repo, tmp_path, monkeypatch):
+    """git's fetch ran out of space on this node: that was a configuration error, never retried
+    (the job failed for good as one that "would fail on any node"). It is the node's: the gang
+    runs again, elsewhere or once space is freed, uncharged."""
+    from muster.services.agent import prepare
+
+    real = prepare._git
+
+    async def full(args, *rest, **kw):
+        if args[0] == "fetch":
+            return 128, "error: unable to write file .git/objects/pack/tmp_pack: No space left on device"
+        return await real(args, *rest, **kw)
+
+    monkeypatch.setattr(prepare, "_git", full)  # no test can fill a disk on demand
+    with pytest.raises(LaunchError) as refused:
+        await fetch_code(CodeSync(git=str(repo), branch="main"), str(tmp_path / "code"), False, timeout=60)
+    assert refused.value.cause == TaskCause.PLATFORM, refused.value
+    assert "disk is full" in str(refused.value)
+
+
 async def test_a_fetch_that_takes_too_long_is_stopped_at_its_bound(tmp_path):
     import socket
 

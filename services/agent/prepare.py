@@ -62,6 +62,8 @@ SYNCED_MARK = ".muster-code-sync"  # in the attempt dir: the fetch of this attem
 FETCHED_MARK = "git.synced"  # in the job's dir: its fetch is done (the commit, the source's digest)
 GIT_PROTOCOLS = "https:http:ssh:git:file"
 MAX_ERROR = 300  # characters of git's own words kept in a reason
+# What git says (LC_ALL=C) when this node's disk is full: the node's failure, not the job's config.
+DISK_FULL = ("No space left on device", "Disk quota exceeded")
 
 
 @dataclass(frozen=True)
@@ -273,6 +275,8 @@ async def fetch_code(sync: CodeSync, target: str, own_dir: bool, timeout: float 
         said = "; ".join(lines[-2:])[:MAX_ERROR] or "git failed"
         if why == "timed out":
             said = f"not done within {timeout:g}s (MUSTER_CODE_SYNC_TIMEOUT)"
+        if any(full in why for full in DISK_FULL):  # this node's, not the job's: elsewhere it runs
+            return LaunchError(f"{what}: this node's disk is full: {said}", TaskCause.PLATFORM)
         return LaunchError(f"{what}: {said}", TaskCause.CONFIG)
 
     await asyncio.to_thread(_make_target, target, own_dir)
