@@ -6,6 +6,7 @@ reading a stream where another node wrote for tasks that are not its own."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import re
 import shlex
@@ -126,6 +127,40 @@ async def test_past_its_total_a_task_ships_nothing_and_says_so_at_once_and_at_th
         f"[muster: 40 lines (4000 bytes) not shipped: {over}",
     ]
     assert path.read_text().splitlines() == [*lines[:30], "[muster: output beyond 3000 bytes is not kept]"]
+
+
+async def test_an_output_file_that_failed_a_write_is_written_again_once_there_is_room(tmp_path):
+    """A full disk failed one write of the task's output file, and nothing more reached it for
+    the rest of the task's life (days, for a training run), the notes saying the output was kept
+    nowhere. Now the file is opened again FILE_RETRY seconds later and says what it missed."""
+
+    async def publish(subject: str, data: bytes) -> None:
+        pass
+
+    class Full:
+        def __init__(self, real) -> None:
+            self.real = real
+
+        def write(self, data: bytes) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self) -> None:
+            self.real.close()
+
+    path, clock = tmp_path / "main-0.log", Clock()
+    shipper = Shipper(publish, "s", "n1", path, OutputLimits(rate=0, total=0), clock)
+    shipper.line("a")
+    shipper.file = Full(shipper.file)  # the disk fills: no test can fill one on demand
+    shipper.line("b")
+    shipper.line("c")
+    clock.now += output.FILE_RETRY + 1  # space was freed meanwhile
+    shipper.line("d")
+    await shipper.close()
+    assert path.read_text().splitlines() == [
+        "a",
+        "[muster: 2 lines or more not kept here: [Errno 28] No space left on device]",
+        "d",
+    ]
 
 
 async def test_a_long_line_is_cut_in_the_stream_and_whole_in_the_file(tmp_path):

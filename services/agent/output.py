@@ -47,6 +47,7 @@ BATCH_BYTES = 64 * 1024  # most bytes of lines in one message
 LINE_BYTES = 16 * 1024  # a longer line is cut in the stream
 NOTE_EVERY = 5.0  # seconds: at most one note of cut lines so often (and one at the end)
 QUEUED_BYTES = 8 * 1024 * 1024  # batches waiting for a bus that does not take them; beyond: cut
+FILE_RETRY = 30.0  # seconds after a failed write of the output file before it is opened again
 OUTPUT_DIR = "output"  # in the attempt's directory: <role>-<index>.log, the task's whole output
 
 ENV = {
@@ -162,8 +163,15 @@ class Shipper:
         self.note_timer: asyncio.TimerHandle | None = None
         self.file: IO[bytes] | None = None
         self.written = 0
-        self.file_failed = path is None
+        # A write that failed (a full disk): when, why, and the lines not kept since; the file
+        # is opened again FILE_RETRY seconds later (it stayed shut for the task's whole life).
+        self.file_error: tuple[float, str] | None = None
+        self.file_skipped = 0
         self.closed = False
+
+    @property
+    def file_failed(self) -> bool:
+        return self.path is None or self.file_error is not None
 
     # ------------------------------------------------------------ lines in
 
@@ -189,15 +197,23 @@ class Shipper:
         self._queue(data)
 
     def _keep(self, data: bytes) -> None:
-        """The line to the output file (the task's whole output, up to the file's cap)."""
-        if self.file_failed:
+        """The line to the output file (the task's whole output, up to the file's cap). After a
+        write that failed, the lines are counted and the file opened again FILE_RETRY seconds
+        later, where a line says how many were not kept and why."""
+        if self.path is None:
+            return
+        if self.file_error is not None and self.clock() - self.file_error[0] < FILE_RETRY:
+            self.file_skipped += 1
             return
         try:
             if self.file is None:
-                assert self.path is not None
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self.file = open(self.path, "ab", buffering=BATCH_BYTES)  # noqa: SIM115 (closed in close)
                 self.written = self.file.tell()
+            if self.file_error is not None:
+                said = f"[muster: {self.file_skipped} lines or more not kept here: {self.file_error[1]}]\n"
+                self.file.write(said.encode())
+                self.file_error, self.file_skipped = None, 0
             cap = self.limits.file
             if cap and self.written + len(data) + 1 > cap:
                 if self.written <= cap:
@@ -207,8 +223,14 @@ class Shipper:
             self.file.write(data + b"\n")
             self.written += len(data) + 1
         except OSError as exc:
-            self.file_failed = True
-            log.warning("agent.output_file_failed", path=str(self.path), error=str(exc))
+            if self.file_error is None:
+                log.warning("agent.output_file_failed", path=str(self.path), error=str(exc))
+            self.file_error = (self.clock(), str(exc))
+            self.file_skipped += 1
+            if self.file is not None:  # what its buffer held is lost with it
+                with contextlib.suppress(OSError):
+                    self.file.close()
+                self.file = None
 
     def _count(self, limit: str, lines: int, size: int) -> None:
         """Cut: said in the next note, and counted then (a flood cuts lines by the million)."""
