@@ -27,7 +27,7 @@ from muster.services.scheduler import service as scheduler_service
 from muster.services.scheduler.view import Job
 from muster.services.supervisor import policy
 from muster.services.supervisor.service import Supervisor
-from muster.shared import bus, subjects
+from muster.shared import bus, store, subjects
 from muster.shared.jobconfig import JobConfig
 from muster.shared.messages import (
     Assignment,
@@ -855,4 +855,37 @@ async def test_an_agent_holds_one_copy_of_an_attempt_however_often_it_reads_it(n
         held = [o for o in gc.get_objects() if isinstance(o, AttemptRecord) and o.job_id == "jcopies"]
         assert len(held) <= 2, f"{len(held)} copies of the record held"  # the newest (and `record`)
     finally:
+        await nc.close()
+
+
+async def test_an_agent_starts_on_a_full_disk(nats_url, tmp_path, monkeypatch):
+    """Restarted while its node's disk was full: writing its pid file raised, the agent exited
+    before it had registered, and was restarted again and again, its tasks unwatched, until the
+    node was declared lost. It now says so and starts."""
+    nc = await bus.connect("test", nats_url)
+    stop = asyncio.Event()
+    real = Path.write_text
+    run: asyncio.Task[None] | None = None
+
+    def full(self: Path, *args: object, **kw: object) -> int:
+        if self.name.startswith("agent.pid"):
+            raise OSError(28, "No space left on device")  # no test can fill a disk on demand
+        return real(self, *args, **kw)  # type: ignore[arg-type]
+
+    try:
+        js, buckets = await bus.setup(nc)
+        agent = _here(nc, js, buckets, tmp_path)
+        monkeypatch.setattr(Path, "write_text", full)
+        run = asyncio.create_task(agent.run(stop))
+
+        async def registered() -> bool:
+            assert not run.done(), run.exception()
+            return "here" in await store.keys(buckets[subjects.NODES_BUCKET])
+
+        await until(registered, 30)
+    finally:
+        stop.set()
+        if run is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(run, 30)
         await nc.close()

@@ -309,7 +309,13 @@ class Agent:
         # Reconcile before the node record is (re)written, so nothing new is placed here meanwhile.
         private(self.opts.work_root)
         pidfile = Path(self.opts.work_root) / "agent.pid"
-        pidfile.write_text(str(os.getpid()))
+        try:  # whole or not at all: a dead agent's fence reads it to know a new one has come
+            tmp = pidfile.with_name("agent.pid.tmp")
+            tmp.write_text(str(os.getpid()))
+            tmp.replace(pidfile)
+        except OSError as exc:  # a full disk: start all the same (raising, the agent restarted
+            # again and again, its tasks unwatched, until the node was declared lost)
+            self.log.warning("agent.pid_not_written", error=str(exc))
         # First what an earlier run (or its fence) left unsent, then how every task it left
         # ended, as each is found: before the node timeout, should this start be slow.
         self.reporter.start()
