@@ -50,6 +50,7 @@ _SUBJECT = re.compile(r"[^\x00-\x20\x7f]{1," + str(MAX_SUBJECT) + "}")  # no spa
 LOGS_MAX_BYTES = settings.number("MUSTER_LOGS_MAX_BYTES", 1 << 30, int, low=1)
 METRICS_MAX_BYTES = settings.number("MUSTER_METRICS_MAX_BYTES", 256 << 20, int, low=1)
 log = structlog.get_logger()
+PATIENCE = 60.0  # seconds a service's start waits for the bus to answer it (`patiently`)
 
 
 def nats_url() -> str:
@@ -581,6 +582,23 @@ async def durable(
         if have.max_ack_pending != wanted:
             await js.add_consumer(stream, config=dataclasses.replace(have, max_ack_pending=wanted))
     return sub
+
+
+async def patiently(make: Callable[[], Awaitable[Any]], wait: float = PATIENCE) -> Any:
+    """`make()` (a service's consumer, made as it starts), tried again every second for up to
+    `wait` seconds while the bus does not answer it (a server restarting, a cluster electing its
+    leaders, JetStream not yet up after a restart): a timeout there ended the service, which
+    then judged, recorded or placed nothing until it was started again."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    while True:
+        try:
+            return await make()
+        except (TimeoutError, nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError) as exc:
+            if loop.time() >= deadline:
+                raise
+            log.warning("consumer.create_retry", error=str(exc) or type(exc).__name__)
+            await asyncio.sleep(1.0)
 
 
 def renewing(nc: NATS, make: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:

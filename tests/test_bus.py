@@ -363,3 +363,31 @@ def structlog_like():
     import structlog
 
     return structlog.get_logger()
+
+
+async def test_a_consumer_made_at_a_services_start_waits_for_a_bus_that_does_not_answer_yet():
+    """A service made its consumers once as it started: a server restarting just then (CI
+    saw it: the validator's consumer info timed out just after a reconnect, JetStream not yet
+    up) ended the service, and nothing was judged until it was started again. It asks again
+    every second for up to PATIENCE seconds; what is not the bus's silence still raises."""
+    tries: list[int] = []
+
+    async def after_two() -> str:
+        tries.append(1)
+        if len(tries) < 3:
+            raise nats.errors.TimeoutError
+        return "consumer"
+
+    assert await bus.patiently(after_two, wait=30) == "consumer" and len(tries) == 3
+
+    async def never() -> str:
+        raise nats.errors.NoRespondersError
+
+    with pytest.raises(nats.errors.NoRespondersError):
+        await bus.patiently(never, wait=0.5)
+
+    async def refused() -> str:
+        raise nats.js.errors.NotFoundError
+
+    with pytest.raises(nats.js.errors.NotFoundError):
+        await bus.patiently(refused, wait=30)

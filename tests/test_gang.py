@@ -304,8 +304,9 @@ def test_applying_events_changes_no_task_it_was_given():
     assert all(a is not b for a, b in zip(held.tasks, copy.tasks, strict=True))
 
 
-def _here(nc, js, buckets, tmp_path, **options: object) -> Agent:
-    """An agent of node "here" (4 CPUs, sim runtime) in this process, not started."""
+def _here(nc, js, buckets, tmp_path, runtime: object = None, **options: object) -> Agent:
+    """An agent of node "here" (4 CPUs, the sim runtime unless given) in this process, not
+    started."""
     defaults: dict[str, object] = {
         "node": "here",
         "address": "127.0.0.1",
@@ -315,7 +316,8 @@ def _here(nc, js, buckets, tmp_path, **options: object) -> Agent:
         "work_root": str(tmp_path / "work"),
         "output_root": str(tmp_path / "output"),
     }
-    return Agent(nc, js, buckets, AgentOptions(**{**defaults, **options}), SimRuntime())  # type: ignore[arg-type]
+    opts = AgentOptions(**{**defaults, **options})  # type: ignore[arg-type]
+    return Agent(nc, js, buckets, opts, runtime or SimRuntime())  # type: ignore[arg-type]
 
 
 def _here_and_there(job_id: str) -> AttemptRecord:
@@ -732,11 +734,7 @@ async def test_a_stopping_agent_does_not_wait_out_a_kill_grace(nats_url, tmp_pat
         spec = TaskSpec(role="worker", role_no=0, index=0, node="here")
         record = AttemptRecord(job_id="jtrap", attempt=1, tasks=[TaskStatus(**spec.model_dump())])
         await buckets[subjects.ATTEMPTS_BUCKET].put(record.key, record.to_bytes())
-        options = AgentOptions(
-            node="here", address="127.0.0.1", cpus=4, memory_mb=4096, gpus=[], stop_grace=1,
-            work_root=str(tmp_path / "work"), output_root=str(tmp_path / "output"),
-        )  # fmt: skip
-        agent = Agent(nc, js, buckets, options, ProcessRuntime(tmp_path / "work" / "tasks"))
+        agent = _here(nc, js, buckets, tmp_path, ProcessRuntime(tmp_path / "work" / "tasks"), stop_grace=1)
         run = asyncio.create_task(agent.run(stop))
         trapping = config(1, command="trap '' TERM; sleep 600")
         order = Assignment(job_id="jtrap", attempt=1, user="u", config=trapping, node="here", gang=[spec])

@@ -606,7 +606,8 @@ async def pull_orders(
     stream) is gone: the bus lost its state, so JetStream is set up again and the consumer made
     again."""
 
-    await bus.consume(await subscribe(), take, stop, logger, batch, renew=bus.renewing(nc, subscribe))
+    first = await bus.patiently(subscribe)
+    await bus.consume(first, take, stop, logger, batch, renew=bus.renewing(nc, subscribe))
 
 
 async def check_declaration(options: AgentOptions, runtime: Runtime) -> None:

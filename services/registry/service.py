@@ -120,7 +120,7 @@ class Registry:
             subjects.EVENTS_STREAM,
             max_ack_pending=IN_FLIGHT,  # the server's default (1,000) is less than a big gang
         )
-        sub = await endpoints()
+        sub = await bus.patiently(endpoints)
         # No order per attempt: the endpoints of one attempt are handled together (`on_endpoint`),
         # as many in flight as a big gang has, so each write of its rendezvous takes them all.
         handling = consume.Handling(
@@ -133,7 +133,7 @@ class Registry:
         members = functools.partial(
             bus.durable, self.js, subjects.attempt_members("*", "*"), MEMBERS_CONSUMER, subjects.EVENTS_STREAM
         )
-        changes = await members()
+        changes = await bus.patiently(members)
         on_change = consume.Handling(MEMBERS_CONSUMER, _named_attempt, self.on_members, log, key=lambda k: k)
         await asyncio.gather(
             consume.serve(sub, handling, stop, FETCH, bus.renewing(self.nc, endpoints)),

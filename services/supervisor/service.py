@@ -204,7 +204,7 @@ class Supervisor:
             subjects.SUPERVISOR_KILL_CONSUMER,
             subjects.SUBMISSIONS_STREAM,
         )
-        events, kills = await events_consumer(), await kills_consumer()
+        events, kills = await bus.patiently(events_consumer), await bus.patiently(kills_consumer)
         # No order per key here: `on_task_event` keeps each attempt's events in order itself,
         # and handles as many at once as a big gang sends.
         on_event = consume.Handling(

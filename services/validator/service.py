@@ -158,7 +158,7 @@ class Validator:
                 subjects.SUBMISSIONS_STREAM,
                 max_ack_pending=1000,
             )
-            sub = await submissions()
+            sub = await bus.patiently(submissions)
             # Submissions are judged concurrently: their KV writes and publishes overlap. A
             # user's limits stay exact (each acceptance is counted before its first await) and
             # a job name is claimed atomically, so order between them does not matter.
