@@ -14,6 +14,7 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import nats.errors
 import pytest
@@ -330,6 +331,21 @@ def _here_and_there(job_id: str) -> AttemptRecord:
     )
 
 
+async def _order_here(nc, tmp_path, job_id: str) -> tuple[Agent, Assignment, Any]:
+    """The agent of "here" (not started), the order of `job_id`'s two-task gang for it (its
+    record stored, worker 1 on "there"), and a subscription to the endpoint it reports."""
+    js, buckets = await bus.setup(nc)
+    record = _here_and_there(job_id)
+    await buckets[subjects.ATTEMPTS_BUCKET].put(record.key, record.to_bytes())
+    order = Assignment(
+        job_id=job_id, attempt=1, user="u", node="here",
+        config=config(2).model_copy(update={"extras": {"sim": {"seconds": 600}}}),
+        gang=[t.spec() for t in record.tasks],
+    )  # fmt: skip
+    told = await nc.subscribe(subjects.task_event(job_id, 1, "worker", 0, "endpoint", "here"))
+    return _here(nc, js, buckets, tmp_path), order, told
+
+
 async def test_a_task_stopped_before_its_runner_began_is_reported_killed(nats_url, tmp_path):
     """A kill that comes in the same turn of the loop as the order, before the task's runner has
     taken its first step: cancelled then, the runner's own handler never runs. The task was
@@ -367,16 +383,7 @@ async def test_an_order_whose_keeping_fails_holds_no_port_and_tells_no_endpoint(
     stands). Now the order is kept first: a failure holds and tells nothing."""
     nc = await bus.connect("test", nats_url)
     try:
-        js, buckets = await bus.setup(nc)
-        record = _here_and_there("jfull")
-        await buckets[subjects.ATTEMPTS_BUCKET].put(record.key, record.to_bytes())
-        agent = _here(nc, js, buckets, tmp_path)
-        order = Assignment(
-            job_id="jfull", attempt=1, user="u", node="here",
-            config=config(2).model_copy(update={"extras": {"sim": {"seconds": 600}}}),
-            gang=[t.spec() for t in record.tasks],
-        )  # fmt: skip
-        told = await nc.subscribe(subjects.task_event("jfull", 1, "worker", 0, "endpoint", "here"))
+        agent, order, told = await _order_here(nc, tmp_path, "jfull")
         save = agent.assignments.save
 
         def full(a: Assignment) -> None:
@@ -407,16 +414,7 @@ async def test_an_endpoint_report_that_timed_out_but_was_stored_keeps_its_ports(
     Now it keeps the ports the first report named."""
     nc = await bus.connect("test", nats_url)
     try:
-        js, buckets = await bus.setup(nc)
-        record = _here_and_there("jtold")
-        await buckets[subjects.ATTEMPTS_BUCKET].put(record.key, record.to_bytes())
-        agent = _here(nc, js, buckets, tmp_path)
-        order = Assignment(
-            job_id="jtold", attempt=1, user="u", node="here",
-            config=config(2).model_copy(update={"extras": {"sim": {"seconds": 600}}}),
-            gang=[t.spec() for t in record.tasks],
-        )  # fmt: skip
-        told = await nc.subscribe(subjects.task_event("jtold", 1, "worker", 0, "endpoint", "here"))
+        agent, order, told = await _order_here(nc, tmp_path, "jtold")
         publish_once, failed = bus.publish_once, []
 
         async def stored_then_timed_out(*args, **kwargs):
