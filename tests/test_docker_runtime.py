@@ -260,10 +260,13 @@ async def test_a_container_removed_under_its_task_ends_it(
     """`docker rm -f` of a running task's container: the task ends, with the exit code of a
     vanished container, and a stop of it returns. Docker's NotFound is also a requests error,
     which the wait took for a slice that timed out: it asked again every second for ever, the
-    task was never reported ended and its GPUs stayed held."""
+    task was never reported ended and its GPUs stayed held. It is said to have vanished, so the
+    agent tells it as the platform's failure, not as a task that exited 137 (charged)."""
     task = await runtime.start(launch("sleep 600"), lambda _: None)
+    assert not task.vanished
     engine.api.remove_container(task.name, force=True)
     assert await asyncio.wait_for(task.wait(), 30) == GONE_EXIT_CODE
+    assert task.vanished
     await asyncio.wait_for(task.stop(1), 30)
 
 

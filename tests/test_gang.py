@@ -570,6 +570,18 @@ async def test_an_agents_check_of_its_tasks_reads_each_attempt_once_not_once_per
         agent.reconciler._due.clear()  # 200 s later
         await agent.reconciler.stop_obsolete(routine=True)
         assert reads == 2, reads
+        # A task removed from its elastic role whose kill order never came (its leader went
+        # between the record and the order) ran on, holding its GPUs: now it counts as obsolete.
+        gone = record.tasks[0].key
+        tasks = [t.model_copy(update={"removed": True}) if t.key == gone else t for t in record.tasks]
+        await kv.put(record.key, record.model_copy(update={"tasks": tasks}).to_bytes())
+
+        async def the_removed_one_stopped() -> bool:
+            await agent.reconciler.stop_obsolete(wait=True)
+            return len(agent.tasks.live) == mine - 1
+
+        await until(the_removed_one_stopped)
+        assert all(f"{k[2]}.{k[3]}" != gone for k in agent.tasks.live)
         ended = record.model_copy(update={"ended_at": now(), "outcome": JobState.FAILED})
         await kv.put(record.key, ended.to_bytes())
 

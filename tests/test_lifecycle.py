@@ -22,10 +22,11 @@ from muster.shared.messages import (
     JobEventKind,
     JobRecord,
     JobState,
+    NodeInfo,
     TaskCause,
     TaskState,
 )
-from tests.test_jobs import attempt, nc, role, run_job, wait_final  # noqa: F401 - nc is a fixture
+from tests.test_jobs import attempt, ended_attempt, nc, role, run_job, wait_final  # noqa: F401 - nc is a fixture
 
 
 async def test_a_worker_exiting_1_with_retry_count_2_runs_exactly_3_attempts(cluster, nc, tmp_path):  # noqa: F811
@@ -442,3 +443,43 @@ async def test_containers_of_an_agent_that_died_and_stays_away_are_removed(base_
             await asyncio.sleep(0.5)
     finally:
         engine.close()
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(240)
+async def test_a_task_stopped_as_its_agent_restarted_is_told_as_stopped_and_the_drain_holds(
+    base_image,
+    cluster,
+    nc,  # noqa: F811
+    monkeypatch,
+):
+    """`muster drain` sends SIGTERM with a grace; a trainer checkpoints and exits 0. An agent
+    restarted within that grace (the operator's next step) adopted the container, and, not
+    knowing it had stopped it, told its exit as the task's own: the attempt SUCCEEDED, and the
+    job with it, its training cut short. The new agent also took new work at once, the drain
+    forgotten. Now the stop is noted on the node before the signal, the end is told as the stop
+    (the job waits to run again, uncharged), and the node stays drained."""
+    monkeypatch.setenv("MUSTER_NODE_TIMEOUT", "60")  # the restart is not a lost node
+    cluster.core()
+    args = ("--runtime", "docker", "--cpus", "4", "--overcommit", "--address", "127.0.0.1")
+    agent = cluster.agent("box", *args)
+    trainer = "trap 'sleep 4; echo checkpointed; exit 0' TERM; echo up; while true; do sleep 0.2; done"
+    config = {"jobName": "cut", "image": base_image, "taskRoles": [role("main", 1, trainer)]}
+    _, verdict = await client.submit(nc, json.dumps(config).encode())
+    await _wait_state(nc, verdict.job_id, JobState.RUNNING, timeout=60)
+    r = await asyncio.to_thread(cluster.cli, "drain", "box", "--grace", "30")
+    assert r.returncode == 0, r.stderr
+    await asyncio.sleep(1.5)  # SIGTERM is sent: the trainer checkpoints for 4 s
+    agent.send_signal(signal.SIGKILL)
+    agent.wait(5)
+    cluster.agent("box", *args)
+    a = await ended_attempt(nc, verdict.job_id, timeout=60)
+    task = a.tasks[0]
+    assert task.state == TaskState.STOPPED and task.cause == TaskCause.KILLED, (task, cluster.logs())
+    assert "drained" in task.reason and task.exit_code == 0, task
+    record = await _wait_state(nc, verdict.job_id, JobState.WAITING, timeout=30)
+    assert record.retries == 0, record
+    kv = await nc.jetstream().key_value(subjects.NODES_BUCKET)
+    assert NodeInfo.from_bytes((await kv.get("box")).value).drained  # still: nothing runs here
+    await asyncio.sleep(2)
+    assert (await client.ask(nc, "job", {"ref": verdict.job_id}))["job"]["state"] == "WAITING"

@@ -33,6 +33,8 @@ from muster.services.agent.runtime import (
     LABEL_NODE,
     LABEL_ROLE,
     TaskLaunch,
+    note_stop,
+    stop_note,
 )
 from muster.shared import bus, client, subjects
 from muster.shared.messages import JobRecord, JobState, TaskCause, TaskEvent, TaskEventKind, TaskState
@@ -485,4 +487,72 @@ async def test_the_docker_fence_outlasts_an_engine_that_fails_its_looks(base_ima
     finally:
         with contextlib.suppress(docker.errors.NotFound):
             container.remove(force=True)
+        engine.close()
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(120)
+async def test_the_docker_fence_tells_a_container_its_agent_was_stopping_as_stopped(base_image, tmp_path):
+    """The agent noted a stop (a drain, a preemption's kill) and sent SIGTERM, then died; the
+    container checkpointed and exited 0. The fence told that exit as the task's own, and the
+    supervisor took it for a success. Now the fence reads the agent's note: the end is the stop
+    it was. A container with no note is still told as its own exit."""
+    home = tmp_path / "work"
+    (home / "jn").mkdir(parents=True)
+    labels = {LABEL_HOME: str(home), LABEL_JOB: "jn", LABEL_ATTEMPT: "1", LABEL_ROLE: "w", LABEL_INDEX: "0"}
+    labels[LABEL_NODE] = "n1"
+    note = stop_note(home, "jn", 1, "w", 0)
+    assert note_stop(note, TaskCause.KILLED, "killed: node n1 drained by root")
+    engine = docker.from_env()
+    name = f"muster-test-noted-{os.getpid()}-{time.monotonic_ns()}"
+    container = engine.containers.run(base_image, ["true"], detach=True, name=name, labels=labels)
+    try:
+        container.wait(timeout=60)
+        told = fence._exited_containers(engine, str(home), time.time() + 1)[name]
+        assert (told.cause, told.exit_code) == (TaskCause.KILLED, 0), told
+        assert told.reason.startswith("killed: node n1 drained by root"), told.reason
+        note.unlink()
+        told = fence._exited_containers(engine, str(home), time.time() + 1)[name]
+        assert (told.cause, told.exit_code) == (TaskCause.EXITED, 0), told
+    finally:
+        with contextlib.suppress(docker.errors.NotFound):
+            container.remove(force=True)
+        engine.close()
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(120)
+async def test_the_docker_fence_leaves_what_is_left_to_an_agent_that_came_during_its_sweep(
+    base_image, tmp_path
+):
+    """The fence asked whether a new agent had come once, then killed the dead agent's
+    containers one after another: one the new agent was adopting meanwhile was killed under it.
+    Now it asks before each kill and leaves the rest to the new agent."""
+    home = tmp_path / "work"
+    engine = docker.from_env()
+    names, containers = [], []
+    try:
+        for i in range(2):
+            labels = {LABEL_HOME: str(home), LABEL_JOB: "jc", LABEL_ATTEMPT: "1", LABEL_ROLE: "w"}
+            labels |= {LABEL_INDEX: str(i), LABEL_NODE: "n1"}
+            name = f"muster-test-sweep-{os.getpid()}-{time.monotonic_ns()}"
+            containers.append(
+                engine.containers.run(base_image, ["sleep", "600"], detach=True, name=name, labels=labels)
+            )
+            names.append(name)
+        asked = []
+
+        def came() -> bool:  # a new agent comes once the first container is dealt with
+            asked.append(True)
+            return len(asked) > 1
+
+        await asyncio.to_thread(
+            fence._remove_containers, engine, str(home), time.time() + 1, set(), set(), came
+        )
+        left = [c.name for c in engine.containers.list(all=True, filters={"label": f"muster.home={home}"})]
+        assert len(left) == 1 and engine.containers.get(left[0]).status == "running", left
+    finally:
+        for c in containers:
+            with contextlib.suppress(docker.errors.NotFound):
+                c.remove(force=True)
         engine.close()

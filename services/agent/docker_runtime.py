@@ -116,6 +116,7 @@ class DockerTask:
         self._logs_done: asyncio.Future[None] = loop.create_future()
         self._wait_task: asyncio.Task[int] | None = None
         self.oom_killed = False  # known once wait() returned: the kernel killed it for memory
+        self.vanished = False  # known once wait() returned: removed before its code was read
         self._thread = threading.Thread(
             target=self._pump_logs, args=(since,), name=f"logs-{self.name}", daemon=True
         )
@@ -221,7 +222,7 @@ class DockerTask:
             self.oom_killed = bool(self._container.attrs.get("State", {}).get("OOMKilled"))
         except docker.errors.NotFound:
             log.warning("docker.container_vanished", task=self.name)
-            code = GONE_EXIT_CODE
+            code, self.vanished = GONE_EXIT_CODE, True
         try:
             await asyncio.wait_for(asyncio.shield(self._logs_done), LOG_DRAIN_TIMEOUT)
         except TimeoutError:

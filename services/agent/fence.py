@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -50,6 +51,8 @@ from muster.services.agent.runtime import (
     LABEL_NODE,
     LABEL_ROLE,
     FoundTask,
+    noted_stop,
+    stop_note,
 )
 from muster.services.agent.tasks import LAST_LINES
 from muster.shared import bus
@@ -74,10 +77,21 @@ def _new_agent(pidfile: Path, old: int) -> bool:
 
 
 def exited(
-    labels: dict[str, str], code: int, at: datetime | None, lines: list[str] | None = None, oom: bool = False
+    labels: dict[str, str],
+    code: int,
+    at: datetime | None,
+    lines: list[str] | None = None,
+    oom: bool = False,
+    stopped: tuple[TaskCause, str] | None = None,
 ) -> TaskEvent | None:
-    """The report of a task (known by its labels) that ended by itself with exit `code` at
-    `at`; None when its labels do not name a task."""
+    """The report of a task (known by its labels) that ended with exit `code` at `at`: by itself,
+    or as the dead agent had `stopped` it (its cause and reason); None when its labels do not
+    name a task."""
+    if stopped is not None:
+        cause, reason = stopped[0], f"{stopped[1]}; {REASON}"
+    else:
+        cause = TaskCause.OOM if oom else TaskCause.EXITED
+        reason = f"out of memory; {REASON}" if oom else REASON
     try:
         return TaskEvent(
             job_id=labels[LABEL_JOB],
@@ -86,9 +100,9 @@ def exited(
             index=int(labels[LABEL_INDEX]),
             node=labels[LABEL_NODE],
             kind=TaskEventKind.EXITED,
-            cause=TaskCause.OOM if oom else TaskCause.EXITED,
+            cause=cause,
             exit_code=code,
-            reason=f"out of memory; {REASON}" if oom else REASON,
+            reason=reason,
             last_lines=lines or [],
             at=at or now(),
         )
@@ -124,12 +138,21 @@ def _containers(client: Any, home: str, before: float) -> list[Any]:
 
 
 def _container_exited(c: Any, code: int, home: str) -> TaskEvent | None:
-    """The report of container `c`, which ended by itself with exit `code`."""
+    """The report of container `c`, which ended with exit `code`: by itself, or as its agent had
+    stopped it (`runtime.stop_note`: a drained or preempted trainer exiting 0 on SIGTERM is not
+    told as succeeded)."""
     from muster.services.agent.docker_runtime import finished_at  # Docker nodes only (see above)
 
     state = c.attrs.get("State") or {}
     oom = bool(state.get("OOMKilled"))
-    return exited(c.labels, code, finished_at(state), _last_lines(c, Path(home)), oom)
+    stopped = None
+    with contextlib.suppress(KeyError, ValueError):
+        labels = c.labels
+        note = stop_note(
+            home, labels[LABEL_JOB], int(labels[LABEL_ATTEMPT]), labels[LABEL_ROLE], int(labels[LABEL_INDEX])
+        )
+        stopped = noted_stop(note)
+    return exited(c.labels, code, finished_at(state), _last_lines(c, Path(home)), oom, stopped)
 
 
 def _exited_containers(client: Any, home: str, before: float) -> dict[str, TaskEvent]:
@@ -146,19 +169,29 @@ def _exited_containers(client: Any, home: str, before: float) -> dict[str, TaskE
 
 
 def _remove_containers(
-    client: Any, home: str, before: float, told: set[str], killed: set[str]
+    client: Any,
+    home: str,
+    before: float,
+    told: set[str],
+    killed: set[str],
+    came: Callable[[], bool] = lambda: False,
 ) -> list[TaskEvent]:
     """No agent came back: the dead agent's containers that still run are killed and all are
     removed; the reports of those that ended by themselves meanwhile (not `told` yet) are kept
     in the outbox before the containers, which held them, are gone. `killed`: the containers a
     try that failed may have killed (kept across tries: one killed then shows SIGKILL's exit
-    code, which is not an exit of its own)."""
+    code, which is not an exit of its own). `came`: whether a new agent has come, asked before
+    each kill: from then on the containers are its to adopt (a sweep of many containers takes
+    seconds, and one killed under the new agent's adoption was told as a task's exit 137)."""
     import docker
 
     from muster.services.agent.docker_runtime import settle_container  # Docker nodes only (see above)
 
     settled: list[tuple[Any, int | None]] = []
     for c in _containers(client, home, before):
+        if came():
+            _say("fence.agent_came", left=c.name)
+            break
         if c.name in killed:
             settled.append((c, None))
             continue
@@ -273,7 +306,8 @@ def _fence_docker(
                     _say("fence.reported", agent=agent, tasks=sorted(new))
                     told |= new
                 if left <= 0:
-                    removed = _remove_containers(client, home, died, set(told), killed)
+                    came = functools.partial(_new_agent, pidfile, agent)
+                    removed = _remove_containers(client, home, died, set(told), killed, came)
                     _say("fence.removed_containers", agent=agent, waited=wait, reported=len(removed))
                     return
             except Exception as exc:  # whatever the engine said, look again

@@ -71,6 +71,7 @@ OUTPUT_DRAIN = 10.0  # seconds the output may take to end once the task's main p
 
 class ProcessTask:
     oom_killed = False  # no memory limit is enforced on a process (memoryMB is only counted)
+    vanished = False  # its end is recorded in its exit file
     can_exec = True
 
     def __init__(

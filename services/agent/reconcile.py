@@ -6,6 +6,7 @@ counts as placed here reported); and while it runs, the tasks the bus no longer 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import time
@@ -26,6 +27,8 @@ from muster.services.agent.runtime import (
     LABEL_ROLE,
     FoundTask,
     LaunchError,
+    noted_stop,
+    stop_note,
 )
 from muster.services.agent.tasks import NOT_STARTED, LocalTask, TaskKey, Tasks
 from muster.shared import subjects
@@ -158,8 +161,14 @@ class Reconciler:
                 continue
             attempt, t = entry
             settled.add(key)
+            note = stop_note(self.tasks.where.work_root, *key)
+            stopped = noted_stop(note)
+            with contextlib.suppress(OSError):
+                note.unlink(missing_ok=True)
             if not live:
                 others.append((key, attempt, t, TaskCause.KILLED, "its attempt ended"))
+            elif code is not None and stopped is not None:  # it ended as the last agent stopped it
+                others.append((key, attempt, t, *stopped))
             elif code is not None:
                 exits.append((found.ended_at or time.time(), key, attempt, t, code))
             else:
@@ -218,6 +227,9 @@ class Reconciler:
         endpoint = Endpoint.of(spec, self.address, ports, assignment.config.role(role).portList)
         cluster = assignment.own_spec(endpoint)  # a solo task's, as it was started with
         task = LocalTask(assignment=assignment, spec=spec, endpoint=endpoint, ports=ports, cluster=cluster)
+        stopped = noted_stop(stop_note(self.tasks.where.work_root, *key))
+        if stopped is not None:  # the last agent was stopping it: its end is told as that stop
+            task.kill_cause, task.kill_reason = stopped
         task.handle = await self.runtime.attach(
             found.name, lambda line: self.tasks.output(task, line), since=self.read_from
         )

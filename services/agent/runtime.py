@@ -3,11 +3,14 @@ runtime (docker, process, sim) implements. The agent decides *what* runs; a runt
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from muster.shared.messages import TaskCause
+from muster.shared.shapes import REASON
 
 # Labels on every container (and recorded for every process) so a restarted agent can find them.
 LABEL_JOB = "muster.job"
@@ -17,6 +20,34 @@ LABEL_INDEX = "muster.index"
 LABEL_NODE = "muster.node"
 LABEL_PORTS = "muster.ports"
 LABEL_HOME = "muster.home"  # the agent's work root: which agent installation on the node owns it
+
+
+def stop_note(work_root: str | Path, job_id: str, attempt: int, role: str, index: int) -> Path:
+    """Where an agent notes that it stopped a task on purpose, before it signals it (a container's
+    exit code cannot say who ended it): a task that ends while no agent watches it (the agent
+    restarted in its grace, or died) is then told as the stop it was, not as an exit of its own
+    (a drained or preempted trainer exiting 0 on SIGTERM was told as succeeded). In the job's
+    directory, which no task mounts: a task cannot write it."""
+    return Path(work_root) / job_id / f"{attempt}.{role}-{index}.stopped"
+
+
+def note_stop(path: Path, cause: TaskCause, reason: str) -> bool:
+    """Note a stop (its cause and reason as the task's end will say them); False if it could not
+    be written (a full disk: the stop goes on, only an end no agent sees is told wrong)."""
+    try:
+        path.write_text(json.dumps({"cause": cause.value, "reason": reason[:REASON]}))
+        return True
+    except OSError:
+        return False
+
+
+def noted_stop(path: Path) -> tuple[TaskCause, str] | None:
+    """The stop noted at `path`, or None (none, or not one an agent wrote)."""
+    try:
+        said = json.loads(path.read_text())
+        return TaskCause(said["cause"]), str(said["reason"])[:REASON]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -74,6 +105,12 @@ class RunningTask(Protocol):
     def oom_killed(self) -> bool:
         """Whether the kernel killed it for using more memory than its limit (known once `wait`
         returned)."""
+        ...
+
+    @property
+    def vanished(self) -> bool:
+        """Whether it was removed under the agent before its end could be read (`docker rm -f`,
+        a fence): the platform's doing, not the task's (known once `wait` returned)."""
         ...
 
     @property

@@ -37,6 +37,7 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
@@ -276,6 +277,19 @@ class Agent:
             gpu_sharing=o.gpu_sharing,
         )
 
+    async def _was_drained(self) -> bool:
+        """Whether the node's record says an operator drained it: a drain holds across the
+        agent's restarts (restarted, it took new work at once, and the drain order, cut off
+        unacknowledged, came back 30 s later), until `muster drain --undo`."""
+        try:
+            entry = await self.nodes.get(self.opts.node)
+            return entry.value is not None and NodeInfo.from_bytes(entry.value).drained
+        except KeyNotFoundError:
+            return False
+        except Exception as exc:  # not readable: as if not drained (said)
+            self.log.warning("agent.node_record_unread", error=str(exc) or type(exc).__name__)
+            return False
+
     async def _write_node(self, restarting_until: datetime | None = None) -> None:
         """(Re)write the node record: registration, drain, restart announcement, refresh."""
         await self.nodes.put(self.opts.node, self.info(restarting_until).to_bytes())
@@ -331,6 +345,8 @@ class Agent:
         self.runtime.start_fence(
             self.opts.work_root, str(pidfile), 0.6 * bus.node_timeout(), bus_url=_bus_url(self.nc)
         )
+        if self.runtime.name != "sim":  # (a sim process's thousands of nodes keep nothing)
+            self.drained = await self._was_drained()
         await self._write_node()
         # The first refresh comes at a random point of the first period, not a whole period
         # after registering: agents that register together (a fleet restarted at once, a sim

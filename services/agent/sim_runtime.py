@@ -143,6 +143,7 @@ class SimTask:
             self._output(f"sim: signal {sig}")
 
     oom_killed = False  # a timer uses no memory
+    vanished = False
     can_exec = False  # nothing runs in a simulated task
 
     async def exec(self, command: str, output: ExecOutput) -> int:

@@ -46,7 +46,7 @@ from muster.services.agent.prepare import (
 from muster.services.agent.progress import Progress
 from muster.services.agent.reporting import Reporter
 from muster.services.agent.rsh import Rsh
-from muster.services.agent.runtime import LaunchError, RunningTask, Runtime
+from muster.services.agent.runtime import LaunchError, RunningTask, Runtime, note_stop, stop_note
 from muster.services.agent.sharing import Attempts, Specs
 from muster.services.agent.workdirs import Workdirs
 from muster.shared import mpi, subjects
@@ -101,6 +101,14 @@ class LocalTask:
     cluster: ClusterSpec | None = None
     shipper: Shipper | None = None  # its output: to its file and, within limits, the stream
     mps_gpu: int | None = None  # the shared GPU whose MPS daemon it uses (held until it ends)
+
+    def stopped(self) -> tuple[TaskCause, str] | None:
+        """How its end is told, if it was stopped on purpose: its cause and reason."""
+        if not self.kill_reason:
+            return None
+        if self.kill_cause is not None:
+            return self.kill_cause, self.kill_reason
+        return TaskCause.KILLED, f"killed: {self.kill_reason}"
 
     def mask(self, text: str) -> str:
         if self.masker is None:
@@ -310,10 +318,11 @@ class Tasks:
         assert task.handle is not None
         try:
             code = await task.handle.wait()
-            if task.kill_reason and task.kill_cause is not None:
-                cause, reason = task.kill_cause, task.kill_reason
-            elif task.kill_reason:
-                cause, reason = TaskCause.KILLED, f"killed: {task.kill_reason}"
+            stopped = task.stopped()
+            if stopped is not None:
+                cause, reason = stopped
+            elif task.handle.vanished:
+                cause, reason = TaskCause.PLATFORM, "its container was removed under it (docker rm -f?)"
             elif task.handle.oom_killed:
                 limit = task.assignment.config.role(task.spec.role).memoryMB
                 cause, reason = TaskCause.OOM, f"out of memory (limit {limit} MB)"
@@ -354,6 +363,8 @@ class Tasks:
         if task.handle is not None:
             with contextlib.suppress(Exception):
                 await task.handle.remove()
+            with contextlib.suppress(OSError):
+                self._stop_note(task).unlink(missing_ok=True)
         a = task.assignment
         if not self.of_attempt(a.job_id, a.attempt):  # its last task here: its directory may go
             self.workdirs.ended(a.job_id, a.attempt)
@@ -377,7 +388,8 @@ class Tasks:
                 assert found is not None
                 task = found.by_key.get(f"{key[2]}.{key[3]}")
                 # Not in it: a record read before the task joined (an elastic role grew), live.
-                if found.record.ended or (task is not None and task.state.ended):
+                # Removed from its elastic role: its kill order may have been lost with a leader.
+                if found.record.ended or (task is not None and (task.state.ended or task.removed)):
                     out.add(key)
         return out
 
@@ -456,6 +468,9 @@ class Tasks:
             task.kill_reason = reason
         task.kill_grace = grace
         if task.handle is not None:
+            said = task.stopped()
+            if said is not None and self.runtime.can_adopt and not note_stop(self._stop_note(task), *said):
+                self.log.warning("agent.stop_not_noted", task=task.name)
             await task.handle.stop(grace)
         elif task.runner is not None and not task.starting and not task.cancelled:
             # Still waiting for the cluster spec: it never starts. Once: a second cancel would
@@ -474,6 +489,10 @@ class Tasks:
                 # it would stay live, its ports held and its end never reported.
                 why = f"killed before start: {task.kill_reason}"
                 await self._finish(key, task, TaskCause.KILLED, NOT_STARTED, why)
+
+    def _stop_note(self, task: LocalTask) -> Path:
+        a, spec = task.assignment, task.spec
+        return stop_note(self.where.work_root, a.job_id, a.attempt, spec.role, spec.index)
 
     async def hung(self, key: TaskKey, timeout: int) -> None:
         """A running task printed nothing for `timeout` seconds (its job's noProgressTimeoutSec):
