@@ -910,3 +910,160 @@ async def test_waiting_on_a_container_while_the_engine_refuses_asks_once_a_secon
     task = DockerTask(container, None, asyncio.get_running_loop(), None)  # type: ignore[arg-type]
     assert await asyncio.wait_for(task.wait(), 30) == 7
     assert container.asked <= 5, container.asked
+
+
+async def test_a_leader_held_past_its_lease_places_nothing_on_a_successors_watch(nats_url, monkeypatch):
+    """A leader's loop held past the lease's life (one long plan, a pause): its lease expired, a
+    standby took it, and the old leader then committed the plan it had made, placing beside the
+    new leader on the same GPUs. Now a leader writes nothing once its last renewal is older than
+    it can trust; here the stand-in standby holds the lease meanwhile and no attempt appears."""
+    import threading
+
+    from nats.js.errors import KeyNotFoundError
+
+    from muster.services.scheduler import service as scheduler_service
+    from muster.shared import bus, subjects
+    from muster.shared.messages import JobRecord
+    from muster.shared.messages import now as now_
+    from tests.test_attained import J, leader, until
+
+    real, held = scheduler_service.decide, threading.Event()
+
+    async def take_the_lease() -> None:  # a standby, on a connection of its own
+        nc = await bus.connect("standby", nats_url)
+        try:
+            leases = (await bus.ensure_jetstream(nc))[1][subjects.LEASES_BUCKET]
+            while True:
+                try:
+                    await leases.create(subjects.SCHEDULER_LEASE, b"standby")
+                    return
+                except Exception:
+                    await asyncio.sleep(0.2)
+        finally:
+            await nc.close()
+
+    def held_up(*args, **kwargs):  # the first plan holds the leader's loop until the lease passed
+        if not held.is_set():
+            held.set()
+            thread = threading.Thread(target=asyncio.run, args=(take_the_lease(),))
+            thread.start()
+            thread.join(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler_service, "decide", held_up)
+    j = JobRecord(job_id="j", job_name="j", submission_id="j", user="u", config=J("j", gpus=2).config(),
+                  submitted_at=now_())  # fmt: skip
+    async with leader(nats_url, [(subjects.JOBS_BUCKET, "j", j)]) as (nc, buckets, _):
+        deadline = asyncio.get_running_loop().time() + 30
+        while not held.is_set():
+            assert asyncio.get_running_loop().time() < deadline, "no plan was made"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(2.0)  # the standby holds the lease for 4 s: nothing may be placed
+        with pytest.raises(KeyNotFoundError):
+            await buckets[subjects.ATTEMPTS_BUCKET].get("j.1")
+        # Once the standby's lease lapses (it never renews), the leader leads again and places.
+        await until(nc, buckets, "j.1", lambda a: True, lambda: "j was never placed")
+
+
+async def test_a_new_leader_sends_again_the_kill_orders_an_old_one_may_not_have_sent(nats_url):
+    """A leader writes a preemption (or an elastic shrink) into the attempt record, then sends
+    the kill orders. One that went between the two left the gang running: the new leader only
+    re-sent placements, so the preempted gang held its GPUs until it ended of itself (days, for
+    a training run) and the job it made room for waited. Now a new leader sends them again."""
+    from muster.shared import subjects
+    from muster.shared.messages import (
+        AttemptRecord,
+        JobRecord,
+        JobState,
+        KillOrder,
+        TaskSpec,
+        TaskState,
+        TaskStatus,
+    )  # fmt: skip
+    from muster.shared.messages import now as now_
+    from tests.test_attained import J, leader
+
+    t = now_()
+
+    def running(role: str, index: int, gpus: list[int], **update) -> TaskStatus:
+        spec = TaskSpec(role=role, role_no=0, index=index, node="a", gpus=gpus)
+        return TaskStatus.placed(spec).model_copy(update={"state": TaskState.RUNNING, **update})
+
+    def job(job_id: str) -> JobRecord:
+        return JobRecord(
+            job_id=job_id, job_name=job_id, submission_id=job_id, user="u", config=J(job_id, gpus=1).config(),
+            submitted_at=t, state=JobState.RUNNING, attempt=1, settled=0,
+        )  # fmt: skip
+
+    victim = AttemptRecord(
+        job_id="victim", attempt=1, tasks=[running("w", 0, [0])], ended_at=t, outcome=JobState.STOPPED,
+        preempted_by="head",
+    )  # fmt: skip
+    shrunk = AttemptRecord(
+        job_id="shrunk", attempt=1,
+        tasks=[
+            running("w", 0, [1]),
+            running("w", 1, [2], removed=True, reason="removed to make room for head"),
+        ],
+    )  # fmt: skip
+    puts = [
+        (subjects.JOBS_BUCKET, "victim", job("victim")),
+        (subjects.ATTEMPTS_BUCKET, "victim.1", victim),
+        (subjects.JOBS_BUCKET, "shrunk", job("shrunk")),
+        (subjects.ATTEMPTS_BUCKET, "shrunk.1", shrunk),
+    ]
+    from muster.shared import bus
+
+    nc = await bus.connect("listener", nats_url)
+    try:
+        kills = await nc.subscribe(subjects.kill("a"))
+        async with leader(nats_url, puts):
+            heard = {}
+            while len(heard) < 2:
+                order = KillOrder.from_bytes((await kills.next_msg(timeout=30)).data)
+                heard[order.job_id] = order
+        assert heard["victim"].tasks is None or heard["victim"].tasks == []
+        assert heard["shrunk"].tasks == ["w.1"] and "make room for head" in heard["shrunk"].reason
+    finally:
+        await nc.close()
+
+
+async def test_a_shrink_is_written_only_on_the_gang_it_was_chosen_on(nats_url):
+    """An elastic role of 3 (minTaskNumber 2) is shrunk by one for a waiting job. A member
+    failed between the choice and the write: removing one more left the role below its minimum,
+    and the attempt FAILED, charged, for a shrink. Now the write checks the stored gang is the
+    one the choice was made on, and leaves it alone otherwise (the next cycle looks again)."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from muster.services.scheduler.service import Scheduler
+    from muster.shared import bus, subjects
+    from muster.shared.messages import AttemptRecord, TaskSpec, TaskState, TaskStatus
+    from muster.shared.messages import now as now_
+
+    long_ago = now_() - timedelta(minutes=5)
+
+    def member(i: int, state: TaskState = TaskState.RUNNING) -> TaskStatus:
+        spec = TaskSpec(role="w", role_no=0, index=i, node="a", gpus=[i])
+        return TaskStatus.placed(spec, placed_at=long_ago).model_copy(update={"state": state})
+
+    chosen_on = AttemptRecord(
+        job_id="el", attempt=1, elastic=["w"], placed_at=long_ago, tasks=[member(i) for i in range(3)]
+    )
+    stored = chosen_on.model_copy(update={"tasks": [member(0), member(1, TaskState.FAILED), member(2)]})
+    nc = await bus.connect("test", nats_url)
+    try:
+        js, buckets = await bus.setup(nc)
+        await buckets[subjects.ATTEMPTS_BUCKET].put(stored.key, stored.to_bytes())
+        scheduler = Scheduler(nc, js, buckets)
+        scheduler.attempts[chosen_on.key] = chosen_on
+        await scheduler._shrink([(chosen_on, chosen_on.tasks[2].spec())], SimpleNamespace(job_id="head"))
+        after = AttemptRecord.from_bytes((await buckets[subjects.ATTEMPTS_BUCKET].get(stored.key)).value)
+        assert not any(t.removed for t in after.tasks), after.tasks
+        # On the gang it was chosen on, the shrink is written.
+        await buckets[subjects.ATTEMPTS_BUCKET].put(chosen_on.key, chosen_on.to_bytes())
+        await scheduler._shrink([(chosen_on, chosen_on.tasks[2].spec())], SimpleNamespace(job_id="head"))
+        after = AttemptRecord.from_bytes((await buckets[subjects.ATTEMPTS_BUCKET].get(stored.key)).value)
+        assert [t.removed for t in after.tasks] == [False, False, True]
+    finally:
+        await nc.close()

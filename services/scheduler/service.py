@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
+import time
 import uuid
 from datetime import datetime
 from typing import Any
@@ -38,7 +40,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge, Histogram
 
-from muster.services.scheduler import attained, quota
+from muster.services.scheduler import attained, elastic, quota
 from muster.services.scheduler import metrics as cluster_metrics
 from muster.services.scheduler.cycle import Decision, Place, Preempt, Wait, decide
 from muster.services.scheduler.view import Job, View
@@ -80,6 +82,10 @@ SHADOW_SECONDS = Histogram(
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
 RENEW_EVERY = 1.0  # seconds between lease renewals, whatever a cycle is doing
+# A leader writes nothing once this long has passed since its last renewal was sent: a loop held
+# (a long plan, a pause) past the lease's life would otherwise place on a view a new leader may
+# already be changing. The margin covers the renewal's own way to the server.
+LEASE_TRUSTED = subjects.LEASE_TTL - 1.0
 QUEUE_EVERY = 10.0  # seconds between publications of an unchanged queue order, while leading
 QUEUE_SPACING = 1.0  # seconds at least between two (a changed order waits, then goes: the latest)
 IN_FLIGHT = 128  # commits and reason writes of one cycle in flight at once
@@ -118,6 +124,8 @@ class Scheduler:
         self.nodes, self.jobs, self.attempts = self.view.nodes, self.view.jobs, self.view.attempts
         self.wake = asyncio.Event()
         self.synced = {name: asyncio.Event() for name in ("nodes", "jobs", "attempts", "vcs")}
+        self.held: int | None = None  # the lease's revision while this replica holds it
+        self.renewed = -math.inf  # monotonic: when the last renewal that succeeded was sent
         self.leading = False  # its view is synced and it leads: the cluster gauges are its
         # The queue order: the last one published, when (loop time), and the latest decided.
         self._queue_sent: tuple[list[str], int] | None = None
@@ -179,12 +187,22 @@ class Scheduler:
         finally:
             for w in watchers:
                 w.cancel()
+            await self._release()
+
+    async def _release(self) -> None:
+        """Hand the lease over at once, if this replica holds it: deleted only at the revision it
+        wrote (a replica that no longer leads, stopping, deleted its successor's lease)."""
+        held, self.held = self.held, None
+        if held is not None:
             with contextlib.suppress(Exception):
-                await self.leases.delete(subjects.SCHEDULER_LEASE)  # hand over at once
+                await self.leases.delete(subjects.SCHEDULER_LEASE, last=held)
 
     async def _acquire(self) -> int | None:
+        sent = time.monotonic()
         try:
-            return await self.leases.create(subjects.SCHEDULER_LEASE, self.identity.encode())
+            self.held = await self.leases.create(subjects.SCHEDULER_LEASE, self.identity.encode())
+            self.renewed = sent
+            return self.held
         except KeyWrongLastSequenceError:
             return None
         except Exception as exc:
@@ -196,14 +214,28 @@ class Scheduler:
         `lost` the moment a renewal fails."""
         while True:
             await asyncio.sleep(RENEW_EVERY)
+            sent = time.monotonic()
             try:
-                revision = await self.leases.update(
-                    subjects.SCHEDULER_LEASE, self.identity.encode(), last=revision
+                revision = await asyncio.wait_for(
+                    self.leases.update(subjects.SCHEDULER_LEASE, self.identity.encode(), last=revision),
+                    LEASE_TRUSTED - RENEW_EVERY,
                 )
+                self.held, self.renewed = revision, sent
             except Exception as exc:
                 log.warning("scheduler.lease_lost", error=str(exc) or type(exc).__name__)
+                self.held = None
                 lost.set()
                 return
+
+    def deposed(self, lost: asyncio.Event | None) -> bool:
+        """Whether this leader must write nothing more: its lease was lost, or its last renewal
+        is too old to be sure it still holds it (then it is taken as lost)."""
+        if lost is None:
+            return False
+        if not lost.is_set() and time.monotonic() - self.renewed > LEASE_TRUSTED:
+            log.warning("scheduler.lease_stale", seconds=round(time.monotonic() - self.renewed, 1))
+            lost.set()
+        return lost.is_set()
 
     async def _lead(self, stop: asyncio.Event, revision: int) -> None:
         lost = asyncio.Event()
@@ -239,22 +271,48 @@ class Scheduler:
         finally:
             self.leading = False
             renewing.cancel()
+            if lost.is_set():
+                await self._release()  # held still, if only a renewal was late: free at once
             if self._shadowing is not None:
                 self._shadowing.cancel()
 
     async def _synced(self, stop: asyncio.Event, lost: asyncio.Event) -> bool:
         """Wait until every mirrored bucket has been read once (a big one may take a while: said
-        every SYNC_WAIT, the lease renewed meanwhile); False if stopped or the lease is lost."""
+        every SYNC_WAIT, the lease renewed meanwhile), then until the mirrors hold every write
+        made before this leadership began: a standby's mirrors were read through long ago, and
+        one a little behind (a big record decoding, a watch set up again) would place on GPUs
+        the last leader gave away just before it went. False if stopped or the lease is lost."""
         while not (stop.is_set() or lost.is_set()):
             behind = [name for name, e in self.synced.items() if not e.is_set()]
             if not behind:
-                return True
+                return await self._caught_up(stop, lost)
             waits = [asyncio.ensure_future(e.wait()) for e in (*(self.synced[n] for n in behind), stop, lost)]
             done, _ = await asyncio.wait(waits, timeout=SYNC_WAIT, return_when=asyncio.FIRST_COMPLETED)
             for w in waits:
                 w.cancel()
             if not done:
                 log.warning("scheduler.sync_slow", waiting_for=sorted(behind), seconds=SYNC_WAIT)
+        return False
+
+    async def _caught_up(self, stop: asyncio.Event, lost: asyncio.Event) -> bool:
+        stores: dict[str, Store[Any]] = {
+            "nodes": self.kv_nodes,
+            "jobs": self.kv_jobs,
+            "attempts": self.kv_attempts,
+            "vcs": self.kv_vcs,
+        }
+        while not (stop.is_set() or lost.is_set()):
+            try:
+                done = await asyncio.gather(*(store.caught_up(SYNC_WAIT) for store in stores.values()))
+            except Exception as exc:  # the bus is away: asked again, the lease renewed meanwhile
+                log.warning("scheduler.catch_up_failed", error=str(exc) or type(exc).__name__)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
+                continue
+            if all(done):
+                return True
+            behind = [name for name, ok in zip(stores, done, strict=True) if not ok]
+            log.warning("scheduler.sync_slow", waiting_for=behind, seconds=SYNC_WAIT)
         return False
 
     def _shadow_when_due(self) -> None:
@@ -322,13 +380,15 @@ class Scheduler:
         """Preemptions first (their kill orders), then placements and reasons together, at most
         IN_FLIGHT at a time (their round trips overlap instead of adding up), then the elastic
         shrink or grows. Once leadership is lost, nothing more is placed or resized."""
+        if self.deposed(lost):
+            return
         if decision.preempt:
             await asyncio.gather(*(self._preempt(p) for p in decision.preempt))
         gate = asyncio.Semaphore(IN_FLIGHT)
 
         async def one(step: Place | Wait) -> None:
             async with gate:
-                if lost is not None and lost.is_set():
+                if self.deposed(lost):
                     return  # no longer the leader: place nothing more
                 if isinstance(step, Place):
                     await self.commit(step.job, step.attempt, step.tasks, step.borrowed)
@@ -340,7 +400,7 @@ class Scheduler:
         if failures:
             log.warning("scheduler.commit_errors", count=len(failures), first=repr(failures[0])[:300])
             self.wake.set()
-        if lost is not None and lost.is_set():
+        if self.deposed(lost):
             return
         if decision.shrink is not None:
             await self._shrink(decision.shrink.tasks, decision.shrink.for_job)
@@ -353,8 +413,11 @@ class Scheduler:
         at = now()
 
         def change(a: AttemptRecord) -> AttemptRecord | None:
-            if a.ended or a.resized_at != record.resized_at:
+            if a.ended or a.resized_at != record.resized_at or a.counts() != record.counts():
                 return None  # changed meanwhile: the next cycle looks again
+            roles = {s.role for s in added}
+            if any(t.role in roles and t.state == TaskState.SUCCEEDED for t in a.tasks):
+                return None  # a task of the role succeeded since: the training ends, it grows no more
             joined = [TaskStatus.placed(s, placed_at=at) for s in added]
             return a.model_copy(update={"tasks": [*a.tasks, *joined], "resized_at": at})
 
@@ -374,13 +437,20 @@ class Scheduler:
         at = now()
         why = f"removed to make room for {waiting.job_id}"
         by_attempt: dict[str, list[TaskSpec]] = {}
+        read: dict[str, AttemptRecord] = {}  # the record each choice was made on
         for record, spec in chosen:
             by_attempt.setdefault(record.key, []).append(spec)
+            read[record.key] = record
         for key, specs in by_attempt.items():
             keys = {s.key for s in specs}
 
-            def change(a: AttemptRecord, keys: set[str] = keys) -> AttemptRecord | None:
-                if a.ended:
+            def change(
+                a: AttemptRecord, keys: set[str] = keys, seen: AttemptRecord = read[key]
+            ) -> AttemptRecord | None:
+                # Only on the gang the choice was made on: a member that failed since would
+                # leave the role below its minimum once these are removed (the attempt FAILED,
+                # charged, for a shrink).
+                if a.ended or a.counts() != seen.counts() or not elastic.settled(a, at, dwell=0):
                     return None
                 tasks = [
                     t.model_copy(update={"removed": True, "reason": why})
@@ -396,18 +466,7 @@ class Scheduler:
                 continue
             self.attempts[key] = updated
             self.view.attempt_changed(key)
-            for node in sorted({s.node for s in specs}):
-                mine = sorted(s.key for s in specs if s.node == node)
-                order = KillOrder(
-                    job_id=updated.job_id,
-                    attempt=updated.attempt,
-                    reason=why,
-                    grace=ELASTIC_GRACE,
-                    tasks=mine,
-                )
-                await bus.publish_once(
-                    self.js, subjects.kill(node), order.to_bytes(), f"kill:{key}:{node}:{','.join(mine)}"
-                )
+            await self._stop_removed(updated, [(s.node, s.key) for s in specs], why)
             await self.js.publish(
                 subjects.attempt_members(updated.job_id, updated.attempt), MembersChanged().to_bytes()
             )
@@ -446,11 +505,7 @@ class Scheduler:
         self.attempts[record.key] = record
         self.view.attempt_changed(record.key)
         PREEMPTIONS.labels(p.kind).inc()
-        order = KillOrder(job_id=record.job_id, attempt=record.attempt, reason=why, grace=quota.PREEMPT_GRACE)
-        for node in sorted({t.node for t in record.tasks if not t.state.ended}):
-            await bus.publish_once(
-                self.js, subjects.kill(node), order.to_bytes(), f"kill:{record.key}:{node}"
-            )
+        await self._stop_preempted(record, why)
         victim_job = self.jobs.get(record.job_id)  # a victim is a job the view runs: it is there
         if victim_job is not None:
             grace = quota.PREEMPT_GRACE
@@ -459,6 +514,26 @@ class Scheduler:
                 victim_job, JobEventKind.PREEMPTED, record.attempt, detail, f"{record.key}:preempted"
             )
         log.info("scheduler.preempted", victim=record.key, for_job=job.job_id, why=why)
+
+    async def _stop_preempted(self, record: AttemptRecord, why: str) -> None:
+        """The kill orders of a preempted attempt's live tasks, one per node (their ids the same
+        each time: a leader that sends them again is not heard twice)."""
+        order = KillOrder(job_id=record.job_id, attempt=record.attempt, reason=why, grace=quota.PREEMPT_GRACE)
+        for node in sorted({t.node for t in record.tasks if not t.state.ended}):
+            await bus.publish_once(
+                self.js, subjects.kill(node), order.to_bytes(), f"kill:{record.key}:{node}"
+            )
+
+    async def _stop_removed(self, record: AttemptRecord, tasks: list[tuple[str, str]], why: str) -> None:
+        """The kill orders of an elastic attempt's tasks (node, task key) removed by a shrink."""
+        for node in sorted({node for node, _ in tasks}):
+            mine = sorted(key for n, key in tasks if n == node)
+            order = KillOrder(
+                job_id=record.job_id, attempt=record.attempt, reason=why, grace=ELASTIC_GRACE, tasks=mine
+            )
+            await bus.publish_once(
+                self.js, subjects.kill(node), order.to_bytes(), f"kill:{record.key}:{node}:{','.join(mine)}"
+            )
 
     async def commit(self, job: Job, n: int, tasks: list[TaskSpec], borrowed: bool = False) -> None:
         """Place attempt n: its record is created (only if absent: the fence against placing it
@@ -544,8 +619,22 @@ class Scheduler:
     async def _finish_interrupted_commits(self) -> None:
         """A new leader re-sends the orders of attempts that no task has acted on yet: an earlier
         leader may have died between writing the attempt and sending them. Orders carry message
-        ids and agents ignore tasks they already run or ran, so a second copy is harmless."""
+        ids and agents ignore tasks they already run or ran, so a second copy is harmless. So
+        with the kill orders of gangs it preempted and of tasks it removed from elastic roles,
+        whose tasks still run: they would hold their GPUs until the gang ended of itself, and
+        the job they made room for would wait for them."""
         for record in list(self.attempts.values()):
+            live = [t for t in record.tasks if not t.state.ended]
+            removed = [(t.node, t.key) for t in live if t.removed]
+            try:
+                if record.preempted_by is not None and live:
+                    log.info("scheduler.resend_kills", attempt=record.key, preempted_for=record.preempted_by)
+                    await self._stop_preempted(record, f"preempted for {record.preempted_by}")
+                elif removed and not record.ended:
+                    log.info("scheduler.resend_kills", attempt=record.key, removed=[k for _, k in removed])
+                    await self._stop_removed(record, removed, next(t.reason for t in live if t.removed))
+            except Exception as exc:  # as a resend of orders below
+                log.error("scheduler.resend_failed", attempt=record.key, error=repr(exc)[:300])
             job = self.jobs.get(record.job_id)
             if job is None or record.ended or record.attempt != self.view.current(job) or job.state.final:
                 continue
