@@ -830,3 +830,62 @@ def test_an_attempt_runs_past_its_time_limit_counted_from_its_first_task_start()
     assert next_step(limited, F, ended.failure, 0, 0).state == F  # retryCount 0: the job fails
     retried = limited.model_copy(update={"retryCount": 1})
     assert next_step(retried, F, ended.failure, 0, 0).charged  # a retry, charged like any failure
+
+
+# ------------------------------------------------------------------ a preemption and an end on its way
+
+
+@pytest.mark.parametrize(
+    "first,second,outcome,state",
+    [
+        # (task w.0's end, w.1's end; seconds after the preemption, cause, exit code)
+        ((-1, TaskCause.EXITED, 0), (-1, TaskCause.EXITED, 0), S, JobState.SUCCEEDED),  # both had ended
+        ((-1, TaskCause.EXITED, 1), (5, TaskCause.KILLED, 137), F, JobState.FAILED),  # retryCount 0
+        ((-1, TaskCause.EXITED, 0), (5, TaskCause.KILLED, 137), ST, JobState.WAITING),  # one of two
+        ((5, TaskCause.KILLED, 143), (5, TaskCause.KILLED, 143), ST, JobState.WAITING),  # stopped
+        ((2, TaskCause.EXITED, 0), (5, TaskCause.KILLED, 137), ST, JobState.WAITING),  # after it
+    ],
+)
+def test_an_end_on_its_way_when_a_gang_was_preempted_decides_the_attempt(
+    first: tuple[float, TaskCause, int],
+    second: tuple[float, TaskCause, int],
+    outcome: JobState,
+    state: JobState,
+) -> None:
+    """The scheduler ends a victim's stored record as preempted when no task of it has ended
+    there, but a task's end may be on its way (its report queued, the supervisor restarting):
+    a job whose tasks had all succeeded was made to wait and ran again from the start, and one
+    that had failed was retried past its retryCount. The ends that came decide it when they
+    were the tasks' own, before the preemption."""
+    from muster.services.supervisor.policy import apply_task_events
+    from muster.shared.messages import TaskEvent, TaskEventKind
+
+    cfg = config([role("w", 2)])
+    running = [task("w", i, TaskState.RUNNING) for i in range(2)]
+    preempted = AttemptRecord(
+        job_id="j1", attempt=1, tasks=running, ended_at=T0, outcome=ST, rule="for j2", preempted_by="j2"
+    )
+    events = [
+        TaskEvent(
+            job_id="j1",
+            attempt=1,
+            role="w",
+            index=i,
+            node="n0",
+            kind=TaskEventKind.EXITED,
+            cause=cause,
+            exit_code=code,
+            at=T0 + timedelta(seconds=after),
+        )
+        for i, (after, cause, code) in enumerate((first, second))
+    ]
+    a = preempted.model_copy(update={"tasks": list(running)})
+    assert apply_task_events(cfg, a, events, T0 + timedelta(seconds=6)) == [True, True]
+    assert a.outcome == outcome and (a.preempted_by is None) is (outcome != ST)
+    assert a.ended_at == T0  # when it ended stays
+    settled = settle(job_at(1).model_copy(update={"config": cfg}), a, RetryLimits(), T0)
+    assert settled is not None
+    job, step = settled
+    assert job.state == state
+    if state == JobState.WAITING:  # preempted: back in the queue, uncharged
+        assert not step.charged and "not charged" in step.reason

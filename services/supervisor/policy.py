@@ -344,7 +344,32 @@ def apply_task_events(
             attempt.ended_at, attempt.outcome, attempt.rule = at, decision.outcome, decision.rule
             if decision.outcome == JobState.FAILED:
                 attempt.failure = classify(attempt.tasks)
+    if attempt.preempted_by is not None and any(out):
+        own = own_end(config, attempt)
+        if own is not None:  # it had ended of itself: not a preemption's to retry
+            attempt.outcome, attempt.rule, attempt.preempted_by = own.outcome, own.rule, None
+            attempt.failure = classify(attempt.tasks) if own.outcome == JobState.FAILED else None
     return out
+
+
+def own_end(config: JobConfig, attempt: AttemptRecord) -> Decision | None:
+    """What a preempted attempt's tasks decided of themselves, or None (it was stopped while it
+    went on). The preemption is written on the stored record, which a task's end may not have
+    reached yet (its report on its way, the supervisor restarting): a gang whose task had
+    succeeded (a one-task job: the job's success) was made to wait and run again, and one that
+    had failed was retried once more than its retryCount. Counted: tasks that ended, and not
+    stopped, no later than the preemption; the others are taken as going on."""
+    stopped_at = attempt.ended_at
+    assert stopped_at is not None
+    going = {"state": TaskState.RUNNING}
+    tasks = [
+        t.model_copy(update=going)
+        if t.state.ended and (t.state == TaskState.STOPPED or t.ended_at is None or t.ended_at > stopped_at)
+        else t
+        for t in attempt.tasks
+    ]
+    decision = decide(config, tasks)
+    return decision if decision.outcome is not None else None
 
 
 def deadline(config: JobConfig, attempt: AttemptRecord) -> datetime | None:

@@ -431,8 +431,12 @@ class Supervisor:
 
     async def end_attempt(self, attempt: AttemptRecord) -> None:
         """Apply an ended attempt to its job: kill what is left of the gang, then end the job or
-        make it wait for its next attempt. Idempotent: `JobRecord.settled` records it was done."""
+        make it wait for its next attempt. Idempotent: `JobRecord.settled` records it was done.
+        A preempted one is settled once every task's end has come: one that ended of itself
+        before the preemption decides it (`policy.own_end`), if it can."""
         await self.kill_rest(attempt)
+        if attempt.preempted_by is not None and not all(t.state.ended for t in attempt.tasks):
+            return
         steps: list[NextStep] = []
         unnamed: list[bool] = []  # the job record did not name the attempt yet (no `placed` told)
 
