@@ -173,10 +173,17 @@ async def ask(
         if refused:
             raise Refused(f"not allowed: {refused[-1].removeprefix('nats: ')}", 1) from None
         raise TimeoutError(f"the gateway did not answer within {timeout:g}s") from None
-    answer = json.loads(msg.data)
+    try:
+        answer = json.loads(msg.data)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise Refused(f"the gateway's answer to {verb!r} is not a JSON object: {msg.data[:80]!r}", 1)
     if "error" in answer:
-        raise Refused(answer["error"], int(answer.get("code", 2)))
-    return dict(answer)
+        code = answer.get("code", 2)
+        code = code if type(code) is int and 1 <= code <= 125 else 1  # an exit status
+        raise Refused(str(answer["error"])[:2000], code)
+    return answer
 
 
 async def job_pages(
@@ -195,6 +202,6 @@ async def job_pages(
         answer = await ask(nc, "jobs", request, who)
         got += len(answer["jobs"])
         yield answer
-        cursor = answer.get("next")
-        if not cursor or not answer["jobs"]:
+        cursor, before = answer.get("next"), cursor
+        if not cursor or not answer["jobs"] or cursor == before:  # (a page that does not move on)
             return

@@ -20,6 +20,7 @@ from pydantic import (
     Field,
     StringConstraints,
     field_validator,
+    model_validator,
 )
 
 from muster.shared.jobconfig import MAX_ROLES, FieldError, JobConfig, Priority
@@ -769,7 +770,8 @@ class Question(Message):
     job_id: str | None = Field(default=None, max_length=128)
     attempt: int | None = Field(default=None, ge=1)
     task: str | None = Field(default=None, max_length=140)  # ROLE or ROLE.INDEX
-    after: int = Field(default=0, ge=0)  # a MUSTER_LOGS (MUSTER_METRICS for metrics) stream sequence
+    # A MUSTER_LOGS (MUSTER_METRICS for metrics) stream sequence: the server's are below 2**63.
+    after: int = Field(default=0, ge=0, lt=2**63)
     limit: int = Field(default=1000, ge=1, le=10000)  # jobs: default 100, at most 1000 a page
     # jobs: which ones (every one given must hold), and where the last page ended (its `next`).
     state: list[JobState] | None = Field(default=None, min_length=1, max_length=len(JobState))
@@ -782,6 +784,14 @@ class Question(Message):
     # jobs: instead of a page, the jobs whose record the gateway saw written at or after this
     # time (pass back the last answer's `now`), most recently changed first.
     changed_since: AwareDatetime | None = None
+
+    @model_validator(mode="after")
+    def _span(self) -> Self:
+        if self.since is not None and self.until is not None and self.since >= self.until:
+            raise ValueError(
+                f"since ({self.since.isoformat()}) must be before until ({self.until.isoformat()})"
+            )
+        return self
 
 
 QUEUE_SHOWN = 2000  # job ids a QueueOrder names at most: the head of the queue

@@ -6,6 +6,7 @@ swallowed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import random
@@ -16,7 +17,7 @@ import pytest
 from muster.services.gateway.listing import Listing, Query, Summary, cursor_key, micros
 from muster.shared import bus, client, subjects
 from muster.shared.jobconfig import JobConfig
-from muster.shared.messages import AttemptRecord, JobRecord, JobState, TaskStatus
+from muster.shared.messages import AttemptRecord, JobRecord, JobState, KillRequest, TaskStatus
 from tests.conftest import lagging
 from tests.test_cli import muster
 
@@ -180,8 +181,10 @@ async def _records(nats_url, procs, records: list[JobRecord], attempts: list[Att
     kv = buckets[subjects.JOBS_BUCKET]
     for i in range(0, len(records), 200):
         await asyncio.gather(*(kv.put(r.job_id, r.to_bytes()) for r in records[i : i + 200]))
-    for a in attempts:
-        await buckets[subjects.ATTEMPTS_BUCKET].put(a.key, a.to_bytes())
+    for i in range(0, len(attempts), 100):
+        await asyncio.gather(
+            *(buckets[subjects.ATTEMPTS_BUCKET].put(a.key, a.to_bytes()) for a in attempts[i : i + 100])
+        )
     gateway = procs.start("muster.services.gateway")
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 30
@@ -259,37 +262,47 @@ async def test_a_user_pages_only_their_own_jobs(nats_url, procs):
             await client.ask(nc, "jobs", {"cursor": "not-one"}, who="bob")
         with pytest.raises(client.Refused, match="state"):
             await client.ask(nc, "jobs", {"state": ["DREAMING"]}, who="bob")
+        with pytest.raises(client.Refused, match=r"since .* must be before until"):  # gave -3 jobs
+            await client.ask(nc, "jobs", {"since": "2030-01-01T00:00:00Z", "until": "2020-01-01T00:00:00Z"})
+        with pytest.raises(client.Refused, match="after: Input should be less than"):  # the server's 408
+            await client.ask(nc, "logs", {"job_id": "j1", "after": 2**64 - 1})
         admin = [p async for p in client.job_pages(nc, user="alice", state=["SUCCEEDED"], limit=3)]
         assert [j["job_name"] for p in admin for j in p["jobs"]] == ["job-28", "job-26", "job-24"]
     finally:
         await nc.close()
 
 
-async def test_an_answer_above_the_payload_limit_is_refused_logged_and_counted(nats_url, procs):
-    """A job whose attempts together pass the server's 4 MB limit: the answer used to be dropped
-    without a word (the asker waited 10 s for nothing); now the asker is told at once."""
-    job = record(1, JobState.FAILED).model_copy(update={"attempt": 5})
-    chatty = [f"{'y' * 1000} {n}" for n in range(30)]
-    attempts = [
+def _attempts(job: JobRecord, count: int, tasks: int, lines: int = 0) -> list[AttemptRecord]:
+    chatty = [f"{'y' * 1000} {n}" for n in range(lines)]
+    return [
         AttemptRecord(
             job_id=job.job_id,
             attempt=n,
             tasks=[
                 TaskStatus(role="w", role_no=0, index=i, node="n1", reason="z" * 1000, last_lines=chatty)
-                for i in range(28)
+                for i in range(tasks)
             ],
         )
-        for n in range(1, 6)
+        for n in range(1, count + 1)
     ]
-    assert all(len(a.to_bytes()) < 1024 * 1024 for a in attempts)
-    assert sum(len(a.to_bytes()) for a in attempts) > 4.3e6
+
+
+async def test_an_answer_above_the_payload_limit_is_refused_logged_and_counted(nats_url, procs):
+    """A job's newest attempt and an earlier one asked for, together above the server's 4 MB
+    limit: the answer used to be dropped without a word (the asker waited 10 s for nothing); now
+    the asker is told at once, and the newest alone is answered."""
+    job = record(1, JobState.FAILED).model_copy(update={"attempt": 5})
+    attempts = _attempts(job, 5, tasks=70, lines=30)
+    assert all(2.1e6 < len(a.to_bytes()) < 3e6 for a in attempts)
     nc, gateway = await _records(nats_url, procs, [job], attempts)
     try:
         started = asyncio.get_running_loop().time()
         with pytest.raises(client.Refused, match="above the server's limit"):
-            await client.ask(nc, "job", {"ref": job.job_id}, timeout=10)
+            await client.ask(nc, "job", {"ref": job.job_id, "attempt": 1}, timeout=10)
         assert asyncio.get_running_loop().time() - started < 5
         assert (await client.ask(nc, "jobs"))["total"] == 1  # the gateway goes on
+        newest = await client.ask(nc, "job", {"ref": job.job_id}, timeout=10)
+        assert [a["attempt"] for a in newest["attempts"]] == [5] and newest["attempts_total"] == 5
 
         async def said() -> bool:
             return "gateway.answer_too_large" in gateway.log_path.read_text()
@@ -299,6 +312,37 @@ async def test_an_answer_above_the_payload_limit_is_refused_logged_and_counted(n
                 break
             await asyncio.sleep(0.1)
         assert await said()
+    finally:
+        await nc.close()
+
+
+async def test_a_job_restarted_a_thousand_times_is_shown_and_killed(nats_url, procs):
+    """A job that restarts until killed (retryCount -2) or is preempted again and again has
+    thousands of attempts. `job` read every one, one after another, and answered them all: past
+    the server's payload limit (hours of restarts for a failing one) its status, logs and kill
+    all failed, so the job could not be stopped with the tools. Now the newest are answered
+    (at most 20, within a page), and an earlier one when asked for by number."""
+    from muster.services.gateway.service import ATTEMPTS_SHOWN
+
+    job = record(1, JobState.RUNNING).model_copy(update={"attempt": 1000})
+    attempts = _attempts(job, 1000, tasks=2, lines=2)
+    size = sum(len(a.to_bytes()) for a in attempts)
+    assert size > 4.2e6  # the answer it was
+    nc, _ = await _records(nats_url, procs, [job], attempts)
+    try:
+        answer = await client.ask(nc, "job", {"ref": job.job_id}, timeout=10)
+        shown = [a["attempt"] for a in answer["attempts"]]
+        assert shown == list(range(1001 - ATTEMPTS_SHOWN, 1001)) and answer["attempts_total"] == 1000
+        asked = await client.ask(nc, "job", {"ref": job.job_id, "attempt": 3}, timeout=10)
+        assert [a["attempt"] for a in asked["attempts"]][:2] == [3, 1001 - ATTEMPTS_SHOWN]
+        env = procs.env()
+        out = await asyncio.to_thread(muster, "status", job.job_id, env=env)
+        assert out.returncode == 0, out.stderr
+        assert f"the newest {ATTEMPTS_SHOWN} attempts of 1000: earlier ones are not shown" in out.stdout
+        heard = await nc.subscribe(subjects.kill_request("alice"))
+        killed = await asyncio.to_thread(muster, "kill", job.job_id, "--no-wait", env=env)
+        assert killed.returncode == 0 and "kill requested" in killed.stdout, killed.stderr
+        assert KillRequest.model_validate_json((await heard.next_msg(timeout=5)).data).job_id == job.job_id
     finally:
         await nc.close()
 
@@ -382,5 +426,115 @@ async def test_past_its_limit_of_questions_at_once_the_gateway_answers_busy_at_o
         release.set()
         answers = [json.loads((await t).data) for t in asks]
         assert answers == [{"user": "alice"}] * 2, answers
+    finally:
+        await nc.close()
+
+
+async def test_one_askers_flood_leaves_the_others_room(nats_url, monkeypatch):
+    """One user keeping the gateway's questions in hand (a slow question asked again and again)
+    held every other user's and the portal's: all were answered "busy". Past MAX_PER_ASKER of
+    one asker's at once, that asker is told so; another is answered as ever."""
+    from muster.services.gateway import service as gateway_service
+    from muster.services.gateway.service import Gateway
+
+    nc = await bus.connect("test", nats_url)
+    try:
+        js, buckets = await bus.ensure_jetstream(nc)
+        gateway = Gateway(nc, js, buckets)
+        release = asyncio.Event()
+
+        async def slow_ping(self, who, request):  # type: ignore[no-untyped-def]
+            if who == "mallory":
+                await release.wait()
+            return {"user": who}
+
+        monkeypatch.setattr(gateway_service, "MAX_ANSWERING", 10)
+        monkeypatch.setattr(gateway_service, "MAX_PER_ASKER", 3)
+        monkeypatch.setitem(Gateway.VERBS, "ping", slow_ping)
+        await nc.subscribe(subjects.api("*", "*"), cb=gateway._take)
+        flood = [
+            asyncio.create_task(nc.request(subjects.api("mallory", "ping"), b"{}", timeout=10))
+            for _ in range(6)
+        ]
+        busy = []
+        while len(busy) < 3:
+            done, _ = await asyncio.wait(flood, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+            assert done, "no busy answer came"
+            for task in done:
+                flood.remove(task)
+                busy.append(json.loads(task.result().data))
+        assert all("3 of your questions are in hand" in b["error"] for b in busy), busy
+        for _ in range(3):  # another asker, while mallory's three are in hand
+            assert json.loads((await nc.request(subjects.api("alice", "ping"), b"{}", timeout=5)).data) == {
+                "user": "alice"
+            }
+        release.set()
+        assert [json.loads((await t).data) for t in flood] == [{"user": "mallory"}] * 3
+        assert not gateway.asking  # nothing left counted once answered
+    finally:
+        await nc.close()
+
+
+async def test_the_vcs_answer_is_made_once_for_every_asker_within_seconds(nats_url, monkeypatch):
+    """`vcs` reads two records per placed job. Any user asking it again and again (or many at
+    once) made the gateway read the whole cluster's records each time; one answer now serves
+    every asker for VCS_FRESH seconds."""
+    from muster.services.gateway import service as gateway_service
+    from muster.services.gateway.service import Gateway
+    from muster.shared.messages import Question
+
+    nc = await bus.connect("test", nats_url)
+    stop = asyncio.Event()
+    try:
+        js, buckets = await bus.ensure_jetstream(nc)
+        running = [record(i, JobState.RUNNING).model_copy(update={"attempt": 1}) for i in range(5)]
+        for r in running:
+            await buckets[subjects.JOBS_BUCKET].put(r.job_id, r.to_bytes())
+            (a,) = _attempts(r, 1, tasks=2)
+            await buckets[subjects.ATTEMPTS_BUCKET].put(a.key, a.to_bytes())
+        gateway = Gateway(nc, js, buckets)
+        serving = asyncio.create_task(gateway.run(stop))
+        reads = 0
+        get = gateway.jobs.get
+
+        async def counted(key, *args, **kwargs):  # type: ignore[no-untyped-def]
+            nonlocal reads
+            reads += 1
+            return await get(key, *args, **kwargs)
+
+        monkeypatch.setattr(gateway.jobs, "get", counted)
+        ask = Question()
+        answers = await asyncio.gather(*(gateway.virtual_clusters(f"u{i}", ask) for i in range(20)))
+        assert all(a == answers[0] for a in answers) and answers[0]["vcs"][0]["running"] == 5
+        assert reads == 5, reads  # 100 before: each asker read every placed job's records
+        await gateway.virtual_clusters("again", ask)
+        assert reads == 5, reads
+        monkeypatch.setattr(gateway_service, "VCS_FRESH", 0.0)  # seconds later: made again
+        await asyncio.sleep(0.01)
+        await gateway.virtual_clusters("later", ask)
+        assert reads == 10, reads
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(serving, 10)
+        await nc.close()
+
+
+async def test_an_answer_not_shaped_as_the_gateways_is_refused_not_a_traceback(nats_url):
+    """Whatever answers on the gateway's subjects (an open bus, a broken gateway): an answer
+    that is not a JSON object, or an error whose code is not an exit status, raised out of
+    `muster` as a traceback or became its exit status. Now each is a refusal naming it."""
+    nc = await bus.connect("test", nats_url)
+    try:
+        answers = iter([b"<html>", b"[1, 2]", b'{"error": "no", "code": "x"}', b'{"error": "no", "code": 999}'])
+
+        async def answer(msg):  # type: ignore[no-untyped-def]
+            await msg.respond(next(answers))
+
+        await nc.subscribe(subjects.api("*", "*"), cb=answer)
+        for said, code in (("not a JSON object", 1), ("not a JSON object", 1), ("no", 1), ("no", 1)):
+            with pytest.raises(client.Refused, match=said) as refused:
+                await client.ask(nc, "jobs", who="alice")
+            assert refused.value.code == code
     finally:
         await nc.close()

@@ -154,7 +154,8 @@ async def status(args: argparse.Namespace) -> int:
             latest = answer.get("metrics") or {}
             if args.json:
                 doc = record.model_dump(mode="json")
-                doc["attempts"] = [a.model_dump(mode="json") for a in history]
+                doc["attempts"] = [a.model_dump(mode="json") for a in history]  # the newest
+                doc["attempts_total"] = answer.get("attempts_total", record.attempt)
                 if latest:
                     doc["metrics"] = latest
                 out(json.dumps(doc, indent=2))
@@ -342,8 +343,8 @@ async def _pages(
     while True:
         page = await ask(nc, verb, job_id=job_id, attempt=attempt, task=args.task or "", after=after)
         show(page[items])
-        after = page["last"]
-        if page["more"]:
+        moved, after = page["last"] > after, page["last"]
+        if page["more"] and moved:
             continue
         if not args.follow or (page["final"] and not page[items]):
             return

@@ -117,6 +117,8 @@ def describe(r: JobRecord, history: Sequence[AttemptRecord] | None = None) -> st
             + (f", image {role.image}" if role.image else "")
         )
     history = history or []
+    if history and history[0].attempt > 1:
+        lines.append(f"  (the newest {len(history)} attempts of {r.attempt}: earlier ones are not shown)")
     for a in history:
         lines.append(attempt_line(a))
         if a is not history[-1]:

@@ -50,6 +50,7 @@ error instead.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import math
@@ -105,6 +106,9 @@ MAX_REPLY = 512 * 1024
 # Questions answered at once; past it one is answered "busy" at once. The server's limits on a
 # subscription's pending messages do not apply: each is taken off the subscription as it comes.
 MAX_ANSWERING = settings.number("MUSTER_GATEWAY_MAX_ANSWERING", 256, int, low=1)
+# Of them, one asker's at most (the subject's name, which the server checked): one user's flood of
+# slow questions leaves the others room.
+MAX_PER_ASKER = settings.number("MUSTER_GATEWAY_MAX_PER_ASKER", 32, int, low=1)
 INBOXES = "_INBOX."  # where answers may go: every client's replies come there (shared/auth.py)
 JOBS_PAGE, JOBS_PAGE_MAX = 100, 1000  # jobs in a page: by default, at most
 NODES_PAGE, NODES_PAGE_MAX = 100, 1000  # nodes in a page: by default, at most
@@ -115,6 +119,10 @@ SYNC_WAIT = 10.0  # seconds a question waits for the gateway's first read of the
 READ_WAIT = 2.0  # seconds a listing waits for the gateway's mirror to hold every earlier write
 DIRECT_WAIT = 5.0  # seconds for a page of a stream
 LATEST_TASKS = 64  # `job` answers the latest metrics of at most this many tasks
+VCS_FRESH = 5.0  # seconds a `vcs` answer serves every asker
+# `job` answers a job's newest attempts, at most this many (and one asked for by number), within
+# a page's bytes: a job restarted for ever (retryCount -2, preemptions) has thousands.
+ATTEMPTS_SHOWN = 20
 KEY_RE = re.compile(r"^[-/_=.a-zA-Z0-9]{1,128}$")
 TASK_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.\d+)?$")
 
@@ -175,6 +183,8 @@ class Gateway:
         self.queue = Queue()  # the scheduler's last queue order
         self.running: set[asyncio.Task[None]] = set()
         self._misdirected = 0  # questions whose reply subject was not an inbox
+        self.asking: collections.Counter[str] = collections.Counter()  # asker -> questions in hand
+        self._vcs: tuple[float, asyncio.Future[dict[str, Any]]] | None = None  # the last `vcs` answer
 
     @classmethod
     async def build(cls, nc: NATS) -> Gateway:
@@ -239,17 +249,31 @@ class Gateway:
             if self._misdirected & (self._misdirected - 1) == 0:  # the 1st, 2nd, 4th...: no flood
                 log.warning("gateway.reply_refused", subject=msg.subject[:200], reply=msg.reply[:200])
             return
-        if len(self.running) >= MAX_ANSWERING:  # a flood of questions (one asker's, maybe)
+        who = msg.subject.rsplit(".", 2)[-2] if msg.subject.count(".") >= 2 else "?"
+        mine = self.asking[who]
+        if len(self.running) >= MAX_ANSWERING or mine >= MAX_PER_ASKER:  # a flood of questions
             verb = msg.subject.rsplit(".", 1)[-1]
             verb = verb if verb in self.VERBS else "?"
             REQUESTS.labels(verb, "busy").inc()
             if msg.reply:
-                busy = f"the gateway is busy ({len(self.running)} questions in hand); ask again shortly"
+                busy = (
+                    f"the gateway is busy ({len(self.running)} questions in hand); ask again shortly"
+                    if mine < MAX_PER_ASKER
+                    else f"{mine} of your questions are in hand; ask again once they are answered"
+                )
                 await self._respond(msg, verb, {"error": busy, "code": 1})
             return
         task = asyncio.create_task(self._answer(msg))
         self.running.add(task)
-        task.add_done_callback(self.running.discard)
+        self.asking[who] += 1
+
+        def done(task: asyncio.Task[None]) -> None:
+            self.running.discard(task)
+            self.asking[who] -= 1
+            if not self.asking[who]:
+                del self.asking[who]
+
+        task.add_done_callback(done)
 
     async def _answer(self, msg: Msg) -> None:
         if not msg.reply:
@@ -358,13 +382,36 @@ class Gateway:
         return answer
 
     async def job(self, who: str, request: Question) -> dict[str, Any]:
+        """A job's record and its newest attempts (`ATTEMPTS_SHOWN`, within a page's bytes; the
+        newest always), with the one numbered `attempt` when asked for; `attempts_total` says
+        how many it has had."""
         record = await self.resolve(who, request.ref)
-        history = []
-        for n in range(1, record.attempt + 1):
-            attempt = await self.attempts.get(attempt_key(record.job_id, n), confirm=True)
-            if attempt is not None:
-                history.append(attempt.model_dump(mode="json"))
-        answer: dict[str, Any] = {"job": record.model_dump(mode="json"), "attempts": history}
+        wanted = list(range(record.attempt, max(0, record.attempt - ATTEMPTS_SHOWN), -1))  # newest first
+        if (
+            request.attempt is not None
+            and request.attempt <= record.attempt
+            and request.attempt not in wanted
+        ):
+            wanted.append(request.attempt)
+        found = await asyncio.gather(
+            *(self.attempts.get(attempt_key(record.job_id, n), confirm=True) for n in wanted)
+        )
+        history: list[dict[str, Any]] = []
+        size = 0
+        for n, attempt in zip(wanted, found, strict=True):
+            if attempt is None:
+                continue
+            doc = attempt.model_dump(mode="json")
+            size += len(json.dumps(doc, default=str, separators=(",", ":")))
+            if history and size > self.budget and n != request.attempt:
+                continue  # past the page: the newest and the one asked for are always answered
+            history.append(doc)
+        history.sort(key=lambda a: a["attempt"])
+        answer: dict[str, Any] = {
+            "job": record.model_dump(mode="json"),
+            "attempts": history,
+            "attempts_total": record.attempt,
+        }
         answer["place"] = self.place(Summary.of(record))
         answer["queued"] = self.queued()
         if history and (record.config.metrics or record.config.noProgressTimeoutSec):
@@ -508,7 +555,22 @@ class Gateway:
 
     async def virtual_clusters(self, who: str, request: Question) -> dict[str, Any]:
         """Per VC: quota (`default`'s is what the others leave of the registered nodes), used
-        and borrowed (by live tasks' GPU models), jobs running and waiting."""
+        and borrowed (by live tasks' GPU models), jobs running and waiting. It reads two records
+        per placed job: one answer is made for every asker within VCS_FRESH seconds (any user
+        asking again and again made the gateway read the whole cluster's records each time)."""
+        loop = asyncio.get_running_loop()
+        if self._vcs is None or loop.time() - self._vcs[0] > VCS_FRESH:
+            made = asyncio.ensure_future(self._virtual_clusters())
+            self._vcs = (loop.time(), made)
+
+            def failed(made: asyncio.Future[dict[str, Any]]) -> None:
+                if self._vcs is not None and self._vcs[1] is made and (made.cancelled() or made.exception()):
+                    self._vcs = None  # not kept: the next asker makes it again
+
+            made.add_done_callback(failed)
+        return await asyncio.shield(self._vcs[1])
+
+    async def _virtual_clusters(self) -> dict[str, Any]:
         listing = await self.listed()
         await asyncio.wait_for(self.vcs_synced.wait(), SYNC_WAIT)
         await self.synced_nodes()

@@ -495,7 +495,7 @@ class Portal:
         )
 
     async def job_and_more(self, request: web.Request) -> dict[str, Any]:
-        job = await self.ask(request, "job", {"ref": request.match_info["job"]})
+        job = await self.ask(request, "job", _job_question(request))
         record = job["job"]
         try:
             events = await self.ask(request, "events", {"job_id": record["job_id"], "limit": 500})
@@ -551,7 +551,7 @@ class Portal:
 
     async def logs_page(self, request: web.Request) -> web.Response:
         try:
-            job = await self.ask(request, "job", {"ref": request.match_info["job"]})
+            job = await self.ask(request, "job", _job_question(request))
         except client.Refused as exc:
             return self._problem(request, 404, str(exc))
         record, attempts = job["job"], job["attempts"]
@@ -764,7 +764,7 @@ class Portal:
         return await self._api(request, "jobs", question)
 
     async def api_job(self, request: web.Request) -> web.Response:
-        return await self._api(request, "job", {"ref": request.match_info["job"]})
+        return await self._api(request, "job", _job_question(request))
 
     async def _api(self, request: web.Request, verb: str, question: dict[str, Any]) -> web.Response:
         try:
@@ -848,6 +848,16 @@ def _with(request: web.Request, **changes: Any) -> str:
     pairs = [(k, v) for k, v in request.query.items() if k not in changes]
     pairs += [(k, v) for k, v in changes.items() if v is not None]
     return request.path + ("?" + urlencode(pairs) if pairs else "")
+
+
+def _job_question(request: web.Request) -> dict[str, Any]:
+    """The gateway's `job` question for a page: the job, and the attempt the page asks for (the
+    gateway answers the newest attempts, and that one)."""
+    question: dict[str, Any] = {"ref": request.match_info["job"]}
+    n = _int(request.query.get("attempt"), 0)
+    if n >= 1:
+        question["attempt"] = n
+    return question
 
 
 def _attempt_asked(request: web.Request, attempts: list[dict[str, Any]]) -> dict[str, Any] | None:
