@@ -65,7 +65,9 @@ class Handling(Generic[M]):
     decode is terminated at once, counted and logged — never redelivered), then `handle`d
     concurrently up to `parallel` at a time, in order for messages of the same `key`, acked
     when it returns. A handler that fails is retried after a delay, and given up on (terminated,
-    counted, logged) after MAX_DELIVERIES deliveries, so one bad message never stalls the rest."""
+    counted, logged) after MAX_DELIVERIES deliveries, so one bad message never stalls the rest;
+    `given_up(message, why)`, if any, is then told, so that what waits on the message (a gang on
+    its node's order) is not left waiting for a deadline."""
 
     def __init__(
         self,
@@ -75,8 +77,10 @@ class Handling(Generic[M]):
         logger: Any,
         key: Callable[[M], str] | None = None,
         parallel: int = 64,
+        given_up: Callable[[M, str], Awaitable[None]] | None = None,
     ):
         self.consumer, self.decode, self.handle, self.log, self.key = consumer, decode, handle, logger, key
+        self.given_up = given_up
         self.slots = asyncio.Semaphore(parallel)
         self.last: dict[str, asyncio.Task[None]] = {}  # per key, the newest message's handling
         self.running: set[asyncio.Task[None]] = set()
@@ -143,7 +147,13 @@ class Handling(Generic[M]):
         except Exception as exc:
             delivered = msg.metadata.num_delivered or 1
             if delivered >= MAX_DELIVERIES:
-                self._reject(msg, "handler_failed", f"{type(exc).__name__}: {exc}"[:200])
+                why = f"{type(exc).__name__}: {exc}"[:200]
+                self._reject(msg, "handler_failed", why)
+                if self.given_up is not None:
+                    try:
+                        await self.given_up(decoded, why)
+                    except Exception:
+                        self.log.error("handler.given_up_failed", consumer=self.consumer, exc_info=True)
                 with contextlib.suppress(Exception):
                     await msg.term()
             else:

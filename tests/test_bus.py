@@ -391,3 +391,45 @@ async def test_a_consumer_made_at_a_services_start_waits_for_a_bus_that_does_not
 
     with pytest.raises(nats.js.errors.NotFoundError):
         await bus.patiently(refused, wait=30)
+
+
+async def test_a_message_given_up_on_is_told_to_whoever_waits_on_it(nats_url, monkeypatch):
+    """A message whose handler fails every time is terminated after MAX_DELIVERIES; the
+    handling's `given_up` is told (an agent then says its order's tasks did not start)."""
+    from nats.js.api import ConsumerConfig
+
+    from muster.shared import consume
+
+    monkeypatch.setattr(consume, "MAX_DELIVERIES", 2)
+    nc = await bus.connect("test", nats_url)
+    try:
+        js = nc.jetstream()
+        await js.add_stream(name="GIVEN", subjects=["GIVEN.>"])
+        sub = await js.pull_subscribe("GIVEN.>", "given", config=ConsumerConfig(ack_wait=5))
+        tries: list[str] = []
+        told: list[tuple[str, str]] = []
+
+        async def handle(text: str) -> None:
+            tries.append(text)
+            raise OSError(28, "No space left on device")
+
+        async def given_up(text: str, why: str) -> None:
+            told.append((text, why))
+
+        handling = consume.Handling(
+            "given", lambda m: m.data.decode(), handle, structlog_like(), given_up=given_up
+        )
+        stop = asyncio.Event()
+        serving = asyncio.create_task(consume.serve(sub, handling, stop, batch=8))
+        await js.publish("GIVEN.a", b"order")
+        deadline = asyncio.get_running_loop().time() + 20
+        while not told:
+            assert asyncio.get_running_loop().time() < deadline, tries
+            await asyncio.sleep(0.1)
+        assert tries == ["order", "order"] and told == [
+            ("order", "OSError: [Errno 28] No space left on device")
+        ]
+        stop.set()
+        await asyncio.wait_for(serving, 15)
+    finally:
+        await nc.close()

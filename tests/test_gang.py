@@ -897,3 +897,22 @@ async def test_an_agent_starts_on_a_full_disk(nats_url, tmp_path, monkeypatch):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(run, 30)
         await nc.close()
+
+
+async def test_an_order_a_node_never_took_tells_its_tasks_not_started(nats_url, tmp_path):
+    """An order that failed every time it came (the node's disk full) was given up on after
+    MUSTER_MAX_DELIVERIES and nothing was said: the gang waited for the start deadline (10
+    minutes) before it ran again elsewhere. Now its tasks are told not started, the platform's
+    failure (not charged), as it is given up on."""
+    nc = await bus.connect("test", nats_url)
+    try:
+        agent, order, _ = await _order_here(nc, tmp_path, "jnever")
+        agent.reporter.start()
+        ended = await nc.subscribe(subjects.task_event("jnever", 1, "worker", 0, "exited", "here"))
+        await agent._order_given_up(order, "OSError: [Errno 28] No space left on device")
+        event = TaskEvent.from_bytes((await ended.next_msg(timeout=10)).data)
+        assert event.cause == TaskCause.PLATFORM and "could not take its order" in event.reason, event
+        assert "No space left" in event.reason and agent.tasks.known(("jnever", 1, "worker", 0))
+        await agent.reporter.close()
+    finally:
+        await nc.close()

@@ -526,7 +526,9 @@ async def test_an_answer_not_shaped_as_the_gateways_is_refused_not_a_traceback(n
     `muster` as a traceback or became its exit status. Now each is a refusal naming it."""
     nc = await bus.connect("test", nats_url)
     try:
-        answers = iter([b"<html>", b"[1, 2]", b'{"error": "no", "code": "x"}', b'{"error": "no", "code": 999}'])
+        answers = iter(
+            [b"<html>", b"[1, 2]", b'{"error": "no", "code": "x"}', b'{"error": "no", "code": 999}']
+        )
 
         async def answer(msg):  # type: ignore[no-untyped-def]
             await msg.respond(next(answers))

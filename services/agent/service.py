@@ -238,7 +238,12 @@ class Agent:
         self.log = log.bind(node=options.node)
         # Orders of one attempt are handled in the order they came; other attempts' meanwhile.
         self.handling = consume.Handling(
-            subjects.agent_consumer(options.node), _order, self._on_order, self.log, key=lambda o: o.key
+            subjects.agent_consumer(options.node),
+            _order,
+            self._on_order,
+            self.log,
+            key=lambda o: o.key,
+            given_up=self._order_given_up,
         )
         self._last_beat = 0.0  # loop time of the last beat sent
         # Ports of a gang task whose endpoint report failed (the order comes again): a report
@@ -469,6 +474,20 @@ class Agent:
             await self.kill(order)
         else:
             await self.drain(order)
+
+    async def _order_given_up(self, order: Assignment | KillOrder | DrainOrder, why: str) -> None:
+        """An order this node failed to take every time it came (its disk full, say): its tasks
+        are told not started, the platform's failure, so their gang runs again elsewhere now,
+        not after the start deadline (10 minutes) with nothing said."""
+        if not isinstance(order, Assignment) or order.node != self.opts.node:
+            return
+        reason = f"node {self.opts.node} could not take its order: {why}"
+        for spec in order.mine:
+            key = (order.job_id, order.attempt, spec.role, spec.index)
+            if not self.tasks.known(key):
+                self.tasks.ports.release(self._told.pop(key, []))
+                self.tasks.report_ended(order, spec, TaskCause.PLATFORM, NOT_STARTED, reason)
+                self.tasks.remember(key)
 
     # ------------------------------------------------------------ orders
 
