@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from muster.shared.jobconfig import MAX_ROLES, FieldError, JobConfig, Priority
+from muster.shared.jobconfig import MAX_ROLES, EnvName, FieldError, JobConfig, Priority
 from muster.shared.shapes import (
     MAX_GANG,
     MAX_NODE_GPU_ENTRIES,
@@ -292,6 +292,9 @@ class Assignment(Command):
     # the attempt's tasks on `node` (its peers are in the cluster spec)
     gang: list[TaskSpec] = Field(max_length=MAX_GANG)
     node: Name
+    # The jobEnvs the validator kept apart as secrets (by its MUSTER_SECRET_ENV): the agent masks
+    # their values in the task's output as it does its own patterns' (the two may differ).
+    secret_names: list[EnvName] = Field(default_factory=list, max_length=1024)
 
     @property
     def mine(self) -> list[TaskSpec]:

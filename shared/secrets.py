@@ -33,13 +33,15 @@ def redact_env(env: Mapping[str, object]) -> dict[str, object]:
     return {k: (MASK if is_secret(k) else v) for k, v in env.items()}
 
 
-def secret_values(env: Mapping[str, object]) -> list[str]:
+def secret_values(env: Mapping[str, object], also: Iterable[str] = ()) -> list[str]:
     """The values of `env`'s secrets worth masking, longest first (so a value that contains
-    another is masked whole). A value of several lines (a key file) is masked line by line too,
-    as output comes a line at a time."""
+    another is masked whole): those this process's patterns name, and those named in `also`
+    (what the validator kept apart, by its own patterns). A value of several lines (a key file)
+    is masked line by line too, as output comes a line at a time."""
     values: set[str] = set()
+    named = set(also)
     for name, value in env.items():
-        if value is None or not is_secret(name):
+        if value is None or not (name in named or is_secret(name)):
             continue
         # A task sees a non-string value as JSON (services/agent/environment.py).
         text = value if isinstance(value, str) else json.dumps(value)
@@ -62,8 +64,8 @@ class Masker:
         self.values = sorted({v for v in values if len(v) >= MIN_MASKED}, key=len, reverse=True)
 
     @classmethod
-    def for_env(cls, env: Mapping[str, object]) -> Masker:
-        return cls(secret_values(env))
+    def for_env(cls, env: Mapping[str, object], also: Iterable[str] = ()) -> Masker:
+        return cls(secret_values(env, also))
 
     def __call__(self, text: str) -> str:
         return mask(text, self.values) if self.values else text

@@ -82,6 +82,25 @@ def test_validate_reports_syntax_errors_with_a_line_and_missing_files(tmp_path):
     assert r.returncode == 2 and "No such file" in r.stderr
 
 
+def test_up_refuses_a_bad_flag_and_an_unusable_data_dir_in_one_line(tmp_path):
+    """`muster up` with a flag the agent's settings refuse exited 1 (README: a bad argument is
+    exit 2), and a data dir it could not make (a file there, no right to write) ended in a
+    traceback. Both are one line now, before anything starts."""
+    from muster.shared.natsserver import free_port
+
+    port = ["--port", str(free_port())]
+    r = muster("up", "--node", "gpu01.lab", *port, "--data-dir", str(tmp_path / "d"), timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().endswith(
+        "--node 'gpu01.lab': use letters, digits, '_' and '-'"
+    )
+    assert "Traceback" not in r.stderr, r.stderr
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    r = muster("up", *port, "--runtime", "process", "--data-dir", str(taken / "data"), timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "cannot run here: Not a directory" in r.stderr, r.stderr
+
+
 # ---------------------------------------------------------------- the embedded mesh
 
 

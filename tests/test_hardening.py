@@ -1067,3 +1067,33 @@ async def test_a_shrink_is_written_only_on_the_gang_it_was_chosen_on(nats_url):
         assert [t.removed for t in after.tasks] == [False, False, True]
     finally:
         await nc.close()
+
+
+async def test_an_order_names_the_envs_the_validator_kept_apart(nats_url):
+    """The agent masks a job's secrets by its own MUSTER_SECRET_ENV, which may differ from the
+    validator's: each order now names the jobEnvs the validator kept apart, and the agent masks
+    those too (tests/test_secrets.py)."""
+    from muster.shared import bus, subjects
+    from muster.shared.messages import Assignment, JobRecord
+    from muster.shared.messages import now as now_
+    from tests.test_attained import J, leader
+
+    class Raw(bytes):
+        def to_bytes(self) -> bytes:
+            return bytes(self)
+
+    shown = J("s", gpus=1).config().model_copy(update={"jobEnvs": {"DB_URL": "***", "EPOCHS": 3}})
+    job = JobRecord(job_id="s", job_name="s", submission_id="s", user="u", config=shown, submitted_at=now_())
+    puts = [
+        (subjects.SECRETS_BUCKET, "s", Raw(b'{"DB_URL": "postgres://u:pw@db"}')),
+        (subjects.JOBS_BUCKET, "s", job),
+    ]
+    nc = await bus.connect("listener", nats_url)
+    try:
+        orders = await nc.subscribe(subjects.assign("a"))
+        async with leader(nats_url, puts):
+            order = Assignment.from_bytes((await orders.next_msg(timeout=30)).data)
+        assert order.secret_names == ["DB_URL"]
+        assert order.config.jobEnvs["DB_URL"] == "postgres://u:pw@db"
+    finally:
+        await nc.close()

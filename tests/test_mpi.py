@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -586,3 +587,31 @@ async def test_workers_that_only_host_ranks_are_not_taken_for_hung(cluster, nc):
     config["noProgressTimeoutSec"] = 5
     record, _, _ = await launched(cluster, nc, config)
     assert (record.state, record.attempt) == (JobState.SUCCEEDED, 1), record.reason
+
+
+def test_muster_rsh_runs_on_the_old_pythons_of_mpi_images():
+    """Open MPI runs every daemon launch through `python3 muster-rsh`, under the task image's own
+    python3: the arena example's image has 3.5, Horovod's and NGC's older ones 3.6-3.8. An
+    annotation such as `list[str]` (3.9+) or an f-string (3.6+) failed there, and every MPI job
+    on such an image failed to start its daemons. The script is held to what 3.5 runs; it is run
+    under each older python3 this machine has (pyenv's), if any."""
+    import ast
+
+    path = ROOT / "services" / "agent" / "muster_rsh.py"
+    tree = ast.parse(path.read_text())
+    late = [
+        f"line {node.lineno}: {type(node).__name__}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.JoinedStr)  # f-strings: 3.6
+        or (isinstance(node, ast.arg) and node.annotation is not None)  # evaluated when defined
+        or (isinstance(node, ast.FunctionDef) and node.returns is not None)
+        or isinstance(node, ast.AnnAssign | ast.NamedExpr)
+        or (isinstance(node, ast.ImportFrom) and node.module == "__future__")
+    ]
+    assert not late, late
+    olds = sorted(Path.home().glob(".pyenv/versions/3.[5-8].*/bin/python3"))
+    for python in olds:
+        out = subprocess.run(
+            [str(python), str(path), "nowhere", "true"], capture_output=True, text=True, timeout=30
+        )
+        assert out.returncode == 255 and "cannot reach this node's Muster agent" in out.stderr, (python, out)

@@ -7,8 +7,15 @@ from __future__ import annotations
 import asyncio
 
 from muster.services.registry.service import Registry
-from muster.shared import bus, subjects
-from muster.shared.messages import AttemptRecord, ClusterSpec, Endpoint, Rendezvous, TaskStatus
+from muster.shared import bus, consume, subjects
+from muster.shared.messages import (
+    AttemptRecord,
+    ClusterSpec,
+    Endpoint,
+    EndpointReported,
+    Rendezvous,
+    TaskStatus,
+)
 
 
 def gang(n: int) -> AttemptRecord:
@@ -116,5 +123,53 @@ async def test_a_rendezvous_an_older_registry_wrote_is_completed_with_its_endpoi
         assert state.bits == 0b111 and state.published and not state.endpoints
         stored = await r.kv.get(subjects.endpoint_key(attempt.job_id, 1, "worker.0"))
         assert Endpoint.model_validate_json(stored.value) == endpoint(0)
+    finally:
+        await nc.close()
+
+
+def report(attempt: AttemptRecord, ep: Endpoint, by: str | None = None) -> consume.Sent[EndpointReported]:
+    by = by or ep.node
+    subject = subjects.task_event(attempt.job_id, attempt.attempt, ep.role, ep.index, "endpoint", by)
+    message = EndpointReported(
+        job_id=attempt.job_id, attempt=attempt.attempt, gang_size=len(attempt.tasks), endpoint=ep
+    )
+    return consume.Sent(by, subject, message)
+
+
+async def test_forged_reports_cost_no_read_and_a_published_gang_is_let_go(nats_url):
+    """A node sending reports for a task a fixed gang lacks (worker.99), or for an attempt there
+    is not, made the registry read and decode the record again for every batch (a 1,000-task
+    record: ~10 ms of its one loop each), and said each in a log line. A gang whose spec was out
+    stayed held (~1.7 MB for 1,000 tasks) until 1,024 newer ones pushed it out. A report whose
+    role number is not its task's made a spec every node failed on. Now: one read, no re-read for
+    a task the gang cannot have, "absent" remembered a while, the published gang let go."""
+    r, nc = await replica(nats_url)
+    attempt = gang(2)
+    reads = 0
+    get = r.attempts.get
+
+    async def counted(key, *args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal reads
+        reads += 1
+        return await get(key, *args, **kwargs)
+
+    r.attempts.get = counted  # type: ignore[method-assign]
+    try:
+        await r.attempts.kv.put(attempt.key, attempt.to_bytes())
+        forged = Endpoint(role="worker", role_no=0, index=99, node="n0", host="10.0.0.1", port=6000)
+        for _ in range(5):
+            await r._write_batch(attempt.key, [report(attempt, forged)])
+        assert reads == 1, reads
+        none = AttemptRecord(job_id="jnone", attempt=1, tasks=attempt.tasks)
+        for _ in range(5):
+            await r._write_batch(none.key, [report(none, endpoint(0))])
+        assert reads == 2, reads
+        wrong_role = endpoint(0).model_copy(update={"role_no": 1})
+        await r._write_batch(attempt.key, [report(attempt, wrong_role)])
+        assert not await specs(nats_url, attempt)
+        await r._write_batch(attempt.key, [report(attempt, endpoint(0)), report(attempt, endpoint(1))])
+        (published,) = await specs(nats_url, attempt)
+        assert [e.port for e in published.endpoints] == [5000, 5001]
+        assert attempt.key not in r.gangs  # its spec is out: let go
     finally:
         await nc.close()

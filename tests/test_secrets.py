@@ -102,3 +102,13 @@ def test_a_code_sync_urls_credentials_are_kept_apart_with_the_secret_envs_and_pu
         }
     )  # type: ignore[union-attr]
     assert split_secrets(plain) == (plain, {}) and not has_secrets(plain)
+
+
+def test_a_name_the_validator_kept_apart_is_masked_whatever_this_processs_patterns(monkeypatch):
+    """MUSTER_SECRET_ENV set on the validator (`*_URL`) and not on the agents: the value the
+    validator kept out of the job record was printed in clear in the task's logs, its
+    last_lines and its end's reason. The order names what was kept apart; the agent masks both."""
+    monkeypatch.delenv("MUSTER_SECRET_ENV", raising=False)
+    env = {"DB_URL": "postgres://u:pw@db", "EPOCHS": "123456"}
+    assert Masker.for_env(env)("connecting to postgres://u:pw@db") == "connecting to postgres://u:pw@db"
+    assert Masker.for_env(env, ["DB_URL"])("connecting to postgres://u:pw@db") == f"connecting to {MASK}"

@@ -224,7 +224,7 @@ def _last_lines(container: Any, home: Path) -> list[str]:
         tail = container.logs(stdout=True, stderr=True, tail=LAST_LINES)
     except Exception:
         return []
-    mask = Masker.for_env(order.config.jobEnvs)
+    mask = Masker.for_env(order.config.jobEnvs, order.secret_names)
     return [mask(line.decode("utf-8", "replace").removesuffix("\r")) for line in tail.splitlines()]
 
 

@@ -8,7 +8,9 @@ task's host alias in the MPI hostfile, or its address) and exits with its exit c
 this node's agent through the attempt's socket, next to this file (`rsh.sock` in the attempt
 directory, which only the attempt's own tasks on this node see); the agent asks the agent of the
 task's node over the bus. The standard library only: the agent writes
-this file into every MPI attempt's directory, and the task's own python3 runs it."""
+this file into every MPI attempt's directory, and the task's own python3 runs it, whatever its
+version from 3.5 on (MPI images are often old: Horovod's, NGC's): no f-strings, no annotations
+evaluated at definition, json given str."""
 
 import json
 import os
@@ -18,21 +20,21 @@ import sys
 SOCKET = "rsh.sock"
 
 
-def fail(reason: str) -> int:
-    sys.stderr.write(f"muster-rsh: {reason}\n")
+def fail(reason):  # type: (str) -> int
+    sys.stderr.write("muster-rsh: %s\n" % reason)
     sys.stderr.flush()
     return 255  # what ssh exits with on its own errors
 
 
-def detached(reason: str) -> int:
+def detached(reason):  # type: (str) -> int
     """The command goes on without this session (its agent restarts, or lost the peer's):
     exit 0, which mpirun, talking to its daemon directly, takes as nothing after launch."""
-    sys.stderr.write(f"muster-rsh: detached: {reason}\n")
+    sys.stderr.write("muster-rsh: detached: %s\n" % reason)
     sys.stderr.flush()
     return 0
 
 
-def main(argv: list[str]) -> int:
+def main(argv):  # type: (list) -> int
     args = argv[1:]
     while args and args[0].startswith("-"):  # ssh options a caller may add (-x, -n, -T)
         args = args[1:]
@@ -45,17 +47,19 @@ def main(argv: list[str]) -> int:
         # Through the directory's descriptor: a socket path may not be longer than 107 bytes.
         fd = os.open(here, os.O_RDONLY)
         try:
-            sock.connect(f"/proc/self/fd/{fd}/{SOCKET}")
+            sock.connect("/proc/self/fd/%d/%s" % (fd, SOCKET))
         finally:
             os.close(fd)
     except OSError as exc:
-        return fail(f"cannot reach this node's Muster agent at {here}/{SOCKET}: {exc.strerror or exc}")
+        return fail(
+            "cannot reach this node's Muster agent at %s/%s: %s" % (here, SOCKET, exc.strerror or exc)
+        )
     started = False
     with sock:
         sock.sendall(json.dumps({"host": host, "command": command}).encode() + b"\n")
         for line in sock.makefile("rb"):
             try:
-                said = json.loads(line)
+                said = json.loads(line.decode("utf-8", "replace"))
             except ValueError:
                 return fail("the agent said something that is not JSON")
             if "started" in said:

@@ -112,7 +112,7 @@ class LocalTask:
 
     def mask(self, text: str) -> str:
         if self.masker is None:
-            self.masker = Masker.for_env(self.assignment.config.jobEnvs)
+            self.masker = Masker.for_env(self.assignment.config.jobEnvs, self.assignment.secret_names)
         return self.masker(text)
 
     @property

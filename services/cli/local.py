@@ -43,6 +43,20 @@ def check_agent_flags(args: argparse.Namespace) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    """`muster up`; a bad flag the agent's settings refuse (a SystemExit with its line) is exit
+    2, and a data dir it cannot use (not writable, a file) one line, not a traceback."""
+    try:
+        return _up(args)
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            raise CliError(exc.code, EXIT_INVALID) from None
+        raise
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise CliError(f"cannot run here: {exc.strerror or exc}{where}") from None
+
+
+def _up(args: argparse.Namespace) -> int:
     from muster.services.agent.config import make_runtime, options_from_args
     from muster.services.agent.service import Agent
     from muster.services.cli.mesh import default_data_dir, up

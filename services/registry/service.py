@@ -25,8 +25,9 @@ import asyncio
 import collections
 import contextlib
 import functools
+import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +106,8 @@ class Registry:
         self.attempts = Store(buckets[subjects.ATTEMPTS_BUCKET], AttemptRecord)
         self.batches = GroupCommit(self._write_batch)  # endpoints of one attempt, written together
         self.gangs: collections.OrderedDict[str, Gang] = collections.OrderedDict()  # the newest last
+        self._absent: dict[str, float] = {}  # attempt -> loop time it was found not to exist
+        self._refused = 0  # endpoint reports refused (the 1st, 2nd, 4th... are logged)
 
     @classmethod
     async def build(cls, nc: NATS) -> Registry:
@@ -145,6 +148,8 @@ class Registry:
         attempt = await self.attempts.get(key, confirm=True)
         if attempt is not None and attempt.elastic and not attempt.ended:
             await self.collect([], attempt)
+        else:
+            self.gangs.pop(key, None)  # ended (or gone): nothing is collected for it again
 
     async def on_endpoint(self, sent: consume.Sent[EndpointReported]) -> None:
         """Collect an endpoint only from the node its task was placed on, for an attempt that
@@ -158,21 +163,27 @@ class Registry:
         fails them all (redelivered)."""
         await self.batches.add(attempt_key(sent.message.job_id, sent.message.attempt), sent)
 
-    async def _gang(self, key: str, wanted: Iterable[str]) -> Gang | None:
+    async def _gang(self, key: str) -> Gang | None:
         """The attempt `key` as this replica last read it, read again when that is older than
-        ATTEMPT_REUSE seconds, when it lacks a task in `wanted` (an elastic role grew), and for
-        an elastic attempt always (its members are what its spec lists). None: no such attempt."""
+        ATTEMPT_REUSE seconds, and for an elastic attempt always (its members are what its spec
+        lists; a role that grew has new tasks). A fixed gang's tasks never change: a report for a
+        task it lacks is refused, not a reason to read (and decode) the record again, which a
+        node sending such reports made the registry do for every batch. None: no such attempt
+        (so for ATTEMPT_REUSE seconds: its record is written before any order goes)."""
         at = asyncio.get_running_loop().time()
+        if at - self._absent.get(key, -math.inf) < ATTEMPT_REUSE:
+            return None
         gang = self.gangs.get(key)
-        if (
-            gang is None
-            or gang.attempt.elastic
-            or at - gang.read_at > ATTEMPT_REUSE
-            or any(k not in gang.tasks for k in wanted)
-        ):
+        if gang is None or gang.attempt.elastic or at - gang.read_at > ATTEMPT_REUSE:
             attempt = await self.attempts.get(key, confirm=True)  # None refuses the endpoints
             if attempt is None:
+                self._absent[key] = at
+                while len(self._absent) > GANGS:
+                    self._absent.pop(next(iter(self._absent)))
                 return None
+            if attempt.ended:  # nothing of it is collected again: not kept
+                self.gangs.pop(key, None)
+                return Gang.of(attempt, at)
             gang = self._remember(attempt, at)
         return gang
 
@@ -186,8 +197,7 @@ class Registry:
         return gang
 
     async def _write_batch(self, key: str, items: list[consume.Sent[EndpointReported]]) -> None:
-        wanted = {f"{s.message.endpoint.role}.{s.message.endpoint.index}" for s in items}
-        gang = await self._gang(key, wanted)
+        gang = await self._gang(key)
         accepted = []
         for sent in items:
             why = (
@@ -197,7 +207,11 @@ class Registry:
             )
             if why is not None:
                 consume.REFUSED.labels("endpoint").inc()
-                log.warning("registry.endpoint_refused", subject=sent.subject[:200], why=why)
+                self._refused += 1
+                if self._refused & (self._refused - 1) == 0 or self._refused % 1000 == 0:  # no flood
+                    log.warning(
+                        "registry.endpoint_refused", subject=sent.subject[:200], why=why, count=self._refused
+                    )
             else:
                 accepted.append(sent.message.endpoint)
         if gang is not None and accepted:
@@ -259,8 +273,8 @@ class Registry:
             else:
                 done = await self.store.write(key, written, revision)
             if done:
-                if due and not attempt.elastic:
-                    gang.endpoints = {}  # its spec is out: nothing will read them here again
+                if due and not attempt.elastic:  # its spec is out: nothing is collected again
+                    self.gangs.pop(key, None)  # (a report redelivered reads the record again)
                 return
             # It exists, or another replica wrote in between: read it and merge again.
 
@@ -376,4 +390,6 @@ def endpoint_refusal(
         return f"attempt {attempt.key} has no task {ep.role}.{ep.index}"
     if sender != task.node or ep.node != task.node:
         return f"sent by node {sender} for node {ep.node}, but {ep.role}.{ep.index} was placed on {task.node}"
+    if ep.role_no != task.role_no:  # the spec would fail on every node, blamed on each of them
+        return f"{ep.role}.{ep.index} is of role number {task.role_no}, not {ep.role_no}"
     return None

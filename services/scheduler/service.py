@@ -568,7 +568,9 @@ class Scheduler:
         """Every node's part of the attempt (or only `only`'s). An elastic attempt's gang is its
         members now, its config sized to them; each change of members is a new order."""
         gang = [_spec(t) for t in record.members()]
-        config = with_secrets(job.config, await self._secrets(job))
+        hidden = await self._secrets(job)
+        config = with_secrets(job.config, hidden)
+        secret_names = sorted(k for k in hidden if k in config.jobEnvs)  # (not codeSync's URL)
         if record.elastic:
             config = config.sized(record.counts())
         version = f":{len(record.tasks)}" if record.elastic else ""
@@ -590,6 +592,7 @@ class Scheduler:
                 config=config,
                 gang=on.get(node, []),
                 node=node,
+                secret_names=secret_names,
             )
             async with gate:
                 await bus.publish_once(
