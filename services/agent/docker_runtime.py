@@ -47,6 +47,7 @@ CATCH_UP_WAIT = 5  # seconds the log thread waits for the container to have ende
 MERGE_STDERR = "exec 2>&1; "
 STOP_SIGNAL_TIMEOUT = 5.0  # seconds the SIGTERM to a task's processes may take before the stop goes on
 WAIT_SLICE = 3  # seconds one blocking wait call may take
+LOCAL_IMAGES = "muster/"  # the images deploy/ builds on a node: no registry holds them
 GONE_EXIT_CODE = 137  # reported when the container vanished (docker rm -f) before we read its code
 
 
@@ -666,6 +667,8 @@ class DockerRuntime:
         except docker.errors.DockerException as e:
             error, cause = f"cannot pull image {image}: {_explain(e)}", _cause(e)
         if error is not None:  # raised outside the handler: the request's auth header is not chained
+            if image.startswith(LOCAL_IMAGES):
+                error += f" ({image} is built on each node, not pulled: deploy/build-*-image.sh)"
             raise LaunchError(_scrub(error, auth), cause)
         log.info("docker.pulled", image=image, seconds=round(time.monotonic() - t0, 1))
 

@@ -74,7 +74,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 async def submit(args: argparse.Namespace) -> int:
     data, raw = read_config(args.file)
-    if args.file != "-" and absolutize(raw, os.path.dirname(os.path.abspath(args.file))):  # noqa: ASYNC240
+    # YAML in flow style (`{jobName: j, ...}`) starts as JSON does, and the validator reads such
+    # bytes as JSON only (a JSON typo is not silently another YAML value): sent as the JSON it is.
+    flow = args.file.endswith((".yaml", ".yml")) and data.lstrip()[:1] in (b"{", b"[")
+    if (args.file != "-" and absolutize(raw, os.path.dirname(os.path.abspath(args.file)))) or flow:  # noqa: ASYNC240
         data = json.dumps(raw).encode()
     if len(data) > MAX_CONFIG_BYTES:
         raise CliError(f"{args.file}: {len(data)} bytes; the limit is 1 MiB", EXIT_INVALID)
