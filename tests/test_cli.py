@@ -185,8 +185,10 @@ def test_submit_rejection_prints_each_error_and_json_verdict(mesh, tmp_path):
     _, env = mesh
     # YAML in flow style: `muster validate` said valid, and the validator read the bytes as
     # broken JSON ("invalid JSON at line 1"). What validate passes, submit takes.
-    flow = write(tmp_path, "flow.yaml", "{jobName: flow, image: muster/base:bookworm, taskRoles: "
-                 "[{name: w, taskNumber: 1, cpuNumber: 1, memoryMB: 128, gpuNumber: 0, command: 'true'}]}")  # fmt: skip
+    role = "{name: w, taskNumber: 1, cpuNumber: 1, memoryMB: 128, gpuNumber: 0, command: 'true'}"
+    flow = write(
+        tmp_path, "flow.yaml", f"{{jobName: flow, image: muster/base:bookworm, taskRoles: [{role}]}}"
+    )
     assert muster("validate", flow).returncode == 0
     r = muster("submit", flow, env=env)
     assert r.returncode == 0 and r.stdout.split()[1:] == ["flow", "accepted"], r.stderr

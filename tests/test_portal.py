@@ -491,6 +491,10 @@ def test_no_session_a_forged_one_or_a_missing_form_token_gets_nothing(mesh, brow
         assert r.status_code == 403
         r = http.post("/login", data={"name": "alice", "secret": "wrong-secret"})
         assert r.status_code == 401 and "muster_session" not in r.cookies
+        # A sign-in posted from a sandboxed frame on another site (an opaque origin, "null") was
+        # taken: the page sent "null" for its own forms then (Referrer-Policy no-referrer).
+        r = http.post("/login", data={"name": "alice", "secret": "x"}, headers={"Origin": "null"})
+        assert r.status_code == 403
     # The page headers keep it to itself.
     r = httpx.get(mesh.portal + "/login")
     assert "frame-ancestors 'none'" in r.headers["content-security-policy"]

@@ -283,7 +283,10 @@ class Portal:
             "object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
         )
         h.setdefault("X-Content-Type-Options", "nosniff")
-        h.setdefault("Referrer-Policy", "no-referrer")  # the one-time token never leaves in a Referer
+        # The one-time token never leaves in a Referer for another origin, and this portal's own
+        # forms carry their real Origin (under no-referrer a browser sends "Origin: null", which a
+        # sandboxed frame on any site sends too: it had to be taken, and /login could be forged).
+        h.setdefault("Referrer-Policy", "same-origin")
         h.setdefault("X-Frame-Options", "DENY")
         if "Cache-Control" not in h and not isinstance(response, web.FileResponse):
             h["Cache-Control"] = "no-store"
@@ -868,9 +871,10 @@ def _attempt_asked(request: web.Request, attempts: list[dict[str, Any]]) -> dict
 
 
 def _same_origin(request: web.Request) -> bool:
-    """No Origin (not a browser's cross-site request), or this portal's own."""
+    """No Origin (not a browser's cross-site request), or this portal's own; never "null" (an
+    opaque origin: a sandboxed frame or a data: page on any site)."""
     origin = request.headers.get("Origin")
-    return not origin or origin == "null" or origin.split("://", 1)[-1] == request.host
+    return not origin or origin.split("://", 1)[-1] == request.host
 
 
 def _line_in(message: str) -> int | None:
