@@ -916,3 +916,57 @@ async def test_an_order_a_node_never_took_tells_its_tasks_not_started(nats_url, 
         await agent.reporter.close()
     finally:
         await nc.close()
+
+
+async def test_a_preempted_gang_is_settled_once_every_end_came_and_its_own_success_stands(nats_url):
+    """A two-task gang (minSucceededTaskCount 1) is preempted while worker 1's success is on its
+    way. Worker 0's stop comes first: the supervisor settled the attempt at once as preempted
+    (waiting again, to run the whole job a second time), and the success that came next changed
+    nothing. Now it waits for every task's end, and the success decides: the job succeeded."""
+    from datetime import datetime, timedelta
+
+    nc = await bus.connect("test", nats_url)
+    try:
+        js, buckets = await bus.setup(nc)
+        at = now()
+        attempt = gang(2, "jpre").model_copy(
+            update={"ended_at": at, "outcome": JobState.STOPPED, "rule": "for jhead", "preempted_by": "jhead"}
+        )
+        job = waiting_job(attempt).model_copy(
+            update={"config": config(2, minSucceededTaskCount=1), "state": JobState.RUNNING}
+        )
+        await buckets[subjects.JOBS_BUCKET].put(job.job_id, job.to_bytes())
+        await buckets[subjects.ATTEMPTS_BUCKET].put(attempt.key, attempt.to_bytes())
+
+        async def end(i: int, cause: TaskCause, code: int, when: datetime) -> None:
+            ev = TaskEvent(
+                job_id="jpre", attempt=1, role="worker", index=i, node=f"n{i}", kind=TaskEventKind.EXITED,
+                cause=cause, exit_code=code, at=when,
+            )  # fmt: skip
+            await js.publish(subjects.task_event("jpre", 1, "worker", i, ev.kind, f"n{i}"), ev.to_bytes())
+
+        jobs = buckets[subjects.JOBS_BUCKET]
+
+        async def state() -> JobRecord:
+            return JobRecord.from_bytes((await jobs.get("jpre")).value)
+
+        async with running(Supervisor(nc, js, buckets)):
+            await end(0, TaskCause.KILLED, 143, at + timedelta(seconds=2))  # the preemption's stop
+            kv = buckets[subjects.ATTEMPTS_BUCKET]
+
+            async def stop_recorded() -> bool:
+                record = AttemptRecord.from_bytes((await kv.get(attempt.key)).value)
+                return record.tasks[0].state == TaskState.STOPPED
+
+            await until(stop_recorded)
+            await asyncio.sleep(0.5)
+            assert (await state()).state == JobState.RUNNING  # not settled: an end is still to come
+            await end(1, TaskCause.EXITED, 0, at - timedelta(seconds=1))  # it had succeeded before
+
+            async def settled() -> bool:
+                return (await state()).state.final
+
+            await until(settled)
+        assert (await state()).state == JobState.SUCCEEDED
+    finally:
+        await nc.close()
