@@ -44,7 +44,7 @@ class J:
 
     id: str
     tasks: int = 1
-    gpus: int = 1
+    gpus: float = 1
     vc: str = "default"
     user: str = "u"
     priority: str = "normal"
@@ -58,7 +58,7 @@ class J:
         }  # fmt: skip
         if self.elastic:
             role |= {"minTaskNumber": self.elastic[0], "maxTaskNumber": self.elastic[1]}
-            role["taskNumber"] = self.elastic[0]
+            role["taskNumber"] = max(self.tasks, self.elastic[0])
         return JobConfig.model_validate(
             {
                 "jobName": self.id,
@@ -72,7 +72,8 @@ class J:
 
 @dataclass(frozen=True)
 class R:
-    """A running attempt 1 of `job`, one task per entry of `on` ("node:gpu,gpu"); `stopping`:
+    """A running attempt 1 of `job`, one task per entry of `on` ("node:gpu,gpu", or "node:gpu@milli"
+    for a share of one GPU); `stopping`:
     the indexes of tasks an elastic shrink removed that still hold their node (still running)."""
 
     job: J
@@ -90,6 +91,7 @@ class Row:
     running: list[R] = field(default_factory=list)
     vcs: dict[str, tuple[int, bool]] = field(default_factory=dict)  # VC -> (V100 quota, may borrow)
     waiting: list[str] | None = None  # the queue left after the cycle, in order (Decision.queue)
+    restarting: tuple[str, ...] = ()  # nodes whose agents restart: out of placement, tasks still on
 
 
 ROWS = [
@@ -312,6 +314,46 @@ ROWS = [
         queue=[J("j", gpus=3, at=5)],
         expect=["wait j: *", "grow e.1 +w.2@a"],
     ),
+    # What one cycle must never do: raise (the leader then places nothing for anyone, each
+    # cycle failing again) or stop more than the waiting job needs.
+    Row(
+        "an elastic role of half GPUs grows into a share (its new task's share was dropped, and "
+        "the cycle raised: nothing placed for anyone)",
+        nodes={"a": 2},
+        running=[R(J("e", gpus=0.5, elastic=(1, 3)), ("a:0@500",))],
+        queue=[J("other", gpus=1, at=5)],
+        expect=["place other.1 w.0@a[1]", "grow e.1 +w.1@a"],
+    ),
+    Row(
+        "an elastic task on a node out of placement (its agent restarting) is no option to shrink "
+        "(releasing and taking it back raised: every cycle failed while the node was away)",
+        nodes={"a": 2, "b": 2},
+        running=[R(J("e", gpus=1, elastic=(1, 3)), ("a:0", "b:0")), R(J("r", gpus=1, at=1), ("a:1",))],
+        queue=[J("w", gpus=2, at=5)],
+        restarting=("b",),
+        expect=["wait w: *"],
+    ),
+    Row(
+        "a job a gang is preempted for gets no elastic shrink too (two GPUs freed for one)",
+        nodes={"a": 3},
+        running=[
+            R(J("low", gpus=1, priority="low"), ("a:0",)),
+            R(J("e", gpus=1, priority="high", elastic=(1, 2)), ("a:1", "a:2")),
+        ],
+        queue=[J("hi", gpus=1, priority="high", at=5)],
+        expect=["preempt low.1 for hi (priority)", "wait hi: preempted low to make room*"],
+    ),
+    Row(
+        "an elastic job preempts for its minimum, as it is placed (sized at taskNumber, it stopped "
+        "two gangs for one, or none where one would do)",
+        nodes={"a": 1, "b": 1},
+        running=[
+            R(J("l1", gpus=1, priority="low"), ("a:0",)),
+            R(J("l2", gpus=1, priority="low", at=1), ("b:0",)),
+        ],
+        queue=[J("hi", tasks=2, gpus=1, priority="high", elastic=(1, 2), at=5)],
+        expect=["preempt l2.1 for hi (priority)", "wait hi: preempted l2 to make room*"],
+    ),
 ]
 
 
@@ -337,6 +379,7 @@ def view_of(row: Row) -> tuple[View, dict[str, VirtualCluster]]:
         tasks = []
         for i, where in enumerate(r.on):
             node, gpus = where.split(":")
+            gpus, _, milli = gpus.partition("@")
             tasks.append(
                 TaskStatus(
                     role="w",
@@ -344,6 +387,7 @@ def view_of(row: Row) -> tuple[View, dict[str, VirtualCluster]]:
                     index=i,
                     node=node,
                     gpus=[int(g) for g in gpus.split(",") if g],
+                    gpu_milli=int(milli) if milli else None,
                     state=TaskState.RUNNING,
                     started_at=LONG_AGO + timedelta(seconds=r.job.at),
                     removed=i in r.stopping,
@@ -357,6 +401,9 @@ def view_of(row: Row) -> tuple[View, dict[str, VirtualCluster]]:
         v.attempt_changed(record.key)
     for j in row.queue:
         put_job(j, JobState.WAITING, 0)
+    for name in row.restarting:
+        v.nodes[name] = v.nodes[name].model_copy(update={"restarting_until": NOW + timedelta(seconds=60)})
+        v.node_changed(name, NOW)
     vcs = {
         name: VirtualCluster.model_validate({"name": name, "quota": {"gpus": {"V100": n}}, "borrow": borrow})
         for name, (n, borrow) in row.vcs.items()

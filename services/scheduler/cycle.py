@@ -272,7 +272,9 @@ def _place(
         decision.queue = _queue((job.job_id for job, _ in waiting), plan.placements)
     else:  # taken on from where the plan left it (after `rest()`: what the order still holds)
         decision.queue = _queue((p.job_id for p in order.ordered()), plan.placements)
-    stopped_for = set(plan.stop.values())
+    # Gangs stop for these (called back for a head, or preempted for a job): nothing shrinks for
+    # them too (a 1-GPU job got a preemption and a shrink in one cycle, two GPUs freed).
+    stopped_for = set(plan.stop.values()) | {p.for_job.job_id for p in decision.preempt}
     # In queue order; what is shrunk for reads the first `tries` of them only.
     blocked = (job for job, _ in waiting) if order is None else _in_order(order, jobs)
     decision.blocked = list(
@@ -485,7 +487,7 @@ def _preempt_for(
             job.config.virtualCluster,
             job.user,
             rank(job.config.priority),
-            job.config,
+            job.config.smallest(),  # as it is placed: an elastic role at its minimum
             job.submitted_at,
         )
         options = quota.candidates(w, ledger, running)

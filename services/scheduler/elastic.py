@@ -69,7 +69,12 @@ def grow(cluster: placement.Cluster, config: JobConfig, record: AttemptRecord) -
                 if not placed:
                     break
                 spec = TaskSpec(
-                    role=role.name, role_no=role_no, index=index, node=placed[0].node, gpus=placed[0].gpus
+                    role=role.name,
+                    role_no=role_no,
+                    index=index,
+                    node=placed[0].node,
+                    gpus=placed[0].gpus,
+                    gpu_milli=placed[0].gpu_milli,  # a share of a GPU (left out: a whole one, refused)
                 )
                 cluster.allocate(config, [spec])  # taken, for the next one
                 added.append(spec)
@@ -91,6 +96,8 @@ def freeing_for(
     released: list[tuple[JobConfig, TaskSpec]] = []
     try:
         for config, spec in freeing:
+            if spec.node not in cluster.nodes:  # out of placement (restarting, lost): frees nothing
+                continue  # here, and allocating it back would raise (the cycle with it)
             cluster.release(config, [spec])
             released.append((config, spec))
         return cluster.place_alone(waiting) is not None
@@ -114,6 +121,8 @@ def shrink_for(
                 continue
             members = sorted((t for t in record.members() if t.role == role.name), key=lambda t: -t.index)
             for t in members[: max(0, counts.get(role.name, 0) - role.minTaskNumber)]:
+                if t.node not in cluster.nodes:  # out of placement: removing it frees nothing
+                    continue  # here, and allocating it back would raise (the cycle with it)
                 options.append((t.placed_at or record.placed_at, t.index, config, record, t.spec()))
     options.sort(key=lambda o: (o[0], o[1]), reverse=True)  # newest first
 
