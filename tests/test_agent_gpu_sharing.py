@@ -81,6 +81,7 @@ def test_share_env_time_slicing_and_mps():
         "NVIDIA_VISIBLE_DEVICES": "3",
         "MUSTER_GPU_SHARE": "0.5",
         "MUSTER_GPU_SHARING": "timeslice",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # the index is NVML's
     }
     env = gpushare.share_env([3], 250, GpuSharing.MPS, "/w/mps/3/pipe", memory_mb=81559)
     assert env == {
@@ -88,6 +89,7 @@ def test_share_env_time_slicing_and_mps():
         "NVIDIA_VISIBLE_DEVICES": "3",
         "MUSTER_GPU_SHARE": "0.25",
         "MUSTER_GPU_SHARING": "mps",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "CUDA_MPS_PIPE_DIRECTORY": "/w/mps/3/pipe",
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25",
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=20389M",

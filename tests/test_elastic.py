@@ -235,3 +235,69 @@ def test_an_elastic_tasks_env_file_is_rewritten_for_each_gang_without_the_jobs_o
         job_id="jf", attempt=1, user="u", config=JobConfig.model_validate(raw()), gang=[me], node="a"
     )
     assert "MUSTER_ENV_FILE" not in task_env(fixed, me, spec(1, 1).model_copy(update={"job_id": "jf"}), where)
+
+
+def test_an_elastic_tasks_role_index_is_its_place_in_the_host_lists_beside_it():
+    """An elastic role's indexes have gaps (worker 1 failed and was replaced by worker 3). TF's
+    task.index, OpenPAI's PAI_TASK_ROLE_INDEX and ModelArts' VC_TASK_INDEX were the raw index:
+    worker 3 was told index 3 of a 3-host list (TF refuses it) and worker 2 claimed worker 3's
+    address. Each is now the task's place in the list; MUSTER_TASK_INDEX keeps its own."""
+    import json
+
+    cfg = config(1, 4, gpus=0)
+    eps = [
+        Endpoint(role="worker", role_no=0, index=i, node=f"n{i}", host=f"10.0.0.{i}", port=2000)
+        for i in (0, 2, 3)
+    ]
+    spec = ClusterSpec(job_id="je", attempt=1, endpoints=eps, version=2)
+
+    def env(i: int) -> dict[str, str]:
+        return render_env(
+            TaskContext(
+                job_id="je", attempt=1, user="u", config=cfg.sized({"worker": 3}), spec=spec, role="worker",
+                index=i, gpus=[], output_root="/out",
+            )
+        )  # fmt: skip
+
+    for place, i in enumerate((0, 2, 3)):
+        e = env(i)
+        tf = json.loads(e["TF_CONFIG"])
+        assert tf["task"]["index"] == place and tf["cluster"]["worker"][place] == f"10.0.0.{i}:2000"
+        assert e["PAI_TASK_ROLE_INDEX"] == e["VC_TASK_INDEX"] == str(place), e
+        assert e["PAI_TASK_ROLE_worker_HOST_LIST"].split(",")[place] == f"10.0.0.{i}:2000"
+        assert e["MUSTER_TASK_INDEX"] == str(i) and e["RANK"] == str(place)
+
+
+def test_an_elastic_env_file_carries_the_platforms_values_of_names_the_job_sets_and_the_containers_gpus(
+    tmp_path,
+):
+    """A job setting MASTER_PORT (as torch jobs do) had it left out of its env file, so a task
+    that sourced the file after a resize kept the old gang's port beside the new MASTER_ADDR
+    (the rendezvous hung). And on Docker the file said the host's GPU numbers, where the
+    container sees its GPUs from 0: after sourcing it, CUDA found no GPU."""
+    from muster.services.agent.launch import Where, task_env
+    from muster.shared.messages import Assignment
+
+    cfg, errors = check_job(
+        {
+            **raw(minTaskNumber=1, maxTaskNumber=3, gpuNumber=1),
+            "jobEnvs": {"MASTER_PORT": "29500", "LR": "0.1"},
+        }
+    )
+    assert cfg is not None, errors
+    me = TaskSpec(role="worker", role_no=0, index=0, node="a", gpus=[3])
+    a = Assignment(job_id="je", attempt=1, user="u", config=cfg.sized({"worker": 1}), gang=[me], node="a")
+    where = Where(
+        node="a",
+        work_root=str(tmp_path),
+        output_root=str(tmp_path / "out"),
+        default_fs_uri="",
+        gpu_devices=True,
+    )
+    eps = [Endpoint(role="worker", role_no=0, index=0, node="a", host="10.0.0.1", port=7000)]
+    env = task_env(a, me, ClusterSpec(job_id="je", attempt=1, endpoints=eps, version=1), where)
+    text = (tmp_path / "je" / "1" / "worker-0" / "env").read_text()
+    assert env["MASTER_PORT"] == "7000" and "export MASTER_PORT=7000\n" in text  # the platform's
+    assert "LR=" not in text  # the job's own values stay out of files
+    assert env["CUDA_VISIBLE_DEVICES"] == "3" and "export CUDA_VISIBLE_DEVICES=0\n" in text
+    assert "export CUDA_DEVICE_ORDER=PCI_BUS_ID\n" in text

@@ -522,3 +522,22 @@ def test_every_variable_an_example_reads_is_one_its_tasks_get(path: Path) -> Non
         at = ctx(config, gang, ep_.role, ep_.index, hostfile_path="/muster/hostfile", **share)
         given |= render_env(at).keys()
     assert refs - given == set(), f"{path.name} reads variables no task is given: {sorted(refs - given)}"
+
+
+def test_two_gpu_tasks_of_a_gang_on_one_node_each_get_local_rank_0():
+    """Each task sees only its own GPUs, counted from 0: `torch.cuda.set_device(LOCAL_RANK)` with
+    the second task's LOCAL_RANK 1 named a device it does not have ("invalid device ordinal").
+    A GPU task's LOCAL_RANK is 0 (torchrun's virtual mode); a task without GPUs keeps its place
+    on the node. Its GPU indexes are NVML's, in PCI bus order: CUDA is told to count so."""
+    cfg = JobConfig.model_validate(
+        {"jobName": "two", "image": "x", "taskRoles": [{**role("worker", 2), "gpuNumber": 1}]}
+    )
+    eps = [
+        Endpoint(role="worker", role_no=0, index=i, node="a", host="10.0.0.1", port=5000 + i)
+        for i in range(2)
+    ]
+    envs = [render_env(ctx(cfg, eps, "worker", i, gpus=[i])) for i in range(2)]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "0"] and envs[1]["LOCAL_WORLD_SIZE"] == "2"
+    assert envs[1]["CUDA_VISIBLE_DEVICES"] == "1" and envs[1]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    cpu = JobConfig.model_validate({"jobName": "two", "image": "x", "taskRoles": [role("worker", 2)]})
+    assert [render_env(ctx(cpu, eps, "worker", i))["LOCAL_RANK"] for i in range(2)] == ["0", "1"]

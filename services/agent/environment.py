@@ -121,7 +121,7 @@ def render_env(ctx: TaskContext) -> dict[str, str]:
     env.update(_tf_config(ctx, g, "TF_CONFIG"))
     env.update(_tf_config(ctx, g, "CLUSTER_SPEC"))
     env.update(_modelarts(ctx, g))
-    env.update(_pytorch(g, me, at))
+    env.update(_pytorch(g, me, at, bool(ctx.gpus)))
     env.update(_mpi(ctx, gang, me))
     if ctx.gpu_milli is not None and ctx.gpus:
         env.update(share_env(ctx.gpus, ctx.gpu_milli, ctx.gpu_sharing, ctx.mps_pipe, ctx.gpu_memory_mb))
@@ -215,9 +215,15 @@ class Gang:
     def __init__(self, spec: ClusterSpec, config: JobConfig) -> None:
         self.order = _ordered(spec, config)
         self.position = {(ep.role, ep.index): i for i, ep in enumerate(self.order)}
+        # A task's place in its role's list: its index for a fixed role (0..taskNumber-1); an
+        # elastic role's indexes have gaps (a failed task is replaced by a new index), and TF's
+        # task.index, OpenPAI's PAI_TASK_ROLE_INDEX and ModelArts' VC_TASK_INDEX are each a place
+        # in the host list beside them (MUSTER_TASK_INDEX keeps the task's own index).
+        self.in_role: dict[tuple[str, int], int] = {}
         self.addresses: dict[str, list[str]] = {}  # role -> its tasks' addresses, in order
         self.on_node: dict[str, list[Endpoint]] = {}  # node -> its tasks, in order
         for ep in self.order:
+            self.in_role[(ep.role, ep.index)] = len(self.addresses.get(ep.role, ()))
             self.addresses.setdefault(ep.role, []).append(ep.address)
             self.on_node.setdefault(ep.node, []).append(ep)
         self._hosts = {role: ",".join(addresses) for role, addresses in self.addresses.items()}
@@ -285,7 +291,7 @@ def _openpai(ctx: TaskContext, gang: Gang, me: Endpoint) -> dict[str, str]:
         "PAI_TASK_CPU_NUM": str(role.cpuNumber),
         "PAI_TASK_MEM_MB": str(role.memoryMB),
         "PAI_TASK_GPU_NUM": str(role.gpuNumber),
-        "PAI_TASK_ROLE_INDEX": str(me.index),
+        "PAI_TASK_ROLE_INDEX": str(gang.in_role[(me.role, me.index)]),
         "PAI_TASK_ROLE_NO": str(me.role_no),
         "PAI_TASKS_NUM": str(config.total_tasks),
         "PAI_TASK_ROLES_NUM": str(len(config.taskRoles)),
@@ -293,7 +299,7 @@ def _openpai(ctx: TaskContext, gang: Gang, me: Endpoint) -> dict[str, str]:
         "PAI_CURRENT_CONTAINER_IP": me.host,
         "PAI_CURRENT_CONTAINER_PORT": str(me.port),
         "PAI_CURRENT_TASK_ROLE_NAME": role.name,
-        "PAI_CURRENT_TASK_ROLE_CURRENT_TASK_INDEX": str(me.index),
+        "PAI_CURRENT_TASK_ROLE_CURRENT_TASK_INDEX": str(gang.in_role[(me.role, me.index)]),
     }
     for i, r in enumerate(config.taskRoles):
         env[f"PAI_TASK_ROLE_{i}_HOST_LIST"] = gang.hosts(r.name)
@@ -318,14 +324,14 @@ def _role_types(config: JobConfig, table: dict[str, str]) -> dict[str, str]:
 def _tf_config(ctx: TaskContext, gang: Gang, var: str) -> dict[str, str]:
     types = _role_types(ctx.config, ROLE_TYPES[var])
     cluster = gang.tf_cluster_json(var, ctx.config)
-    task = json.dumps({"type": types[ctx.role], "index": ctx.index})
+    task = json.dumps({"type": types[ctx.role], "index": gang.in_role[(ctx.role, ctx.index)]})
     # json.dumps({"cluster": ..., "task": ..., "environment": "cloud"}), the cluster encoded once.
     return {var: f'{{"cluster": {cluster}, "task": {task}, "environment": "cloud"}}'}
 
 
 def _modelarts(ctx: TaskContext, gang: Gang) -> dict[str, str]:
     tf_type = ROLE_TYPES["TF_CONFIG"]
-    env = {"VC_TASK_INDEX": str(ctx.index)}
+    env = {"VC_TASK_INDEX": str(gang.in_role[(ctx.role, ctx.index)])}
     for r in ctx.config.taskRoles:  # roles differing only in case: the first in config order wins
         env.setdefault(f"VC_{r.name.upper()}_HOSTS", gang.hosts(r.name))
         env.setdefault(f"VC_{r.name.upper()}_NUM", str(r.taskNumber))
@@ -337,7 +343,11 @@ def _modelarts(ctx: TaskContext, gang: Gang) -> dict[str, str]:
     return env
 
 
-def _pytorch(gang: Gang, me: Endpoint, rank: int) -> dict[str, str]:
+def _pytorch(gang: Gang, me: Endpoint, rank: int, own_gpus: bool) -> dict[str, str]:
+    """torch's variables. LOCAL_RANK is what `torch.cuda.set_device(LOCAL_RANK)` takes: a task
+    holding GPUs sees only its own, counted from 0 (torchrun's "virtual" mode: 0), so 1 for the
+    second GPU task of a node named a device it does not have; a task without GPUs gets its place
+    among the gang's tasks on its node."""
     local = gang.on_node[me.node]
     first = gang.order[0]
     return {
@@ -345,7 +355,7 @@ def _pytorch(gang: Gang, me: Endpoint, rank: int) -> dict[str, str]:
         "MASTER_PORT": str(first.port),
         "WORLD_SIZE": str(len(gang.order)),
         "RANK": str(rank),
-        "LOCAL_RANK": str(local.index(me)),
+        "LOCAL_RANK": "0" if own_gpus else str(local.index(me)),
         "LOCAL_WORLD_SIZE": str(len(local)),
     }
 
@@ -401,7 +411,10 @@ def _gpus(gpus: list[int]) -> dict[str, str]:
     """With no GPUs, hide them all: "void" tells the NVIDIA container runtime to expose none, and an
     empty CUDA_VISIBLE_DEVICES hides them from a task run as a plain process."""
     visible = ",".join(map(str, gpus))
-    return {"CUDA_VISIBLE_DEVICES": visible, "NVIDIA_VISIBLE_DEVICES": visible or "void"}
+    env = {"CUDA_VISIBLE_DEVICES": visible, "NVIDIA_VISIBLE_DEVICES": visible or "void"}
+    if gpus:  # the agent's indexes are NVML's, in PCI bus order; CUDA's own default order is
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # fastest first, another GPU on a mixed node
+    return env
 
 
 def _muster(ctx: TaskContext, gang: list[Endpoint], me: Endpoint) -> dict[str, str]:

@@ -77,6 +77,7 @@ def share_env(
         "NVIDIA_VISIBLE_DEVICES": index,
         "MUSTER_GPU_SHARE": share_text(milli),
         "MUSTER_GPU_SHARING": str(sharing),
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # NVML's numbering, as the index is (environment._gpus)
     }
     if sharing is GpuSharing.MPS:
         env["CUDA_VISIBLE_DEVICES"] = "0"
@@ -153,6 +154,7 @@ class NvidiaMps:
     async def start(self, gpu: int, pipe_dir: Path, log_dir: Path) -> None:
         env = {
             "CUDA_VISIBLE_DEVICES": str(gpu),
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # `gpu` is NVML's index
             "CUDA_MPS_PIPE_DIRECTORY": str(pipe_dir),
             "CUDA_MPS_LOG_DIRECTORY": str(log_dir),
         }

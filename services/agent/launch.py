@@ -35,7 +35,7 @@ from muster.services.agent.runtime import (
     TaskLaunch,
 )
 from muster.shared import hostpaths, mpi
-from muster.shared.jobconfig import RESERVED_ENV_PREFIXES, RESIZE_SIGNALS
+from muster.shared.jobconfig import RESIZE_SIGNALS
 from muster.shared.messages import Assignment, ClusterSpec, GpuSharing, TaskCause, TaskSpec
 
 MAX_AUTH_FILE = 4096  # bytes: three short lines
@@ -113,15 +113,19 @@ def task_env(a: Assignment, spec: TaskSpec, cluster: ClusterSpec, where: Where) 
         env_file = task_dir / "env"
         env["MUSTER_ENV_FILE"] = str(env_file)
         env["MUSTER_SPEC_VERSION"] = str(cluster.version)
-        # The job's own values (secrets among them) stay out of files; a PAI_ name it sets that
-        # the platform sets too holds the platform's value, which the file carries.
+        # The job's own values (secrets among them) stay out of files; a name it sets that the
+        # platform sets too (MASTER_PORT, TF_CONFIG, a PAI_ name) holds the platform's value,
+        # which the file carries: left out, a task that sourced the file kept the old gang's.
         own = set(a.config.jobEnvs)
-        if any(k.startswith(RESERVED_ENV_PREFIXES) for k in own):
+        if own:
             bare = a.config.model_copy(update={"jobEnvs": {}})
             own -= set(environment.render_env(dataclasses.replace(ctx, config=bare)))
+        told = dict(env)
+        if where.containers and spec.gpus:  # as the container sees its GPUs (docker_runtime)
+            told["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(len(spec.gpus)))
         _replace(
             env_file,
-            "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(env.items()) if k not in own),
+            "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(told.items()) if k not in own),
         )
     return env
 
