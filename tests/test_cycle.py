@@ -354,6 +354,20 @@ ROWS = [
         queue=[J("hi", tasks=2, gpus=1, priority="high", elastic=(1, 2), at=5)],
         expect=["preempt l2.1 for hi (priority)", "wait hi: preempted l2 to make room*"],
     ),
+    Row(
+        "a gang placed on borrowed GPUs whose VC is within its quota now (its other work ended) is "
+        "no reclaim's victim: a gang of a VC really beyond its quota is",
+        nodes={"a": 4, "b": 2},
+        vcs={"x": (2, True), "y": (2, True)},
+        running=[
+            R(J("x2", gpus=2, vc="x", at=3000), ("a:0,1",), borrowed=True),
+            R(J("d1", gpus=2), ("a:2,3",)),
+            R(J("y0", gpus=1, vc="y"), ("b:0",)),
+            R(J("d2", gpus=1, at=1), ("b:1",), borrowed=True),
+        ],
+        queue=[J("y1", gpus=1, vc="y", at=3100)],
+        expect=["preempt d2.1 for y1 (reclaim)", "wait y1: preempted d2 to make room*"],
+    ),
 ]
 
 

@@ -170,7 +170,7 @@ def test_choose_victims_frees_enough_at_least_lost_work_and_leaves_the_cluster_a
 
 def test_who_may_be_preempted():
     cap = quota.capacity_of([node("a", 8)])
-    lims = quota.limits({"r": vc("r", 4), "s": vc("s", 4)}, cap)
+    lims = quota.limits({"r": vc("r", 4), "s": vc("s", 1)}, cap)  # s holds 2: beyond its quota
     t = [spec("a", [i]) for i in range(8)]
     gangs = [
         running("r-low", config("rl", priority="low", vc="r"), [t[0]], 1),
@@ -184,6 +184,10 @@ def test_who_may_be_preempted():
     # Its own VC's lower priority, and another VC's borrowed work (any priority): never an equal
     # or higher one of its own VC, never what another VC runs within its quota.
     assert sorted(r.job_id for r in quota.candidates(mine, ledger, gangs)) == ["r-low", "s-borrowed-high"]
+    # A gang placed on borrowed GPUs whose VC is within its quota now (its other work ended,
+    # or the quota grew) runs on what its quota guarantees: no one's to reclaim.
+    within = quota.Ledger(quota.limits({"r": vc("r", 4), "s": vc("s", 4)}, cap), gangs)
+    assert [r.job_id for r in quota.candidates(mine, within, gangs)] == ["r-low"]
     # Beyond its own quota it reclaims nothing from others.
     ledger.take("r", "u", quota.need(config("x", gpus=4, vc="r")))
     assert [r.job_id for r in quota.candidates(mine, ledger, gangs)] == ["r-low"]

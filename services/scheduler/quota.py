@@ -486,15 +486,28 @@ class Order(Generic[T]):
 
 def candidates(job: Waiting, ledger: Ledger, running: Iterable[Running]) -> list[Running]:
     """The gangs `job` may preempt, cheapest first: lower priority in its own VC; and, if it is
-    within its quota, other VCs' borrowed gangs. Never a gang some of whose tasks have ended
-    (they would run again in its next attempt), nor one its time limit ends within the grace."""
+    within its quota, other VCs' borrowed gangs while their VC is beyond its quota now (a gang
+    is marked borrowed when placed; once its VC's other work has ended it runs within the
+    quota, and reclaiming it would stop work the quota guarantees). Never a gang some of whose
+    tasks have ended (they would run again in its next attempt), nor one its time limit ends
+    within the grace."""
     within = ledger.within(job.vc, need(job.config))
+    over: dict[str, bool] = {}
+
+    def beyond(vc: str) -> bool:
+        if vc not in over:
+            over[vc] = not ledger.limit(vc).fits(Amount(), ledger.vc.get(vc, Amount()))  # what it holds
+        return over[vc]
+
     out = [
         r
         for r in running
         if r.job_id != job.job_id
         and r.victim
-        and ((r.vc == job.vc and r.rank < job.rank) or (within and r.vc != job.vc and r.borrowed))
+        and (
+            (r.vc == job.vc and r.rank < job.rank)
+            or (within and r.vc != job.vc and r.borrowed and beyond(r.vc))
+        )
     ]
     return sorted(out, key=lambda r: (r.lost, r.rank, r.key))
 
