@@ -625,3 +625,26 @@ def test_what_runs_is_read_only_when_a_head_would_call_gangs_back(monkeypatch: p
         reads.clear()
         decide(v, vcs, quota.Fixeds(), NOW)
         assert bool(reads) is read, (name, reads)
+
+
+def test_a_fault_in_resizing_costs_no_job_its_placement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resizing elastic roles raised (two such faults are rows above): `decide` raised with it,
+    and every cycle after, so nothing was placed for anyone. A fault there is now said in the
+    decision (the service logs it) and the cycle's placements stand."""
+    from muster.services.scheduler import elastic
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ValueError("a record resizing cannot read")
+
+    monkeypatch.setattr(elastic, "grow", broken)
+    row = Row(
+        "",
+        nodes={"a": 4},
+        running=[R(J("e", gpus=1, elastic=(1, 3)), ("a:0",))],
+        queue=[J("other", gpus=1, at=5)],
+        expect=[],
+    )
+    v, vcs = view_of(row)
+    decision = decide(v, vcs, quota.Fixeds(), NOW)
+    assert decision.lines() == ["place other.1 w.0@a[1]"]
+    assert decision.resize_failed == "ValueError: a record resizing cannot read"

@@ -126,6 +126,7 @@ class Decision:
     # ids only.
     queue: list[str] = field(default_factory=list)
     due_at: float | None = None  # when the next waiting job becomes due (attained.py), seconds
+    resize_failed: str | None = None  # why resizing raised (the cycle's placements stand; logged)
 
     def lines(self) -> list[str]:
         """The decision, one short line per act, in the order they are applied (for tests and
@@ -177,7 +178,11 @@ def decide(
             decision.due_at = keys.due_at(job for job, _ in waiting)
         _place(view, vcs, fixed, waiting, at, window, tries, decision, keys)
     if view.elastic:
-        _resize(view, vcs, at, tries, decision)
+        try:
+            _resize(view, vcs, at, tries, decision)
+        except Exception as exc:  # resizing is the cycle's extra: a fault there must not cost every
+            decision.shrink, decision.grow = None, []  # job its placement, cycle after cycle
+            decision.resize_failed = f"{type(exc).__name__}: {exc}"
     return decision
 
 

@@ -351,6 +351,8 @@ class Scheduler:
         at = now()
         PENDING.set(self.view.waiting)
         decision = decide(self.view, self.vcs, self.fixed, at, shadow=self.shadow)
+        if decision.resize_failed is not None:
+            log.error("scheduler.resize_failed", error=decision.resize_failed[:500])
         self._due_at = decision.due_at
         if decision.queued:
             CYCLE_SECONDS.observe((now() - at).total_seconds())
