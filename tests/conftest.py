@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +95,18 @@ class Procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
                 p.wait(10)
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> Callable[[], int]:
+    """Count the calls of `owner`'s async method `name` (still made); returns how many so far."""
+    real, calls = getattr(owner, name), [0]
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return lambda: calls[0]
 
 
 async def lagging(js: Any, *buckets: str) -> dict[str, Any]:

@@ -5,6 +5,8 @@ capacity and removes its newest tasks for a waiting job. No bus."""
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
 
 from muster.services.agent.environment import TaskContext, render_env
 from muster.services.scheduler import elastic, placement
@@ -189,8 +191,26 @@ def test_an_elastic_task_sees_the_gang_of_its_spec_version_and_where_to_rendezvo
     assert envs[0]["MUSTER_RDZV_ID"] == "je.1"
 
 
+def _worker_0(cfg: JobConfig, tmp_path: Path, gpus: list[int] | None = None) -> tuple[Any, Any, Any]:
+    """Task worker.0 of elastic job je on node a (its role sized 1), its order, and the agent's
+    settings a launch needs (GPU devices when it holds some)."""
+    from muster.services.agent.launch import Where
+    from muster.shared.messages import Assignment
+
+    me = TaskSpec(role="worker", role_no=0, index=0, node="a", gpus=gpus or [])
+    a = Assignment(job_id="je", attempt=1, user="u", config=cfg.sized({"worker": 1}), gang=[me], node="a")
+    where = Where(
+        node="a",
+        work_root=str(tmp_path),
+        output_root=str(tmp_path / "out"),
+        default_fs_uri="",
+        gpu_devices=bool(gpus),
+    )
+    return me, a, where
+
+
 def test_an_elastic_tasks_env_file_is_rewritten_for_each_gang_without_the_jobs_own_values(tmp_path):
-    from muster.services.agent.launch import Where, resize_signal, task_env
+    from muster.services.agent.launch import resize_signal, task_env
     from muster.shared.messages import Assignment
 
     cfg, errors = check_job(
@@ -201,15 +221,7 @@ def test_an_elastic_tasks_env_file_is_rewritten_for_each_gang_without_the_jobs_o
         }
     )
     assert cfg is not None, errors
-    me = TaskSpec(role="worker", role_no=0, index=0, node="a")
-    a = Assignment(job_id="je", attempt=1, user="u", config=cfg.sized({"worker": 1}), gang=[me], node="a")
-    where = Where(
-        node="a",
-        work_root=str(tmp_path),
-        output_root=str(tmp_path / "out"),
-        default_fs_uri="",
-        gpu_devices=False,
-    )
+    me, a, where = _worker_0(cfg, tmp_path)
 
     def spec(version: int, n: int) -> ClusterSpec:
         eps = [
@@ -275,8 +287,7 @@ def test_an_elastic_env_file_carries_the_platforms_values_of_names_the_job_sets_
     that sourced the file after a resize kept the old gang's port beside the new MASTER_ADDR
     (the rendezvous hung). And on Docker the file said the host's GPU numbers, where the
     container sees its GPUs from 0: after sourcing it, CUDA found no GPU."""
-    from muster.services.agent.launch import Where, task_env
-    from muster.shared.messages import Assignment
+    from muster.services.agent.launch import task_env
 
     cfg, errors = check_job(
         {
@@ -285,15 +296,7 @@ def test_an_elastic_env_file_carries_the_platforms_values_of_names_the_job_sets_
         }
     )
     assert cfg is not None, errors
-    me = TaskSpec(role="worker", role_no=0, index=0, node="a", gpus=[3])
-    a = Assignment(job_id="je", attempt=1, user="u", config=cfg.sized({"worker": 1}), gang=[me], node="a")
-    where = Where(
-        node="a",
-        work_root=str(tmp_path),
-        output_root=str(tmp_path / "out"),
-        default_fs_uri="",
-        gpu_devices=True,
-    )
+    me, a, where = _worker_0(cfg, tmp_path, gpus=[3])
     eps = [Endpoint(role="worker", role_no=0, index=0, node="a", host="10.0.0.1", port=7000)]
     env = task_env(a, me, ClusterSpec(job_id="je", attempt=1, endpoints=eps, version=1), where)
     text = (tmp_path / "je" / "1" / "worker-0" / "env").read_text()

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import random
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,7 @@ from muster.services.gateway.listing import Listing, Query, Summary, cursor_key,
 from muster.shared import bus, client, subjects
 from muster.shared.jobconfig import JobConfig
 from muster.shared.messages import AttemptRecord, JobRecord, JobState, KillRequest, TaskStatus
-from tests.conftest import lagging
+from tests.conftest import count_calls, lagging
 from tests.test_cli import muster
 
 T0 = datetime(2024, 5, 1, tzinfo=UTC)
@@ -391,17 +392,41 @@ async def test_a_job_just_written_is_found_by_id_and_name_where_a_replica_lags(n
         await nc.close()
 
 
+async def _pinged(nc: Any, monkeypatch: pytest.MonkeyPatch, ping: Any) -> Any:
+    """A gateway in this process answering `ping` (a verb the test makes), on every asker's subject."""
+    from muster.services.gateway.service import Gateway
+
+    js, buckets = await bus.ensure_jetstream(nc)
+    gateway = Gateway(nc, js, buckets)
+    monkeypatch.setitem(Gateway.VERBS, "ping", ping)
+    await nc.subscribe(subjects.api("*", "*"), cb=gateway._take)
+    return gateway
+
+
+def _pings(nc: Any, who: str, n: int) -> list[asyncio.Task[Any]]:
+    return [asyncio.create_task(nc.request(subjects.api(who, "ping"), b"{}", timeout=10)) for _ in range(n)]
+
+
+async def _first_answers(asks: list[asyncio.Task[Any]], n: int) -> list[dict[str, Any]]:
+    """The first `n` answers to come (taken out of `asks`), within 10 s each."""
+    answers: list[dict[str, Any]] = []
+    while len(answers) < n:
+        done, _ = await asyncio.wait(asks, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        assert done, "no answer came"
+        for task in done:
+            asks.remove(task)
+            answers.append(json.loads(task.result().data))
+    return answers
+
+
 async def test_past_its_limit_of_questions_at_once_the_gateway_answers_busy_at_once(nats_url, monkeypatch):
     """Each question was taken off the subscription as it came, so the server's pending limits
     never applied: one asker flooding a costly question grew the gateway's work without bound,
     for every user. Past MAX_ANSWERING at once, a question is answered "busy" straight away."""
     from muster.services.gateway import service as gateway_service
-    from muster.services.gateway.service import Gateway
 
     nc = await bus.connect("test", nats_url)
     try:
-        js, buckets = await bus.ensure_jetstream(nc)
-        gateway = Gateway(nc, js, buckets)
         release = asyncio.Event()
 
         async def slow_ping(self, who, request):  # type: ignore[no-untyped-def]
@@ -409,19 +434,9 @@ async def test_past_its_limit_of_questions_at_once_the_gateway_answers_busy_at_o
             return {"user": who}
 
         monkeypatch.setattr(gateway_service, "MAX_ANSWERING", 2)
-        monkeypatch.setitem(Gateway.VERBS, "ping", slow_ping)
-        await nc.subscribe(subjects.api("*", "*"), cb=gateway._take)
-        asks = [
-            asyncio.create_task(nc.request(subjects.api("alice", "ping"), b"{}", timeout=10))
-            for _ in range(5)
-        ]
-        busy = []
-        while len(busy) < 3:  # the three past the limit are answered while two are in hand
-            done, _ = await asyncio.wait(asks, timeout=10, return_when=asyncio.FIRST_COMPLETED)
-            assert done, "no busy answer came"
-            for task in done:
-                asks.remove(task)
-                busy.append(json.loads(task.result().data))
+        await _pinged(nc, monkeypatch, slow_ping)
+        asks = _pings(nc, "alice", 5)
+        busy = await _first_answers(asks, 3)  # the three past the limit, while two are in hand
         assert all("busy" in b["error"] for b in busy), busy
         release.set()
         answers = [json.loads((await t).data) for t in asks]
@@ -435,12 +450,9 @@ async def test_one_askers_flood_leaves_the_others_room(nats_url, monkeypatch):
     held every other user's and the portal's: all were answered "busy". Past MAX_PER_ASKER of
     one asker's at once, that asker is told so; another is answered as ever."""
     from muster.services.gateway import service as gateway_service
-    from muster.services.gateway.service import Gateway
 
     nc = await bus.connect("test", nats_url)
     try:
-        js, buckets = await bus.ensure_jetstream(nc)
-        gateway = Gateway(nc, js, buckets)
         release = asyncio.Event()
 
         async def slow_ping(self, who, request):  # type: ignore[no-untyped-def]
@@ -450,19 +462,9 @@ async def test_one_askers_flood_leaves_the_others_room(nats_url, monkeypatch):
 
         monkeypatch.setattr(gateway_service, "MAX_ANSWERING", 10)
         monkeypatch.setattr(gateway_service, "MAX_PER_ASKER", 3)
-        monkeypatch.setitem(Gateway.VERBS, "ping", slow_ping)
-        await nc.subscribe(subjects.api("*", "*"), cb=gateway._take)
-        flood = [
-            asyncio.create_task(nc.request(subjects.api("mallory", "ping"), b"{}", timeout=10))
-            for _ in range(6)
-        ]
-        busy = []
-        while len(busy) < 3:
-            done, _ = await asyncio.wait(flood, timeout=10, return_when=asyncio.FIRST_COMPLETED)
-            assert done, "no busy answer came"
-            for task in done:
-                flood.remove(task)
-                busy.append(json.loads(task.result().data))
+        gateway = await _pinged(nc, monkeypatch, slow_ping)
+        flood = _pings(nc, "mallory", 6)
+        busy = await _first_answers(flood, 3)
         assert all("3 of your questions are in hand" in b["error"] for b in busy), busy
         for _ in range(3):  # another asker, while mallory's three are in hand
             assert json.loads((await nc.request(subjects.api("alice", "ping"), b"{}", timeout=5)).data) == {
@@ -494,25 +496,17 @@ async def test_the_vcs_answer_is_made_once_for_every_asker_within_seconds(nats_u
             await buckets[subjects.ATTEMPTS_BUCKET].put(a.key, a.to_bytes())
         gateway = Gateway(nc, js, buckets)
         serving = asyncio.create_task(gateway.run(stop))
-        reads = 0
-        get = gateway.jobs.get
-
-        async def counted(key, *args, **kwargs):  # type: ignore[no-untyped-def]
-            nonlocal reads
-            reads += 1
-            return await get(key, *args, **kwargs)
-
-        monkeypatch.setattr(gateway.jobs, "get", counted)
+        reads = count_calls(monkeypatch, gateway.jobs, "get")
         ask = Question()
         answers = await asyncio.gather(*(gateway.virtual_clusters(f"u{i}", ask) for i in range(20)))
         assert all(a == answers[0] for a in answers) and answers[0]["vcs"][0]["running"] == 5
-        assert reads == 5, reads  # 100 before: each asker read every placed job's records
+        assert reads() == 5, reads()  # 100 before: each asker read every placed job's records
         await gateway.virtual_clusters("again", ask)
-        assert reads == 5, reads
+        assert reads() == 5, reads()
         monkeypatch.setattr(gateway_service, "VCS_FRESH", 0.0)  # seconds later: made again
         await asyncio.sleep(0.01)
         await gateway.virtual_clusters("later", ask)
-        assert reads == 10, reads
+        assert reads() == 10, reads()
     finally:
         stop.set()
         with contextlib.suppress(Exception):

@@ -458,6 +458,14 @@ class _RemovedOnSecondTry:
         self._real.remove(**kw)
 
 
+def _task_labels(home: str, job_id: str, index: int = 0) -> dict[str, str]:
+    """The labels of attempt 1's task w.<index> of `job_id` on node n1, an agent of work root `home`."""
+    return {
+        LABEL_HOME: home, LABEL_JOB: job_id, LABEL_ATTEMPT: "1", LABEL_ROLE: "w", LABEL_INDEX: str(index),
+        LABEL_NODE: "n1",
+    }  # fmt: skip
+
+
 @pytest.mark.docker
 @pytest.mark.timeout(120)
 async def test_the_docker_fence_outlasts_an_engine_that_fails_its_looks(base_image, tmp_path, capsys):
@@ -467,8 +475,7 @@ async def test_the_docker_fence_outlasts_an_engine_that_fails_its_looks(base_ima
     the second try with SIGKILL's exit code, is not reported as a task that exited by itself.
     On main the fence ended at the first error and the task ran on beside whatever came next."""
     home = str(tmp_path / "work")
-    labels = {LABEL_HOME: home, LABEL_JOB: "jf", LABEL_ATTEMPT: "1", LABEL_ROLE: "w", LABEL_INDEX: "0"}
-    labels[LABEL_NODE] = "n1"
+    labels = _task_labels(home, "jf")
     engine = docker.from_env()
     name = f"muster-test-fence-{os.getpid()}-{time.monotonic_ns()}"
     container = engine.containers.run(base_image, ["sleep", "600"], detach=True, name=name, labels=labels)
@@ -499,8 +506,7 @@ async def test_the_docker_fence_tells_a_container_its_agent_was_stopping_as_stop
     it was. A container with no note is still told as its own exit."""
     home = tmp_path / "work"
     (home / "jn").mkdir(parents=True)
-    labels = {LABEL_HOME: str(home), LABEL_JOB: "jn", LABEL_ATTEMPT: "1", LABEL_ROLE: "w", LABEL_INDEX: "0"}
-    labels[LABEL_NODE] = "n1"
+    labels = _task_labels(str(home), "jn")
     note = stop_note(home, "jn", 1, "w", 0)
     assert note_stop(note, TaskCause.KILLED, "killed: node n1 drained by root")
     engine = docker.from_env()
@@ -533,8 +539,7 @@ async def test_the_docker_fence_leaves_what_is_left_to_an_agent_that_came_during
     names, containers = [], []
     try:
         for i in range(2):
-            labels = {LABEL_HOME: str(home), LABEL_JOB: "jc", LABEL_ATTEMPT: "1", LABEL_ROLE: "w"}
-            labels |= {LABEL_INDEX: str(i), LABEL_NODE: "n1"}
+            labels = _task_labels(str(home), "jc", i)
             name = f"muster-test-sweep-{os.getpid()}-{time.monotonic_ns()}"
             containers.append(
                 engine.containers.run(base_image, ["sleep", "600"], detach=True, name=name, labels=labels)

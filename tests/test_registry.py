@@ -16,6 +16,7 @@ from muster.shared.messages import (
     Rendezvous,
     TaskStatus,
 )
+from tests.conftest import count_calls
 
 
 def gang(n: int) -> AttemptRecord:
@@ -75,22 +76,14 @@ async def test_replicas_taking_turns_on_one_gang_collect_every_endpoint_and_publ
         await ncb.close()
 
 
-async def test_a_gang_of_one_is_published_without_a_read(nats_url):
+async def test_a_gang_of_one_is_published_without_a_read(nats_url, monkeypatch):
     """A one-task gang's rendezvous is created in one write: nothing is read first."""
     r, nc = await replica(nats_url)
-    reads = 0
-    get = r.kv.get
-
-    async def counted(key: str):
-        nonlocal reads
-        reads += 1
-        return await get(key)
-
-    r.kv.get = counted  # type: ignore[method-assign]
+    reads = count_calls(monkeypatch, r.kv, "get")
     try:
         attempt = gang(1)
         await r.collect([endpoint(0)], attempt)
-        assert reads == 0
+        assert reads() == 0
         assert len(await specs(nats_url, attempt)) == 1
         # A replica that has not seen it (a fresh one) guesses "absent", loses the create, reads.
         other, nco = await replica(nats_url)
@@ -136,7 +129,7 @@ def report(attempt: AttemptRecord, ep: Endpoint, by: str | None = None) -> consu
     return consume.Sent(by, subject, message)
 
 
-async def test_forged_reports_cost_no_read_and_a_published_gang_is_let_go(nats_url):
+async def test_forged_reports_cost_no_read_and_a_published_gang_is_let_go(nats_url, monkeypatch):
     """A node sending reports for a task a fixed gang lacks (worker.99), or for an attempt there
     is not, made the registry read and decode the record again for every batch (a 1,000-task
     record: ~10 ms of its one loop each), and said each in a log line. A gang whose spec was out
@@ -145,25 +138,17 @@ async def test_forged_reports_cost_no_read_and_a_published_gang_is_let_go(nats_u
     a task the gang cannot have, "absent" remembered a while, the published gang let go."""
     r, nc = await replica(nats_url)
     attempt = gang(2)
-    reads = 0
-    get = r.attempts.get
-
-    async def counted(key, *args, **kwargs):  # type: ignore[no-untyped-def]
-        nonlocal reads
-        reads += 1
-        return await get(key, *args, **kwargs)
-
-    r.attempts.get = counted  # type: ignore[method-assign]
+    reads = count_calls(monkeypatch, r.attempts, "get")
     try:
         await r.attempts.kv.put(attempt.key, attempt.to_bytes())
         forged = Endpoint(role="worker", role_no=0, index=99, node="n0", host="10.0.0.1", port=6000)
         for _ in range(5):
             await r._write_batch(attempt.key, [report(attempt, forged)])
-        assert reads == 1, reads
+        assert reads() == 1, reads()
         none = AttemptRecord(job_id="jnone", attempt=1, tasks=attempt.tasks)
         for _ in range(5):
             await r._write_batch(none.key, [report(none, endpoint(0))])
-        assert reads == 2, reads
+        assert reads() == 2, reads()
         wrong_role = endpoint(0).model_copy(update={"role_no": 1})
         await r._write_batch(attempt.key, [report(attempt, wrong_role)])
         assert not await specs(nats_url, attempt)
